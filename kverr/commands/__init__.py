@@ -1,0 +1,1 @@
+"""Subcommands of the ``kverr`` command, one module each, each with ``register(subparsers)``."""
