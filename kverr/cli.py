@@ -1,7 +1,7 @@
 """The ``kverr`` command.
 
 Each subcommand lives in its own module under :mod:`kverr.commands` and exposes
-``register(subparsers)``, which adds its parser and sets ``func`` to the function that runs it.
+``register(subparsers)`` (modules whose name starts with ``_`` are helpers), which adds its parser and sets ``func`` to the function that runs it.
 Modules are discovered, so adding a subcommand never touches this file. Heavy dependencies are
 imported inside the run functions, so ``kverr --help`` stays fast.
 
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # shared helpers, not subcommands
+            continue
         module = importlib.import_module(f"kverr.commands.{info.name}")
         module.register(sub)
     return parser

@@ -1,0 +1,45 @@
+"""``kverr memory``: exact cache bytes of a config at a model shape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kverr.commands._common import add_model_shape_args, positive_int, resolve_shape
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="count the exact bytes a config's cache holds",
+        description="Count every byte a KV cache holds for a config: payload, scales, zero "
+        "points, static scales, full-precision sink and window tokens, rounding to whole pages "
+        "and alignment padding; per layer and in total, with effective bits per element and "
+        "the seed formula 2*L*H_kv*D*T*b beside it.",
+    )
+    p.add_argument("config", metavar="CONFIG|PRESET", help="a config JSON file or a preset name (see `kverr presets`)")
+    add_model_shape_args(p)
+    p.add_argument("--tokens", type=positive_int, required=True, help="cached tokens per sequence")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences in the batch (default: %(default)s)")
+    p.add_argument("--page-size", type=positive_int, help="tokens per page (default: the config's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--total-only", action="store_true", help="print only the total line, not every layer")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kverr.config import resolve
+    from kverr.memory import account
+
+    cfg = resolve(args.config)
+    rep = account(cfg, resolve_shape(args), args.tokens, batch=args.batch, page_size=args.page_size)
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+        return 0
+    s = rep.shape
+    print(
+        f"{rep.config_name} on {s.name} ({s.n_layers} layers x {s.n_kv_heads} kv heads x head dim "
+        f"{s.head_dim}), {rep.tokens} tokens x batch {rep.batch}, pages of {rep.page_size} tokens"
+    )
+    print(rep.to_table(per_layer=not args.total_only))
+    return 0

@@ -1,0 +1,54 @@
+"""``kverr presets``: today's formats as configs, with their effective bits."""
+
+from __future__ import annotations
+
+import argparse
+
+from kverr.commands._common import add_model_shape_args, positive_int, resolve_shape
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "presets",
+        help="list the preset configs (today's formats) with their effective bits",
+        description="List the preset configs -- today's KV-cache formats expressed as kverr "
+        "configs -- with their key/value formats, token policy and effective bits per element "
+        "(payload, scales, zero points, padding, pages and full-precision tokens included) at a "
+        "model shape and context length.",
+    )
+    add_model_shape_args(p)
+    p.add_argument("--tokens", type=positive_int, default=4096, help="cached tokens per sequence (default: %(default)s)")
+    p.add_argument("--show", metavar="NAME", help="print one preset's JSON config instead")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kverr.config import PRESETS, resolve
+    from kverr.memory import account
+
+    if args.show:
+        print(resolve(args.show).to_json(), end="")
+        return 0
+    shape = resolve_shape(args)
+    rows = []
+    for name, cfg in PRESETS.items():
+        rep = account(cfg, shape, args.tokens)
+        rows.append(
+            [
+                name,
+                cfg.k.label(),
+                cfg.v.label(),
+                str(cfg.window),
+                f"{rep.total_bytes / 2**20:.2f}",
+                f"{rep.effective_bits:.3f}",
+            ]
+        )
+    head = ["preset", "keys", "values", "window", "MiB", "eff.bits"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print(f"model {shape.name}: {shape.n_layers} layers x {shape.n_kv_heads} kv heads x head dim {shape.head_dim}, {args.tokens} tokens, batch 1")
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+

@@ -1,0 +1,387 @@
+"""Cache configs: which format stores K and V of every layer and kv head.
+
+A :class:`CacheConfig` holds a model-wide default format for keys and for values, optional
+overrides per layer and per ``(layer, kv_head)``, and the model-wide token policy: the first
+``sinks`` tokens and the ``window`` most recent tokens stay in full precision
+(``window_dtype``); keys are quantized before RoPE when ``key_pre_rope``; the quantized tokens
+live in pages of ``page_size`` tokens whose sections are aligned to ``align`` bytes.
+
+Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
+formats or values raise :class:`kverr.errors.ConfigError` naming the field, the value and what is
+allowed. The presets of today's formats are in :data:`PRESETS`.
+
+JSON layout::
+
+    {
+      "version": 1,
+      "name": "kivi-2",
+      "k": {"dtype": "int", "bits": 2, "symmetric": false,
+            "granularity": {"kind": "channel", "tokens": 32}, "scale_dtype": "fp16",
+            "clip": {"kind": "absmax"}, "rotate": "none"},
+      "v": {...},
+      "window": 128, "sinks": 0, "key_pre_rope": false,
+      "page_size": 64, "window_dtype": "fp16", "align": 16,
+      "layers": {"3": {"k": {...}}},          # optional overrides for a whole layer
+      "heads": {"3:1": {"v": {...}}},         # optional overrides for (layer, kv_head)
+      "provenance": {...}                     # optional, free-form (calibration records)
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from kverr.errors import ConfigError
+from kverr.quant.formats import (
+    FLOAT_DTYPES,
+    PerChannel,
+    PerHead,
+    PerPage,
+    PerTensor,
+    PerToken,
+    PerTokenGroup,
+    QuantFormat,
+    _check_keys,
+    float_format,
+    fp8_format,
+    int_format,
+    token_block,
+)
+
+#: Version of the config JSON this kverr reads and writes.
+CONFIG_VERSION = 1
+
+Which = Literal["k", "v"]
+WHICH = ("k", "v")
+
+
+@dataclass(frozen=True)
+class Override:
+    """Formats replacing the default for keys and/or values (``None`` keeps the default)."""
+
+    k: QuantFormat | None = None
+    v: QuantFormat | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {w: getattr(self, w).to_dict() for w in WHICH if getattr(self, w) is not None}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str) -> Override:
+        _check_keys(obj, where, set(), set(WHICH))
+        if not obj:
+            raise ConfigError(f"{where} is empty; give 'k' and/or 'v'")
+        return cls(**{w: QuantFormat.from_dict(obj[w], f"{where}.{w}") for w in WHICH if w in obj})
+
+
+def _positive_int(value: Any, name: str, *, minimum: int = 1, maximum: int = 1 << 20) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={value!r} is not allowed; an integer in [{minimum}, {maximum}]")
+    return value
+
+
+def _parse_head_key(key: str, where: str) -> tuple[int, int]:
+    parts = str(key).split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"{where} key {key!r} is not allowed; use 'LAYER:KV_HEAD', e.g. '3:1'")
+    return int(parts[0]), int(parts[1])
+
+
+def _parse_layer_key(key: str, where: str) -> int:
+    if not str(key).isdigit():
+        raise ConfigError(f"{where} key {key!r} is not allowed; use a layer index, e.g. '3'")
+    return int(key)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A complete KV-cache storage config (see the module docs for the JSON layout)."""
+
+    k: QuantFormat
+    v: QuantFormat
+    window: int = 0
+    sinks: int = 0
+    key_pre_rope: bool = False
+    page_size: int = 64
+    window_dtype: str = "fp16"
+    align: int = 16
+    layers: Mapping[int, Override] = field(default_factory=dict)
+    heads: Mapping[tuple[int, int], Override] = field(default_factory=dict)
+    name: str | None = None
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for w in WHICH:
+            if not isinstance(getattr(self, w), QuantFormat):
+                raise ConfigError(f"{w} must be a QuantFormat, got {type(getattr(self, w)).__name__}")
+        _positive_int(self.window, "window", minimum=0)
+        _positive_int(self.sinks, "sinks", minimum=0)
+        _positive_int(self.page_size, "page_size", maximum=1 << 16)
+        _positive_int(self.align, "align", maximum=4096)
+        if self.align & (self.align - 1):
+            raise ConfigError(f"align={self.align} is not allowed; a power of two number of bytes")
+        if not isinstance(self.key_pre_rope, bool):
+            raise ConfigError(f"key_pre_rope={self.key_pre_rope!r} is not allowed; true or false")
+        if self.window_dtype not in FLOAT_DTYPES:
+            raise ConfigError(
+                f"window_dtype={self.window_dtype!r} is not allowed; one of {', '.join(FLOAT_DTYPES)}"
+            )
+        if self.name is not None and not isinstance(self.name, str):
+            raise ConfigError(f"name={self.name!r} must be a string")
+        for layer, ov in self.layers.items():
+            _positive_int(layer, f"layers key {layer!r}", minimum=0)
+            if not isinstance(ov, Override):
+                raise ConfigError(f"layers[{layer}] must be an Override")
+        for key, ov in self.heads.items():
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise ConfigError(f"heads key {key!r} must be (layer, kv_head)")
+            _positive_int(key[0], f"heads key {key!r} layer", minimum=0)
+            _positive_int(key[1], f"heads key {key!r} kv_head", minimum=0)
+            if not isinstance(ov, Override):
+                raise ConfigError(f"heads[{key}] must be an Override")
+        for where, fmt in self._all_formats():
+            g = fmt.granularity
+            tb = token_block(g, self.page_size)
+            if not fmt.is_float and (isinstance(g, PerChannel) and g.tokens is not None) and self.page_size % tb:
+                raise ConfigError(
+                    f"{where}.granularity.tokens={tb} does not fit whole pages of "
+                    f"page_size={self.page_size} tokens (a scale group would straddle two pages); "
+                    f"use a page_size that is a multiple of {tb}"
+                )
+        try:
+            json.dumps(dict(self.provenance))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"provenance must be JSON-serializable: {exc}") from None
+
+    # ---- lookup -----------------------------------------------------------------------------
+
+    def _all_formats(self) -> Iterator[tuple[str, QuantFormat]]:
+        yield "k", self.k
+        yield "v", self.v
+        for layer, ov in self.layers.items():
+            for w in WHICH:
+                if getattr(ov, w) is not None:
+                    yield f"layers.{layer}.{w}", getattr(ov, w)
+        for (layer, head), ov in self.heads.items():
+            for w in WHICH:
+                if getattr(ov, w) is not None:
+                    yield f"heads.{layer}:{head}.{w}", getattr(ov, w)
+
+    def format_for(self, layer: int, kv_head: int, which: Which) -> QuantFormat:
+        """The format storing ``which`` ("k" or "v") of ``(layer, kv_head)``."""
+        if which not in WHICH:
+            raise ConfigError(f"which={which!r} is not allowed; 'k' or 'v'")
+        for ov in (self.heads.get((layer, kv_head)), self.layers.get(layer)):
+            if ov is not None and getattr(ov, which) is not None:
+                return getattr(ov, which)
+        return getattr(self, which)
+
+    def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
+        """kv heads of ``layer`` grouped by format, in order of first appearance.
+
+        Heads that share a format are quantized together, so a ``tensor`` granularity spans
+        exactly the heads that use it.
+        """
+        groups: dict[QuantFormat, list[int]] = {}
+        for h in range(n_kv_heads):
+            groups.setdefault(self.format_for(layer, h, which), []).append(h)
+        return list(groups.items())
+
+    def check_model(self, n_layers: int, n_kv_heads: int, head_dim: int, max_context: int | None = None) -> None:
+        """Raise :class:`ConfigError` unless this config fits a model of the given shape."""
+        for layer in self.layers:
+            if layer >= n_layers:
+                raise ConfigError(
+                    f"layers.{layer} overrides a layer the model does not have "
+                    f"(it has {n_layers} layers: 0..{n_layers - 1})"
+                )
+        for layer, head in self.heads:
+            if layer >= n_layers or head >= n_kv_heads:
+                raise ConfigError(
+                    f"heads.{layer}:{head} names a head the model does not have "
+                    f"({n_layers} layers x {n_kv_heads} kv heads)"
+                )
+        for where, fmt in self._all_formats():
+            fmt.check_head_dim(head_dim, where)
+        if max_context is not None and self.sinks + self.window > max_context:
+            raise ConfigError(
+                f"sinks + window = {self.sinks + self.window} tokens exceeds the model's context "
+                f"of {max_context}; nothing would ever be quantized"
+            )
+
+    # ---- JSON -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": CONFIG_VERSION}
+        if self.name is not None:
+            out["name"] = self.name
+        out.update(
+            k=self.k.to_dict(),
+            v=self.v.to_dict(),
+            window=self.window,
+            sinks=self.sinks,
+            key_pre_rope=self.key_pre_rope,
+            page_size=self.page_size,
+            window_dtype=self.window_dtype,
+            align=self.align,
+        )
+        if self.layers:
+            out["layers"] = {str(k): ov.to_dict() for k, ov in sorted(self.layers.items())}
+        if self.heads:
+            out["heads"] = {f"{l}:{h}": ov.to_dict() for (l, h), ov in sorted(self.heads.items())}
+        if self.provenance:
+            out["provenance"] = json.loads(json.dumps(dict(self.provenance)))
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> CacheConfig:
+        required = {"version", "k", "v"}
+        optional = {
+            "name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align",
+            "layers", "heads", "provenance",
+        }
+        _check_keys(obj, "config", required, optional)
+        version = obj["version"]
+        if version != CONFIG_VERSION:
+            raise ConfigError(
+                f"version={version!r} is not allowed; this kverr reads config version {CONFIG_VERSION}"
+            )
+        kwargs: dict[str, Any] = {
+            "k": QuantFormat.from_dict(obj["k"], "k"),
+            "v": QuantFormat.from_dict(obj["v"], "v"),
+        }
+        for key in ("name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "provenance"):
+            if key in obj:
+                kwargs[key] = obj[key]
+        if "provenance" in kwargs and not isinstance(kwargs["provenance"], dict):
+            raise ConfigError("provenance must be a JSON object")
+        layers = obj.get("layers", {})
+        if not isinstance(layers, dict):
+            raise ConfigError("layers must be a JSON object keyed by layer index")
+        kwargs["layers"] = {
+            _parse_layer_key(k, "layers"): Override.from_dict(v, f"layers.{k}") for k, v in layers.items()
+        }
+        heads = obj.get("heads", {})
+        if not isinstance(heads, dict):
+            raise ConfigError("heads must be a JSON object keyed by 'LAYER:KV_HEAD'")
+        kwargs["heads"] = {
+            _parse_head_key(k, "heads"): Override.from_dict(v, f"heads.{k}") for k, v in heads.items()
+        }
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> CacheConfig:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"not valid JSON: {exc}") from None
+        return cls.from_dict(obj)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CacheConfig:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(p)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {str(p)!r}: {exc}") from None
+        try:
+            return cls.from_json(text)
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: {exc}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the JSON atomically (temporary file in the same folder, then rename)."""
+        return atomic_write_text(Path(path), self.to_json())
+
+    def with_(self, **changes: Any) -> CacheConfig:
+        """A copy with fields replaced (validated again)."""
+        return replace(self, **changes)
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temporary file and a rename: never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Presets: today's formats
+# --------------------------------------------------------------------------------------------
+
+
+def _presets() -> dict[str, CacheConfig]:
+    fp16 = float_format("fp16")
+    kivi = lambda bits: dict(  # noqa: E731
+        k=int_format(bits, PerChannel(32)), v=int_format(bits, PerTokenGroup(32)), window=128
+    )
+    presets = {
+        # Unquantized half precision: the baseline every serving engine starts from.
+        "fp16": dict(k=fp16, v=fp16),
+        # Per-token asymmetric int8 (one scale and zero point per token and head).
+        "int8-token": dict(k=int_format(8, PerToken()), v=int_format(8, PerToken())),
+        # transformers QuantizedCache / quanto default: int4, groups of 64 channels, 128-token window.
+        "int4-token-g64": dict(
+            k=int_format(4, PerTokenGroup(64)), v=int_format(4, PerTokenGroup(64)), window=128
+        ),
+        # KIVI: keys per channel over groups of 32 tokens, values per token in groups of 32 channels.
+        "kivi-4": kivi(4),
+        "kivi-2": kivi(2),
+        # llama.cpp q8_0 / q4_0: symmetric blocks of 32 channels with an fp16 scale.
+        "q8_0": dict(
+            k=int_format(8, PerTokenGroup(32), symmetric=True),
+            v=int_format(8, PerTokenGroup(32), symmetric=True),
+        ),
+        "q4_0": dict(
+            k=int_format(4, PerTokenGroup(32), symmetric=True),
+            v=int_format(4, PerTokenGroup(32), symmetric=True),
+        ),
+        # vLLM fp8 KV cache with static fp32 scales, per tensor (per layer) or per kv head.
+        "fp8-e4m3-tensor": dict(k=fp8_format(PerTensor()), v=fp8_format(PerTensor())),
+        "fp8-e4m3-head": dict(k=fp8_format(PerHead()), v=fp8_format(PerHead())),
+    }
+    return {name: CacheConfig(name=name, **kw) for name, kw in presets.items()}
+
+
+#: Today's formats as configs, by name.
+PRESETS: dict[str, CacheConfig] = _presets()
+
+
+def resolve(spec: str | os.PathLike | CacheConfig) -> CacheConfig:
+    """A preset name, a path to a config JSON, or a config itself -> :class:`CacheConfig`."""
+    if isinstance(spec, CacheConfig):
+        return spec
+    s = str(spec)
+    if s in PRESETS:
+        return PRESETS[s]
+    if Path(s).exists() or s.endswith(".json") or os.sep in s:
+        return CacheConfig.load(s)
+    raise ConfigError(f"{s!r} is neither a preset nor a config file; presets: {', '.join(PRESETS)}")
+
+
+__all__ = [
+    "CONFIG_VERSION", "CacheConfig", "Override", "PRESETS", "PerChannel", "PerHead", "PerPage",
+    "PerTensor", "PerToken", "PerTokenGroup", "QuantFormat", "WHICH", "atomic_write_text", "resolve",
+]

@@ -1,0 +1,284 @@
+"""Exact byte accounting of a KV cache for a config and a model shape.
+
+The seed formula ``2 * L * H_kv * D * T * b`` counts only the payload at a nominal element
+width. A real cache also holds scales and zero points (in their own dtype), pads sections to an
+alignment, rounds every sequence up to whole pages of a block allocator, keeps sink and window
+tokens in full precision and stores static scales once per model. :func:`account` counts all of
+it, with the layout of :class:`kverr.quant.store.ReferenceStore` (whose allocated bytes it must
+equal, and a test checks that it does), and reports effective bits per element including
+everything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kverr.config import WHICH, CacheConfig
+from kverr.errors import ConfigError, ModelError, ShapeError
+from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static
+from kverr.quant.reference import block_shape, codes_nbytes, scale_shape
+from kverr.quant.store import align_up, token_regions
+
+#: Shape of the bundled default model, SmolLM2-135M-Instruct (Llama: 30 layers, 9 query heads,
+#: 3 kv heads, head dim 64, 8k context).
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cache size depends on: layers, kv heads, head dim (and the context limit)."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    name: str = "custom"
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("n_layers", "n_kv_heads", "head_dim"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ShapeError(f"{f}={v!r}: must be a positive integer")
+
+
+DEFAULT_SHAPE = ModelShape(30, 3, 64, name=DEFAULT_MODEL_ID, max_context=8192)
+
+
+def model_shape(spec: str = "default") -> ModelShape:
+    """Shape of ``"default"`` (the bundled model) or of a local transformers model directory,
+    read from its ``config.json`` without loading weights."""
+    if spec == "default":
+        return DEFAULT_SHAPE
+    path = Path(spec)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.exists():
+        raise ModelError(
+            f"model {spec!r} not found: give 'default' or a transformers model directory "
+            "holding config.json"
+        )
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {cfg_path}: {exc}") from None
+    cfg = cfg.get("text_config", cfg)
+    try:
+        n_layers = int(cfg["num_hidden_layers"])
+        n_heads = int(cfg["num_attention_heads"])
+        n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"{cfg_path} does not describe a decoder with attention heads ({exc!r})") from None
+    return ModelShape(n_layers, n_kv, head_dim, name=str(path), max_context=cfg.get("max_position_embeddings"))
+
+
+@dataclass
+class Bytes:
+    """Bytes of one part of the cache, by kind."""
+
+    payload: int = 0  # codes of the quantized tokens (plain-float formats: their values)
+    scales: int = 0  # scales of the quantized tokens
+    zeros: int = 0  # zero points of the quantized tokens
+    static: int = 0  # static scales and zero points, once per model
+    sinks: int = 0  # full-precision sink tokens
+    window: int = 0  # full-precision recent tokens
+    page_rounding: int = 0  # unused slots of the last, partly filled page
+    padding: int = 0  # alignment of page sections and full-precision rows
+
+    KINDS = ("payload", "scales", "zeros", "static", "sinks", "window", "page_rounding", "padding")
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, k) for k in self.KINDS)
+
+    def add(self, other: Bytes) -> None:
+        for k in self.KINDS:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+@dataclass
+class MemoryReport:
+    """Exact cache bytes for one config, model shape, token count, batch and page size."""
+
+    config_name: str
+    shape: ModelShape
+    tokens: int
+    batch: int
+    page_size: int
+    per_layer: list[dict[str, Bytes]] = field(default_factory=list)  # [layer]["k"|"v"]
+    seed_bytes: int = 0
+
+    @property
+    def elements(self) -> int:
+        """K and V elements cached: ``2 * L * H_kv * D * T * batch``."""
+        s = self.shape
+        return 2 * s.n_layers * s.n_kv_heads * s.head_dim * self.tokens * self.batch
+
+    def layer_total(self, layer: int) -> Bytes:
+        b = Bytes()
+        for w in WHICH:
+            b.add(self.per_layer[layer][w])
+        return b
+
+    @property
+    def totals(self) -> Bytes:
+        b = Bytes()
+        for layer in range(len(self.per_layer)):
+            b.add(self.layer_total(layer))
+        return b
+
+    @property
+    def total_bytes(self) -> int:
+        return self.totals.total
+
+    @property
+    def effective_bits(self) -> float:
+        """Stored bits per cached element, everything included."""
+        return 8.0 * self.total_bytes / self.elements if self.elements else float("nan")
+
+    def layer_effective_bits(self, layer: int) -> float:
+        s = self.shape
+        n = 2 * s.n_kv_heads * s.head_dim * self.tokens * self.batch
+        return 8.0 * self.layer_total(layer).total / n if n else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config_name,
+            "model": asdict(self.shape),
+            "tokens": self.tokens,
+            "batch": self.batch,
+            "page_size": self.page_size,
+            "elements": self.elements,
+            "total_bytes": self.total_bytes,
+            "effective_bits": self.effective_bits,
+            "seed_formula_bytes": self.seed_bytes,
+            "totals": {k: getattr(self.totals, k) for k in Bytes.KINDS},
+            "layers": [
+                {
+                    "layer": i,
+                    "effective_bits": self.layer_effective_bits(i),
+                    **{w: {k: getattr(d[w], k) for k in Bytes.KINDS} | {"total": d[w].total} for w in WHICH},
+                }
+                for i, d in enumerate(self.per_layer)
+            ],
+        }
+
+    def to_table(self, per_layer: bool = True) -> str:
+        """A plain-text table: per layer (optional) and total, by kind, plus effective bits."""
+        kinds = [k for k in Bytes.KINDS]
+        head = ["layer", *kinds, "total", "eff.bits"]
+        rows = []
+        if per_layer:
+            for i in range(len(self.per_layer)):
+                b = self.layer_total(i)
+                rows.append([str(i), *(f"{getattr(b, k):,}" for k in kinds), f"{b.total:,}", f"{self.layer_effective_bits(i):.3f}"])
+        t = self.totals
+        rows.append(["all", *(f"{getattr(t, k):,}" for k in kinds), f"{t.total:,}", f"{self.effective_bits:.3f}"])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        s = self.shape
+        lines.append(
+            f"seed formula 2*L*H_kv*D*T*b = 2*{s.n_layers}*{s.n_kv_heads}*{s.head_dim}*"
+            f"{self.tokens}*b (x batch {self.batch}) at nominal b: {self.seed_bytes:,} bytes; "
+            f"counted: {t.total:,} bytes ({t.total / self.seed_bytes:.3f}x)"
+            if self.seed_bytes
+            else "seed formula: 0 bytes"
+        )
+        return "\n".join(lines)
+
+
+def _group_bytes(
+    config: CacheConfig, fmt: QuantFormat, h: int, T: int, D: int, batch: int
+) -> tuple[Bytes, int]:
+    """Bytes of one (layer, K|V) head group of ``h`` heads, and its seed-formula bytes."""
+    P, A = config.page_size, config.align
+    b = Bytes()
+    start, end = token_regions(T, config, fmt)
+    n_q = end - start
+    rows = batch * h
+    pages = -(-n_q // P)
+    # Full-precision tokens, one aligned row per (sequence, head).
+    wb = TORCH_DTYPES[config.window_dtype].itemsize
+    n_sink, n_win = start, T - end
+    b.sinks = rows * n_sink * D * wb
+    b.window = rows * n_win * D * wb
+    b.padding += rows * (align_up((n_sink + n_win) * D * wb, A) - (n_sink + n_win) * D * wb)
+    # Codes, in pages.
+    cb = codes_nbytes(fmt, D)
+    b.payload = rows * n_q * cb
+    b.page_rounding += rows * (pages * P - n_q) * cb
+    b.padding += rows * pages * (align_up(P * cb, A) - P * cb)
+    # Scales and zero points.
+    if not fmt.is_float and n_q:
+        sb = fmt.scale_bytes
+        n_meta = 2 if fmt.has_zero else 1
+        if is_static(fmt.granularity):
+            nH, nT, nD = scale_shape(fmt, h, n_q, D, P)
+            b.static = nH * nT * nD * sb * n_meta
+        else:
+            _, bt, bd = block_shape(fmt, h, n_q, D, P)
+            nD = D // bd
+            used = -(-n_q // bt) * nD
+            per_page = (P // bt) * nD
+            b.scales = rows * used * sb
+            b.zeros = b.scales if fmt.has_zero else 0
+            b.page_rounding += rows * (pages * per_page - used) * sb * n_meta
+            b.padding += rows * pages * (align_up(per_page * sb, A) - per_page * sb) * n_meta
+    seed = rows * T * D * fmt.bits // 8
+    return b, seed
+
+
+def account(
+    config: CacheConfig,
+    shape: ModelShape,
+    tokens: int,
+    *,
+    batch: int = 1,
+    page_size: int | None = None,
+) -> MemoryReport:
+    """Exact cache bytes.
+
+    Parameters
+    ----------
+    config
+        The cache config (its ``page_size`` unless ``page_size`` is given).
+    shape
+        Layers, kv heads and head dim of the model.
+    tokens
+        Cached tokens per sequence (``T``).
+    batch
+        Number of sequences, each with its own pages and full-precision rows.
+    page_size
+        Tokens per page, overriding the config's.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ShapeError(f"tokens={tokens!r}: must be a non-negative integer")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ShapeError(f"batch={batch!r}: must be a positive integer")
+    if page_size is not None:
+        config = config.with_(page_size=page_size)
+    config.check_model(shape.n_layers, shape.n_kv_heads, shape.head_dim)
+    report = MemoryReport(config.name or "config", shape, tokens, batch, config.page_size)
+    for layer in range(shape.n_layers):
+        entry: dict[str, Bytes] = {}
+        for w in WHICH:
+            total = Bytes()
+            for fmt, heads in config.head_groups(layer, shape.n_kv_heads, w):
+                b, seed = _group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch)
+                total.add(b)
+                report.seed_bytes += seed
+            entry[w] = total
+        report.per_layer.append(entry)
+    return report
+
+
+def parse_shape(text: str) -> ModelShape:
+    """``"L,H,D"`` -> :class:`ModelShape`."""
+    try:
+        n_layers, n_kv, d = (int(p) for p in text.split(","))
+    except ValueError:
+        raise ConfigError(f"shape {text!r} is not allowed; give LAYERS,KV_HEADS,HEAD_DIM e.g. 30,3,64") from None
+    return ModelShape(n_layers, n_kv, d)

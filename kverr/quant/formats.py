@@ -1,0 +1,517 @@
+"""Format specifications: small frozen dataclasses that serialize to strict JSON.
+
+A :class:`QuantFormat` says how one tensor (keys or values of one layer, or of one kv head) is
+stored: the element format (integers at 2/3/4/8 bits, symmetric or with a zero point; fp8
+e4m3/e5m2 with a scale; or plain fp16/bf16/fp32), which elements share a scale
+(:data:`Granularity`), the dtype of scales and zero points, the clipping rule and an optional
+Hadamard rotation of the head dimension.
+
+Granularities name the block of a ``[kv_head, token, channel]`` tensor that shares one scale:
+
+==================  ==========================================  =================================
+kind                block                                       scale shape for ``[H, T, D]``
+==================  ==========================================  =================================
+``tensor``          all heads, all tokens, all channels         ``[1, 1, 1]``  (static)
+``head``            one head, all tokens, all channels          ``[H, 1, 1]``  (static)
+``token``           one head, one token, all channels           ``[H, T, 1]``
+``token_group``     one head, one token, ``group`` channels     ``[H, T, D/group]``
+``channel``         one head, ``tokens`` tokens, one channel    ``[H, ceil(T/tokens), D]``
+                    (``tokens=None``: all tokens; static)       (``[H, 1, D]``)
+``page``            one head, one page of tokens, all channels  ``[H, ceil(T/page), 1]``
+==================  ==========================================  =================================
+
+*Static* granularities span every token, so a streaming cache cannot compute them from the
+data it stores: they are calibrated once (vLLM's fp8 ``k_scale``/``v_scale`` are of this kind)
+and counted once per model, not per sequence, by :mod:`kverr.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Union
+
+import torch
+
+from kverr.errors import ConfigError
+
+# --------------------------------------------------------------------------------------------
+# Element formats
+# --------------------------------------------------------------------------------------------
+
+#: Element formats kverr knows, with their stored bits per element.
+ELEMENT_BITS: dict[str, tuple[int, ...]] = {
+    "int": (2, 3, 4, 8),
+    "fp8_e4m3": (8,),
+    "fp8_e5m2": (8,),
+    "fp16": (16,),
+    "bf16": (16,),
+    "fp32": (32,),
+}
+#: Element formats stored as plain floating point (no scale, no codes).
+FLOAT_DTYPES = ("fp16", "bf16", "fp32")
+#: Scale / zero-point dtypes.
+SCALE_DTYPES = ("fp32", "fp16", "bf16")
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+#: Significand bits (implicit bit included) of each scale dtype.
+SIGNIFICAND_BITS = {"fp32": 24, "fp16": 11, "bf16": 8}
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{field_name}={value!r} is not allowed; {allowed}")
+
+
+def _check_keys(obj: Any, where: str, required: set[str], optional: set[str]) -> None:
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - required - optional
+    if unknown:
+        allowed = ", ".join(sorted(required | optional))
+        raise ConfigError(f"unknown field {where}.{sorted(unknown)[0]}; allowed fields: {allowed}")
+    missing = required - set(obj)
+    if missing:
+        raise ConfigError(f"missing field {where}.{sorted(missing)[0]}")
+
+
+def _int_field(obj: dict, key: str, where: str) -> int:
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}.{key}={value!r} must be an integer")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Granularities
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """One scale for all heads, tokens and channels of a layer (static)."""
+
+    kind: ClassVar[str] = "tensor"
+
+
+@dataclass(frozen=True)
+class PerHead:
+    """One scale per kv head (static)."""
+
+    kind: ClassVar[str] = "head"
+
+
+@dataclass(frozen=True)
+class PerToken:
+    """One scale per token and head, over all channels."""
+
+    kind: ClassVar[str] = "token"
+
+
+@dataclass(frozen=True)
+class PerTokenGroup:
+    """One scale per token and head for each group of ``group`` consecutive channels."""
+
+    group: int
+    kind: ClassVar[str] = "token_group"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise _fail("granularity.group", self.group, "a positive number of channels")
+
+
+@dataclass(frozen=True)
+class PerChannel:
+    """One scale per channel and head over ``tokens`` consecutive tokens (KIVI-style keys).
+
+    ``tokens=None`` spans every token (static, calibrated once).
+    """
+
+    tokens: int | None = None
+    kind: ClassVar[str] = "channel"
+
+    def __post_init__(self) -> None:
+        t = self.tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise _fail("granularity.tokens", t, "a positive number of tokens, or null for all")
+
+
+@dataclass(frozen=True)
+class PerPage:
+    """One scale per head and page of the paged cache (the config's ``page_size`` tokens)."""
+
+    kind: ClassVar[str] = "page"
+
+
+Granularity = Union[PerTensor, PerHead, PerToken, PerTokenGroup, PerChannel, PerPage]
+GRANULARITIES: dict[str, type] = {
+    g.kind: g for g in (PerTensor, PerHead, PerToken, PerTokenGroup, PerChannel, PerPage)
+}
+
+
+def is_static(g: Granularity) -> bool:
+    """Whether the granularity spans every token (scales calibrated once, not per sequence)."""
+    return isinstance(g, (PerTensor, PerHead)) or (isinstance(g, PerChannel) and g.tokens is None)
+
+
+def token_block(g: Granularity, page_size: int) -> int:
+    """Tokens that must arrive together before they can be quantized (1 for per-token scales)."""
+    if isinstance(g, PerChannel) and g.tokens is not None:
+        return g.tokens
+    if isinstance(g, PerPage):
+        return page_size
+    return 1
+
+
+def granularity_to_dict(g: Granularity) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": g.kind}
+    out.update(dataclasses.asdict(g))
+    return out
+
+
+def granularity_from_dict(obj: Any, where: str = "granularity") -> Granularity:
+    if isinstance(obj, dict) and "kind" in obj:
+        kind = obj["kind"]
+        if kind not in GRANULARITIES:
+            raise _fail(f"{where}.kind", kind, f"one of {', '.join(GRANULARITIES)}")
+        cls = GRANULARITIES[kind]
+        names = {f.name for f in dataclasses.fields(cls)}
+        optional = {"tokens"} if cls is PerChannel else set()
+        _check_keys(obj, where, {"kind"} | (names - optional), optional)
+        kwargs = {k: v for k, v in obj.items() if k != "kind"}
+        return cls(**kwargs)
+    _check_keys(obj, where, {"kind"}, set())
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------------
+# Clipping
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AbsMax:
+    """The scale covers the full range of each block (no clipping)."""
+
+    kind: ClassVar[str] = "absmax"
+
+
+@dataclass(frozen=True)
+class Percentile:
+    """Clip each block to its ``percentile``-th percentile (of |x| if symmetric; of x and of
+    ``100 - percentile`` for the low end if asymmetric), linear interpolation."""
+
+    percentile: float = 99.9
+    kind: ClassVar[str] = "percentile"
+
+    def __post_init__(self) -> None:
+        p = self.percentile
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 50.0 < p <= 100.0:
+            raise _fail("clip.percentile", p, "a number in (50, 100]")
+
+
+@dataclass(frozen=True)
+class MSEClip:
+    """Per block, pick the clip ratio in ``linspace(1, min_ratio, grid)`` that minimises the
+    block's squared reconstruction error (ties go to the larger ratio). The range shrinks about
+    its midpoint."""
+
+    grid: int = 20
+    min_ratio: float = 0.5
+    kind: ClassVar[str] = "mse"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.grid, bool) or not isinstance(self.grid, int) or not 2 <= self.grid <= 256:
+            raise _fail("clip.grid", self.grid, "an integer in [2, 256]")
+        r = self.min_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r < 1.0:
+            raise _fail("clip.min_ratio", r, "a number in (0, 1)")
+
+    def ratios(self) -> list[float]:
+        """Candidate clip ratios, largest first."""
+        step = (1.0 - self.min_ratio) / (self.grid - 1)
+        return [1.0 - i * step for i in range(self.grid)]
+
+
+Clip = Union[AbsMax, Percentile, MSEClip]
+CLIPS: dict[str, type] = {c.kind: c for c in (AbsMax, Percentile, MSEClip)}
+
+
+def clip_to_dict(c: Clip) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": c.kind}
+    out.update(dataclasses.asdict(c))
+    return out
+
+
+def clip_from_dict(obj: Any, where: str = "clip") -> Clip:
+    if not isinstance(obj, dict) or "kind" not in obj:
+        _check_keys(obj, where, {"kind"}, set())
+    kind = obj["kind"]
+    if kind not in CLIPS:
+        raise _fail(f"{where}.kind", kind, f"one of {', '.join(CLIPS)}")
+    cls = CLIPS[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    _check_keys(obj, where, {"kind"}, names)
+    return cls(**{k: v for k, v in obj.items() if k != "kind"})
+
+
+# --------------------------------------------------------------------------------------------
+# The format
+# --------------------------------------------------------------------------------------------
+
+ROTATIONS = ("none", "hadamard")
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How one K or V tensor is stored.
+
+    Parameters
+    ----------
+    dtype
+        Element format: ``"int"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, or a plain float
+        (``"fp16"``, ``"bf16"``, ``"fp32"``) which stores values as they are.
+    bits
+        Bits per stored element. For ``"int"`` one of 2, 3, 4, 8; implied by other dtypes.
+    symmetric
+        Integers only: symmetric codes in ``[-(2**(b-1)-1), 2**(b-1)-1]`` with no zero point,
+        or asymmetric codes in ``[0, 2**b - 1]`` with a per-block offset (the block minimum,
+        stored in ``scale_dtype``), as KIVI and quanto do. fp8 is always symmetric.
+    granularity
+        Which elements share a scale, see the module docs.
+    scale_dtype
+        dtype of stored scales and zero points: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+    clip
+        Clipping rule: :class:`AbsMax`, :class:`Percentile` or :class:`MSEClip`.
+    rotate
+        ``"hadamard"`` multiplies the head dimension by a normalised Hadamard matrix before
+        quantizing (dequantization rotates back); spreads outlier channels. ``"none"``.
+    """
+
+    dtype: str = "int"
+    bits: int = 4
+    symmetric: bool = False
+    granularity: Granularity = field(default_factory=PerToken)
+    scale_dtype: str = "fp16"
+    clip: Clip = field(default_factory=AbsMax)
+    rotate: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ELEMENT_BITS:
+            raise _fail("dtype", self.dtype, f"one of {', '.join(ELEMENT_BITS)}")
+        allowed_bits = ELEMENT_BITS[self.dtype]
+        if self.dtype != "int":
+            # bits are implied; normalise so that equal formats compare equal.
+            object.__setattr__(self, "bits", allowed_bits[0])
+        if isinstance(self.bits, bool) or self.bits not in allowed_bits:
+            raise _fail("bits", self.bits, f"{self.dtype} allows {', '.join(map(str, allowed_bits))}")
+        if not isinstance(self.symmetric, bool):
+            raise _fail("symmetric", self.symmetric, "true or false")
+        if not isinstance(self.granularity, tuple(GRANULARITIES.values())):
+            raise _fail("granularity", self.granularity, f"one of {', '.join(GRANULARITIES)}")
+        if not isinstance(self.clip, tuple(CLIPS.values())):
+            raise _fail("clip", self.clip, f"one of {', '.join(CLIPS)}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise _fail("scale_dtype", self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}")
+        if self.rotate not in ROTATIONS:
+            raise _fail("rotate", self.rotate, f"one of {', '.join(ROTATIONS)}")
+        if self.is_float:
+            # Plain floats carry no scale: normalise the unused fields so equality is meaningful.
+            for name, default in (
+                ("symmetric", True),
+                ("granularity", PerTensor()),
+                ("scale_dtype", "fp32"),
+                ("clip", AbsMax()),
+                ("rotate", "none"),
+            ):
+                object.__setattr__(self, name, default)
+            return
+        if self.dtype.startswith("fp8") and not self.symmetric:
+            raise _fail("symmetric", False, f"{self.dtype} is symmetric (a scale, no zero point)")
+        if self.dtype == "int":
+            levels = self.levels
+            # Rounding a scale up to its stored dtype moves the top level by at most
+            # levels * (relative spacing) steps; keep that under a quarter step so that the
+            # range maximum still maps to the top code (and quantize o dequantize is idempotent).
+            spacing = 2.0 ** (1 - SIGNIFICAND_BITS[self.scale_dtype])
+            if levels * spacing > 0.25:
+                raise ConfigError(
+                    f"scale_dtype={self.scale_dtype!r} is too coarse for {self.bits}-bit "
+                    f"{'symmetric' if self.symmetric else 'asymmetric'} codes: its "
+                    f"{SIGNIFICAND_BITS[self.scale_dtype]} significant bits cannot place the top "
+                    f"of {levels} levels within a quarter step; use 'fp16' or 'fp32'"
+                )
+
+    # ---- derived properties -----------------------------------------------------------------
+
+    @property
+    def is_float(self) -> bool:
+        """Stored as plain floating point (no codes, no scales)."""
+        return self.dtype in FLOAT_DTYPES
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype.startswith("fp8")
+
+    @property
+    def has_zero(self) -> bool:
+        """Whether a zero point (block offset) is stored."""
+        return self.dtype == "int" and not self.symmetric
+
+    @property
+    def levels(self) -> int:
+        """Integer formats: the largest code step count (``qmax`` if symmetric, ``2**b-1`` if not)."""
+        if self.dtype != "int":
+            raise ConfigError(f"levels is defined for integer formats, not {self.dtype}")
+        return 2 ** (self.bits - 1) - 1 if self.symmetric else 2**self.bits - 1
+
+    @property
+    def scale_bytes(self) -> int:
+        return 4 if self.scale_dtype == "fp32" else 2
+
+    def check_head_dim(self, head_dim: int, where: str = "format") -> None:
+        """Raise :class:`ConfigError` unless this format can store a head dimension of ``head_dim``."""
+        g = self.granularity
+        if isinstance(g, PerTokenGroup) and head_dim % g.group:
+            divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
+            raise ConfigError(
+                f"{where}.granularity.group={g.group} does not divide the head dimension "
+                f"{head_dim}; allowed groups: {', '.join(map(str, divisors))}"
+            )
+        if self.rotate == "hadamard" and (head_dim & (head_dim - 1)):
+            raise ConfigError(
+                f"{where}.rotate='hadamard' needs a power-of-two head dimension, got {head_dim}"
+            )
+
+    def label(self) -> str:
+        """A short human-readable name, e.g. ``int4a/tg64/fp16``."""
+        if self.is_float:
+            return self.dtype
+        g = self.granularity
+        gname = {
+            "tensor": "tensor",
+            "head": "head",
+            "token": "tok",
+            "token_group": f"tg{getattr(g, 'group', '')}",
+            "channel": f"ch{getattr(g, 'tokens', None) or 'all'}",
+            "page": "page",
+        }[g.kind]
+        elem = self.dtype if self.is_fp8 else f"int{self.bits}{'s' if self.symmetric else 'a'}"
+        parts = [elem, gname, self.scale_dtype]
+        if not isinstance(self.clip, AbsMax):
+            parts.append(
+                f"p{self.clip.percentile:g}" if isinstance(self.clip, Percentile) else "mse"
+            )
+        if self.rotate != "none":
+            parts.append("had")
+        return "/".join(parts)
+
+    # ---- JSON ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.is_float:
+            return {"dtype": self.dtype}
+        return {
+            "dtype": self.dtype,
+            "bits": self.bits,
+            "symmetric": self.symmetric,
+            "granularity": granularity_to_dict(self.granularity),
+            "scale_dtype": self.scale_dtype,
+            "clip": clip_to_dict(self.clip),
+            "rotate": self.rotate,
+        }
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str = "format") -> QuantFormat:
+        fields = {"dtype", "bits", "symmetric", "granularity", "scale_dtype", "clip", "rotate"}
+        _check_keys(obj, where, {"dtype"}, fields - {"dtype"})
+        dtype = obj["dtype"]
+        if dtype not in ELEMENT_BITS:
+            raise _fail(f"{where}.dtype", dtype, f"one of {', '.join(ELEMENT_BITS)}")
+        if dtype in FLOAT_DTYPES:
+            extra = set(obj) - {"dtype"}
+            if extra:
+                raise ConfigError(
+                    f"field {where}.{sorted(extra)[0]} has no meaning for plain {dtype} storage; "
+                    f"allowed fields: dtype"
+                )
+            return cls(dtype=dtype)
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if "bits" in obj:
+            kwargs["bits"] = _int_field(obj, "bits", where)
+        elif dtype == "int":
+            raise ConfigError(f"missing field {where}.bits; integer formats need 2, 3, 4 or 8")
+        if "symmetric" in obj:
+            kwargs["symmetric"] = obj["symmetric"]
+        elif dtype.startswith("fp8"):
+            kwargs["symmetric"] = True
+        if "granularity" in obj:
+            kwargs["granularity"] = granularity_from_dict(obj["granularity"], f"{where}.granularity")
+        if "scale_dtype" in obj:
+            kwargs["scale_dtype"] = obj["scale_dtype"]
+        if "clip" in obj:
+            kwargs["clip"] = clip_from_dict(obj["clip"], f"{where}.clip")
+        if "rotate" in obj:
+            kwargs["rotate"] = obj["rotate"]
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
+def float_format(dtype: str = "fp16") -> QuantFormat:
+    """Plain floating-point storage (no quantization)."""
+    return QuantFormat(dtype=dtype)
+
+
+def int_format(
+    bits: int,
+    granularity: Granularity,
+    *,
+    symmetric: bool = False,
+    scale_dtype: str = "fp16",
+    clip: Clip | None = None,
+    rotate: str = "none",
+) -> QuantFormat:
+    """An integer format (convenience constructor)."""
+    return QuantFormat(
+        dtype="int",
+        bits=bits,
+        symmetric=symmetric,
+        granularity=granularity,
+        scale_dtype=scale_dtype,
+        clip=clip or AbsMax(),
+        rotate=rotate,
+    )
+
+
+def fp8_format(
+    granularity: Granularity,
+    *,
+    variant: Literal["e4m3", "e5m2"] = "e4m3",
+    scale_dtype: str = "fp32",
+    clip: Clip | None = None,
+    rotate: str = "none",
+) -> QuantFormat:
+    """An fp8 format with a scale (convenience constructor)."""
+    return QuantFormat(
+        dtype=f"fp8_{variant}",
+        bits=8,
+        symmetric=True,
+        granularity=granularity,
+        scale_dtype=scale_dtype,
+        clip=clip or AbsMax(),
+        rotate=rotate,
+    )
+
+
+def fp8_max(dtype: str) -> float:
+    """Largest finite value of an fp8 element format."""
+    return float(torch.finfo(TORCH_DTYPES[dtype]).max)
+

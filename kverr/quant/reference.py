@@ -1,0 +1,447 @@
+"""The reference quantizer: the one definition of every stored number in kverr.
+
+Kernels, the quantized cache, evaluation and validation all compare against :func:`quantize`
+and :func:`dequantize`; nothing re-implements them.
+
+Arithmetic (fp32 throughout, so that a kernel can reproduce every code bit for bit):
+
+* statistics per block: ``amax = max|x|`` (symmetric, fp8) or ``lo = min x, hi = max x``
+  (asymmetric), after clipping (:mod:`kverr.quant.formats`);
+* symmetric integers: ``s = ceil(amax / L)``, ``u = clamp(rint(x / s), -L, L) + 2**(b-1)``,
+  ``x_hat = (u - 2**(b-1)) * s`` with ``L = 2**(b-1) - 1``;
+* asymmetric integers: ``m = floor(lo)``, ``s = ceil((hi - m) / L)``,
+  ``u = clamp(rint((x - m) / s), 0, L)``, ``x_hat = u * s + m`` with ``L = 2**b - 1``;
+* fp8: ``s = ceil(amax / fp8_max)``, ``u = bits(fp8(clamp(x / s, -fp8_max, fp8_max)))``,
+  ``x_hat = float(u) * s``.
+
+``ceil``/``floor`` round the fp32 value *up*/*down* to the scale dtype (fp16, bf16 or fp32), so
+the stored grid always covers the clipped range: inside it, ``|x - x_hat| <= s / 2`` for integer
+codes. ``rint`` is round-half-to-even; divisions are IEEE fp32. A block whose scale is zero
+(all-zero, or constant for asymmetric) divides by one instead, stores ``s = 0`` and reconstructs
+exactly ``m`` (or zero).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kverr.errors import ConfigError, DTypeError, NonFiniteError, ShapeError
+from kverr.quant.formats import (
+    TORCH_DTYPES,
+    AbsMax,
+    MSEClip,
+    Percentile,
+    PerChannel,
+    PerHead,
+    PerPage,
+    PerTensor,
+    PerToken,
+    PerTokenGroup,
+    QuantFormat,
+    fp8_max,
+)
+from kverr.quant.packing import pack, packed_nbytes, unpack
+
+ArrayLike = Any  # numpy array or torch tensor
+
+_INF = float("inf")
+
+
+# --------------------------------------------------------------------------------------------
+# Small numerical helpers
+# --------------------------------------------------------------------------------------------
+
+
+def as_float_tensor(x: ArrayLike, name: str = "x") -> torch.Tensor:
+    """``x`` as a float32 torch tensor on the CPU or its device, checked finite."""
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise DTypeError(f"{name} must be a floating-point array, got {x.dtype}")
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    elif not isinstance(x, torch.Tensor):
+        raise DTypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise DTypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    x = x.to(torch.float32)
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        first = tuple(int(i) for i in torch.nonzero(~finite)[0])
+        raise NonFiniteError(
+            f"{name} holds {bad} NaN/Inf value(s), the first at index {first}; "
+            "quantization needs finite input"
+        )
+    return x
+
+
+def ceil_cast(v: torch.Tensor, dtype: str, what: str = "scale") -> torch.Tensor:
+    """Round float32 ``v`` up to the nearest value representable in ``dtype``."""
+    target = TORCH_DTYPES[dtype]
+    r = v.to(target)
+    if target != torch.float32:
+        r = torch.where(r.float() < v, torch.nextafter(r, torch.full_like(r, _INF)), r)
+    _check_metadata_finite(r, dtype, what)
+    return r
+
+
+def floor_cast(v: torch.Tensor, dtype: str, what: str = "zero point") -> torch.Tensor:
+    """Round float32 ``v`` down to the nearest value representable in ``dtype``."""
+    target = TORCH_DTYPES[dtype]
+    r = v.to(target)
+    if target != torch.float32:
+        r = torch.where(r.float() > v, torch.nextafter(r, torch.full_like(r, -_INF)), r)
+    _check_metadata_finite(r, dtype, what)
+    return r
+
+
+def _check_metadata_finite(r: torch.Tensor, dtype: str, what: str) -> None:
+    if not bool(torch.isfinite(r).all()):
+        raise ConfigError(
+            f"a {what} overflows scale_dtype={dtype!r} (the data's range is too large for it); "
+            "use scale_dtype='fp32'"
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(torch.float32)
+
+
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix of order ``n`` (a power of two), float32.
+
+    It is symmetric and orthogonal: ``H @ H == I``, so rotating ``x @ H`` is undone by ``@ H``
+    and ``(q @ H) @ (k @ H).T == q @ k.T``.
+    """
+    if n < 1 or n & (n - 1):
+        raise ShapeError(f"a Hadamard rotation needs a power-of-two size, got {n}")
+    return _hadamard_cpu(n).to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Block layout
+# --------------------------------------------------------------------------------------------
+
+
+def block_shape(fmt: QuantFormat, H: int, T: int, D: int, page_size: int | None) -> tuple[int, int, int]:
+    """Extent ``(heads, tokens, channels)`` of the block of a ``[H, T, D]`` tensor that shares one scale."""
+    g = fmt.granularity
+    all_t = max(T, 1)
+    if isinstance(g, PerTensor):
+        return H, all_t, D
+    if isinstance(g, PerHead):
+        return 1, all_t, D
+    if isinstance(g, PerToken):
+        return 1, 1, D
+    if isinstance(g, PerTokenGroup):
+        if D % g.group:
+            fmt.check_head_dim(D)
+        return 1, 1, g.group
+    if isinstance(g, PerChannel):
+        return 1, (g.tokens or all_t), 1
+    if isinstance(g, PerPage):
+        if page_size is None:
+            raise ConfigError("granularity 'page' needs a page_size (tokens per page)")
+        return 1, page_size, D
+    raise ConfigError(f"unknown granularity {g!r}")  # pragma: no cover
+
+
+def scale_shape(fmt: QuantFormat, H: int, T: int, D: int, page_size: int | None) -> tuple[int, int, int]:
+    """Shape ``[nH, nT, nD]`` of the scales (and zero points) of a ``[H, T, D]`` tensor."""
+    bh, bt, bd = block_shape(fmt, H, T, D, page_size)
+    return H // bh, -(-T // bt), D // bd
+
+
+def _to_groups(x: torch.Tensor, block: tuple[int, int, int], fill: float = 0.0) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B, nH, nT, nD, bh*bt*bd]``; tokens padded with ``fill``."""
+    B, H, T, D = x.shape
+    bh, bt, bd = block
+    nT = -(-T // bt)
+    if nT * bt != T:
+        pad = torch.full((B, H, nT * bt - T, D), fill, dtype=x.dtype, device=x.device)
+        x = torch.cat([x, pad], dim=2)
+    g = x.reshape(B, H // bh, bh, nT, bt, D // bd, bd).permute(0, 1, 3, 5, 2, 4, 6)
+    return g.reshape(B, H // bh, nT, D // bd, bh * bt * bd)
+
+
+def _from_groups(g: torch.Tensor, block: tuple[int, int, int], shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """Inverse of :func:`_to_groups`, dropping token padding."""
+    B, H, T, D = shape
+    bh, bt, bd = block
+    nT = g.shape[2]
+    x = g.reshape(B, H // bh, nT, D // bd, bh, bt, bd).permute(0, 1, 4, 2, 5, 3, 6)
+    return x.reshape(B, H, nT * bt, D)[:, :, :T, :]
+
+
+def _masked_quantile(v: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolated quantile ``q`` of the valid (``mask``) entries along the last axis."""
+    mask = mask.expand_as(v)
+    s, _ = torch.sort(torch.where(mask, v, torch.full_like(v, _INF)), dim=-1)
+    n = mask.sum(-1).clamp(min=1).to(torch.float64)
+    pos = (n - 1) * q
+    lo_i = pos.floor().to(torch.int64)
+    hi_i = torch.minimum(lo_i + 1, n.to(torch.int64) - 1)
+    frac = (pos - lo_i).to(v.dtype)
+    lo_v = torch.gather(s, -1, lo_i.unsqueeze(-1)).squeeze(-1)
+    hi_v = torch.gather(s, -1, hi_i.unsqueeze(-1)).squeeze(-1)
+    return lo_v + (hi_v - lo_v) * frac
+
+
+# --------------------------------------------------------------------------------------------
+# Scale computation, encoding and decoding on the grouped layout
+# --------------------------------------------------------------------------------------------
+
+
+def _params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored (scale, zero) for clip range ``[lo, hi]`` of each block (``lo = -hi`` if symmetric)."""
+    if fmt.is_fp8:
+        return ceil_cast(hi / fp8_max(fmt.dtype), fmt.scale_dtype), None
+    if fmt.symmetric:
+        return ceil_cast(hi / fmt.levels, fmt.scale_dtype), None
+    m = floor_cast(lo, fmt.scale_dtype)
+    s = ceil_cast((hi - m.float()) / fmt.levels, fmt.scale_dtype)
+    return s, m
+
+
+def _encode(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """Codes (uint8) of grouped values ``g`` ``[..., n]`` with per-group ``s``, ``m`` ``[...]``."""
+    s32 = s.float().unsqueeze(-1)
+    s_div = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    if fmt.is_fp8:
+        fmax = fp8_max(fmt.dtype)
+        return (g / s_div).clamp(-fmax, fmax).to(TORCH_DTYPES[fmt.dtype]).view(torch.uint8)
+    L = fmt.levels
+    if fmt.symmetric:
+        u = torch.round(g / s_div).clamp(-L, L) + 2 ** (fmt.bits - 1)
+    else:
+        u = torch.round((g - m.float().unsqueeze(-1)) / s_div).clamp(0, L)
+    return u.to(torch.uint8)
+
+
+def _decode(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """Float32 values of codes ``u`` ``[..., n]`` with per-group ``s``, ``m`` ``[...]``."""
+    s32 = s.float().unsqueeze(-1)
+    if fmt.is_fp8:
+        return u.view(TORCH_DTYPES[fmt.dtype]).float() * s32
+    if fmt.symmetric:
+        return (u.float() - 2 ** (fmt.bits - 1)) * s32
+    return u.float() * s32 + m.float().unsqueeze(-1)
+
+
+def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip range ``(lo, hi)`` per group before any MSE search (``lo = -hi`` if symmetric)."""
+    sym = fmt.symmetric
+    clip = fmt.clip
+    if isinstance(clip, Percentile) and clip.percentile < 100.0:
+        q = clip.percentile / 100.0
+        if sym:
+            hi = _masked_quantile(g.abs(), mask, q)
+            return -hi, hi
+        return _masked_quantile(g, mask, 1.0 - q), _masked_quantile(g, mask, q)
+    if sym:
+        hi = torch.where(mask, g.abs(), torch.zeros_like(g)).amax(-1)
+        return -hi, hi
+    lo = torch.where(mask, g, torch.full_like(g, _INF)).amin(-1)
+    hi = torch.where(mask, g, torch.full_like(g, -_INF)).amax(-1)
+    return lo, hi
+
+
+def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lo, hi = _clip_range(fmt, g, mask)
+    if not isinstance(fmt.clip, MSEClip):
+        return _params(fmt, lo, hi)
+    best_s = best_m = best_err = None
+    mid, half = (hi + lo) / 2, (hi - lo) / 2
+    for r in fmt.clip.ratios():
+        if fmt.symmetric or fmt.is_fp8:
+            s, m = _params(fmt, -hi * r, hi * r)
+        else:
+            s, m = _params(fmt, mid - half * r, mid + half * r)
+        err = torch.where(mask, (_decode(fmt, _encode(fmt, g, s, m), s, m) - g) ** 2, 0.0).sum(-1)
+        if best_err is None:
+            best_s, best_m, best_err = s, m, err
+            continue
+        better = err < best_err  # strict: ties keep the larger ratio
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+        if m is not None:
+            best_m = torch.where(better, m, best_m)
+    return best_s, best_m
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class QTensor:
+    """A quantized ``[..., H, T, D]`` tensor as the reference store holds it.
+
+    Attributes
+    ----------
+    codes
+        Integer formats: ``[..., H, T, packed_nbytes(D, bits)]`` uint8 in the packed layout of
+        :mod:`kverr.quant.packing`. fp8: ``[..., H, T, D]`` uint8 bit patterns. Plain floats:
+        ``[..., H, T, D]`` in that dtype.
+    scale, zero
+        ``[..., nH, nT, nD]`` in the format's scale dtype (see :func:`scale_shape`); ``zero`` is
+        ``None`` unless the format is asymmetric; both ``None`` for plain floats.
+    fmt, shape, page_size
+        The format, the original shape and the page size used by ``page`` granularity.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    fmt: QuantFormat
+    shape: tuple[int, ...]
+    page_size: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and zero points (no page rounding or alignment)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """Codes as ``[..., H, T, D]`` uint8 (integer and fp8 formats)."""
+        if self.fmt.is_float:
+            raise ConfigError(f"plain {self.fmt.dtype} storage has no codes")
+        if self.fmt.is_fp8:
+            return self.codes
+        return unpack(self.codes, self.fmt.bits, self.shape[-1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Reconstruct ``[..., H, T, D]``, see :func:`dequantize`."""
+        return dequantize(self, dtype=dtype)
+
+
+def quantize(
+    x: ArrayLike,
+    fmt: QuantFormat,
+    *,
+    page_size: int | None = None,
+    scale: ArrayLike | None = None,
+    zero: ArrayLike | None = None,
+) -> QTensor:
+    """Quantize ``x`` with ``fmt``.
+
+    Parameters
+    ----------
+    x
+        ``[..., H, T, D]`` (kv_head, token, channel) floating point, numpy or torch; computed in
+        float32. Leading dims are independent tensors (e.g. batch).
+    fmt
+        The format.
+    page_size
+        Tokens per page, needed by ``page`` granularity.
+    scale, zero
+        Optional static metadata (``[..., nH, nT, nD]``, broadcastable), e.g. calibrated fp8
+        scales; when given, no statistics are taken from ``x``. ``zero`` only for asymmetric.
+
+    Returns
+    -------
+    QTensor
+    """
+    if not isinstance(fmt, QuantFormat):
+        raise ConfigError(f"fmt must be a QuantFormat, got {type(fmt).__name__}")
+    x32 = as_float_tensor(x)
+    if x32.ndim < 3:
+        raise ShapeError(f"x must be [..., kv_head, token, channel], got shape {tuple(x32.shape)}")
+    shape = tuple(x32.shape)
+    *lead, H, T, D = shape
+    fmt.check_head_dim(D)
+    if fmt.is_float:
+        return QTensor(x32.to(TORCH_DTYPES[fmt.dtype]), None, None, fmt, shape, page_size)
+    if fmt.rotate == "hadamard":
+        x32 = x32 @ hadamard(D, x32.device)
+    x4 = x32.reshape(-1, H, T, D)
+    block = block_shape(fmt, H, T, D, page_size)
+    g = _to_groups(x4, block)
+    mask = _to_groups(torch.ones((1, H, T, D), dtype=torch.bool, device=x32.device), block, fill=False)
+    if scale is not None:
+        s, m = _static_params(fmt, scale, zero, g.shape[:-1], lead)
+    else:
+        if zero is not None:
+            raise ConfigError("zero was given without scale; pass both or neither")
+        s, m = _choose_params(fmt, g, mask)
+    u = _from_groups(_encode(fmt, g, s, m), block, tuple(x4.shape))
+    codes = u if fmt.is_fp8 else pack(u, fmt.bits)
+    out_lead = tuple(lead)
+    return QTensor(
+        codes=codes.reshape(*out_lead, H, T, codes.shape[-1]),
+        scale=s.reshape(*out_lead, *s.shape[1:]),
+        zero=None if m is None else m.reshape(*out_lead, *m.shape[1:]),
+        fmt=fmt,
+        shape=shape,
+        page_size=page_size,
+    )
+
+
+def _static_params(fmt, scale, zero, group_shape, lead):
+    want = tuple(group_shape)  # [B, nH, nT, nD]
+    target = TORCH_DTYPES[fmt.scale_dtype]
+
+    def prep(v, name):
+        t = torch.as_tensor(v).to(torch.float32)
+        if not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"static {name} holds NaN/Inf")
+        try:
+            t = torch.broadcast_to(t, (*lead, *want[1:])).reshape(want)
+        except RuntimeError:
+            raise ShapeError(
+                f"static {name} of shape {tuple(t.shape)} does not broadcast to the "
+                f"{fmt.granularity.kind} metadata shape {(*lead, *want[1:])}"
+            ) from None
+        return t.to(target)
+
+    s = prep(scale, "scale")
+    if bool((s.float() < 0).any()):
+        raise ConfigError("static scale must be non-negative")
+    if fmt.has_zero:
+        if zero is None:
+            raise ConfigError(f"{fmt.label()} is asymmetric: a static scale needs a zero too")
+        return s, prep(zero, "zero")
+    if zero is not None:
+        raise ConfigError(f"{fmt.label()} is symmetric and takes no zero point")
+    return s, None
+
+
+def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reconstruct the ``[..., H, T, D]`` tensor of ``qt`` in the original (unrotated) space."""
+    fmt = qt.fmt
+    if fmt.is_float:
+        return qt.codes.to(dtype)
+    *lead, H, T, D = qt.shape
+    u = qt.unpacked_codes().reshape(-1, H, T, D)
+    block = block_shape(fmt, H, T, D, qt.page_size)
+    B = u.shape[0]
+    s = qt.scale.reshape(B, *qt.scale.shape[len(lead):])
+    m = None if qt.zero is None else qt.zero.reshape(B, *qt.zero.shape[len(lead):])
+    x = _from_groups(_decode(fmt, _to_groups(u, block), s, m), block, (B, H, T, D))
+    if fmt.rotate == "hadamard":
+        x = x @ hadamard(D, x.device)
+    return x.reshape(qt.shape).to(dtype)
+
+
+def fake_quantize(x: ArrayLike, fmt: QuantFormat, *, page_size: int | None = None) -> torch.Tensor:
+    """``dequantize(quantize(x, fmt))`` as float32 ``[..., H, T, D]``."""
+    return dequantize(quantize(x, fmt, page_size=page_size))
+
+
+def codes_nbytes(fmt: QuantFormat, D: int) -> int:
+    """Bytes of one token's codes for one head (plain floats: the values themselves)."""
+    if fmt.is_float:
+        return D * torch.finfo(TORCH_DTYPES[fmt.dtype]).bits // 8
+    if fmt.is_fp8:
+        return D
+    return packed_nbytes(D, fmt.bits)

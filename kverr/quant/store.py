@@ -1,0 +1,290 @@
+"""Token policy and the reference store: what a cache holds for a config, laid out in pages.
+
+Token policy for a sequence of ``T`` tokens and one format (see :func:`token_regions`):
+the first ``sinks`` tokens and the most recent ones stay in full precision (``window_dtype``);
+the tokens between are quantized. At least ``window`` recent tokens stay in full precision;
+formats whose scales span a block of tokens (``channel`` with ``tokens=G``, ``page``) quantize
+only whole blocks, so up to ``G - 1`` more recent tokens wait in full precision until their
+block fills (as KIVI does). Token blocks and pages start at the first quantized token.
+
+:class:`ReferenceStore` allocates and fills the real tensors such a cache holds -- code pages,
+scale and zero-point pages, full-precision sink and window tokens, static scales -- so that
+:mod:`kverr.memory`'s byte accounting can be checked against ``ReferenceStore.nbytes``.
+
+Page layout, per ``(layer, K|V, kv_head)`` and page of ``page_size`` tokens: a codes section of
+``page_size * codes_nbytes(fmt, D)`` bytes, then (unless the scales are static) a scales section
+and, for asymmetric formats, a zero-points section, each padded to ``align`` bytes. Scale
+entries in a page are ordered by token block, then channel block. The full-precision tokens of a
+``(sequence, layer, K|V, kv_head)`` are one row padded to ``align`` bytes. Static scales
+(``tensor``, ``head``, ``channel`` over all tokens) are stored once per layer, not per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kverr.errors import ShapeError
+from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static, token_block
+from kverr.quant.reference import (
+    QTensor,
+    ArrayLike,
+    as_float_tensor,
+    block_shape,
+    codes_nbytes,
+    dequantize,
+    quantize,
+)
+
+if TYPE_CHECKING:  # config imports kverr.quant; avoid the cycle at run time
+    from kverr.config import CacheConfig, Which
+
+
+def align_up(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+def token_regions(T: int, config: CacheConfig, fmt: QuantFormat) -> tuple[int, int]:
+    """Quantized token range ``[start, end)`` of a ``T``-token sequence stored with ``fmt``.
+
+    Tokens ``[0, start)`` are sinks, ``[end, T)`` the full-precision window.
+    """
+    if T < 0:
+        raise ShapeError(f"T={T} tokens: must be non-negative")
+    start = min(config.sinks, T)
+    avail = max(0, T - start - config.window)
+    tb = token_block(fmt.granularity, config.page_size)
+    return start, start + avail - avail % tb
+
+
+def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> QTensor:
+    """Quantize ``[B, h, n, D]`` (one head group, the quantized tokens of ``B`` sequences).
+
+    Static granularities take one set of scales over all ``B`` sequences (as a calibrated
+    static scale would be); the others quantize each sequence on its own.
+    """
+    if is_static(fmt.granularity) and not fmt.is_float:
+        B, h, n, D = x.shape
+        joint = x.permute(1, 0, 2, 3).reshape(1, h, B * n, D)
+        ref = quantize(joint, fmt, page_size=page_size)
+        return quantize(x, fmt, page_size=page_size, scale=ref.scale, zero=ref.zero)
+    return quantize(x, fmt, page_size=page_size)
+
+
+def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) -> torch.Tensor:
+    """What the cache gives back for ``x``: sinks and window in ``window_dtype``, the rest
+    quantized and dequantized with the format of each kv head.
+
+    Parameters
+    ----------
+    x
+        ``[..., kv_head, token, channel]``, all kv heads of ``layer``.
+    config
+        The cache config.
+    layer
+        Layer index (selects per-layer and per-head overrides).
+    which
+        ``"k"`` or ``"v"``.
+
+    Returns
+    -------
+    torch.Tensor
+        float32, same shape as ``x``.
+    """
+    x32 = as_float_tensor(x, which)
+    if x32.ndim < 3:
+        raise ShapeError(f"{which} must be [..., kv_head, token, channel], got {tuple(x32.shape)}")
+    *lead, H, T, D = x32.shape
+    x4 = x32.reshape(-1, H, T, D)
+    wdt = TORCH_DTYPES[config.window_dtype]
+    out = x4.to(wdt).to(torch.float32)
+    for fmt, heads in config.head_groups(layer, H, which):
+        fmt.check_head_dim(D, which)
+        start, end = token_regions(T, config, fmt)
+        if end > start:
+            region = x4[:, heads, start:end, :]
+            out[:, heads, start:end, :] = dequantize(quantize_region(region, fmt, config.page_size))
+    return out.reshape(x32.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# The paged reference store
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class HeadGroupStore:
+    """Pages of one ``(layer, K|V)`` and one group of kv heads sharing a format.
+
+    Attributes
+    ----------
+    codes
+        ``[B * h * pages, align_up(page_size * codes_nbytes)]`` uint8 (or the float dtype).
+    scales, zeros
+        ``[B * h * pages, entries]`` in the scale dtype, padded to ``align`` bytes; ``None``
+        for static or no metadata.
+    static_scale, static_zero
+        Static metadata stored once, or ``None``.
+    fp
+        ``[B * h, align_up(n_fp * D)]`` in ``window_dtype``: sink tokens then window tokens.
+    """
+
+    fmt: QuantFormat
+    heads: list[int]
+    batch: int
+    n_tokens: int
+    start: int
+    end: int
+    pages: int
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None
+    static_scale: torch.Tensor | None
+    static_zero: torch.Tensor | None
+    fp: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            t
+            for t in (self.codes, self.scales, self.zeros, self.static_scale, self.static_zero, self.fp)
+            if t is not None
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _to_pages(rows: torch.Tensor, pages: int, per_page: int, padded: int) -> torch.Tensor:
+    """``[R, n]`` entries -> ``[R * pages, padded]`` pages of ``per_page`` entries (zero-filled)."""
+    R, n = rows.shape
+    buf = torch.zeros((R, pages * per_page), dtype=rows.dtype)
+    buf[:, :n] = rows
+    out = torch.zeros((R * pages, padded), dtype=rows.dtype)
+    out[:, :per_page] = buf.reshape(R * pages, per_page)
+    return out
+
+
+def _from_pages(pool: torch.Tensor, R: int, pages: int, per_page: int, n: int) -> torch.Tensor:
+    return pool[:, :per_page].reshape(R, pages * per_page)[:, :n]
+
+
+class ReferenceStore:
+    """Real tensors holding K and V of every layer for a batch of equal-length sequences.
+
+    Parameters
+    ----------
+    config
+        The cache config.
+    keys, values
+        Per layer, ``[B, kv_head, token, channel]`` tensors (all layers the same shape).
+    """
+
+    def __init__(self, config: CacheConfig, keys: list[ArrayLike], values: list[ArrayLike]) -> None:
+        if len(keys) != len(values):
+            raise ShapeError(f"{len(keys)} key layers but {len(values)} value layers")
+        self.config = config
+        self.groups: dict[tuple[int, str, int], HeadGroupStore] = {}
+        self.shape: tuple[int, ...] | None = None
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            for which, x in (("k", k), ("v", v)):
+                x32 = as_float_tensor(x, which)
+                if x32.ndim != 4:
+                    raise ShapeError(f"layer {layer} {which}: want [B, kv_head, token, channel], got {tuple(x32.shape)}")
+                if self.shape is None:
+                    self.shape = tuple(x32.shape)
+                elif tuple(x32.shape) != self.shape:
+                    raise ShapeError(f"layer {layer} {which} has shape {tuple(x32.shape)}, expected {self.shape}")
+                for fmt, heads in config.head_groups(layer, x32.shape[1], which):
+                    self.groups[(layer, which, heads[0])] = self._store(x32[:, heads], fmt, heads)
+
+    def _store(self, x: torch.Tensor, fmt: QuantFormat, heads: list[int]) -> HeadGroupStore:
+        cfg = self.config
+        B, h, T, D = x.shape
+        P, A = cfg.page_size, cfg.align
+        fmt.check_head_dim(D)
+        start, end = token_regions(T, cfg, fmt)
+        n_q = end - start
+        pages = -(-n_q // P)
+        R = B * h
+        # Full-precision tokens: sinks then window, one aligned row per (sequence, head).
+        wdt = TORCH_DTYPES[cfg.window_dtype]
+        fp_vals = torch.cat([x[:, :, :start], x[:, :, end:]], dim=2).to(wdt).reshape(R, -1)
+        wb = fp_vals.element_size()
+        fp = torch.zeros((R, align_up(fp_vals.shape[1] * wb, A) // wb), dtype=wdt)
+        fp[:, : fp_vals.shape[1]] = fp_vals
+        cb = codes_nbytes(fmt, D)
+        codes_dtype = TORCH_DTYPES[fmt.dtype] if fmt.is_float else torch.uint8
+        esize = torch.tensor([], dtype=codes_dtype).element_size()
+        static_scale = static_zero = scales = zeros = None
+        if n_q == 0:
+            codes = torch.zeros((0, align_up(P * cb, A) // esize), dtype=codes_dtype)
+        else:
+            qt = quantize_region(x[:, :, start:end], fmt, P)
+            per_page = P * cb // esize
+            codes = _to_pages(qt.codes.reshape(R, -1), pages, per_page, align_up(P * cb, A) // esize)
+            if qt.scale is not None:
+                if is_static(fmt.granularity):
+                    static_scale = qt.scale[0].clone()
+                    static_zero = None if qt.zero is None else qt.zero[0].clone()
+                else:
+                    bt = block_shape(fmt, h, n_q, D, P)[1]
+                    entries = (P // bt) * qt.scale.shape[-1]
+                    sb = qt.scale.element_size()
+                    padded = align_up(entries * sb, A) // sb
+                    scales = _to_pages(qt.scale.reshape(R, -1), pages, entries, padded)
+                    if qt.zero is not None:
+                        zeros = _to_pages(qt.zero.reshape(R, -1), pages, entries, padded)
+        return HeadGroupStore(
+            fmt, heads, B, T, start, end, pages, codes, scales, zeros, static_scale, static_zero, fp
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the store allocated."""
+        return sum(g.nbytes for g in self.groups.values())
+
+    def nbytes_of(self, layer: int) -> int:
+        return sum(g.nbytes for (l, _, _), g in self.groups.items() if l == layer)
+
+    def read(self, layer: int, which: Which) -> torch.Tensor:
+        """Read ``[B, kv_head, token, channel]`` float32 back from the pages."""
+        if self.shape is None:
+            raise ShapeError("the store holds no layers")
+        B, H, T, D = self.shape
+        out = torch.empty((B, H, T, D), dtype=torch.float32)
+        for (l, w, _), g in self.groups.items():
+            if l != layer or w != which:
+                continue
+            h = len(g.heads)
+            R = B * h
+            n_fp = T - (g.end - g.start)
+            fp = g.fp[:, : n_fp * D].float().reshape(B, h, n_fp, D)
+            out[:, g.heads, : g.start] = fp[:, :, : g.start]
+            out[:, g.heads, g.end :] = fp[:, :, g.start :]
+            n_q = g.end - g.start
+            if n_q == 0:
+                continue
+            fmt, P = g.fmt, self.config.page_size
+            cb = codes_nbytes(fmt, D)
+            esize = g.codes.element_size()
+            codes = _from_pages(g.codes, R, g.pages, P * cb // esize, n_q * cb // esize)
+            last = D if fmt.is_float or fmt.is_fp8 else cb
+            codes = codes.reshape(B, h, n_q, last)
+            if g.scales is not None:
+                _, bt, bd = block_shape(fmt, h, n_q, D, P)
+                nT, nD = -(-n_q // bt), D // bd
+                entries = (P // bt) * nD
+                scale = _from_pages(g.scales, R, g.pages, entries, nT * nD).reshape(B, h, nT, nD)
+                zero = None
+                if g.zeros is not None:
+                    zero = _from_pages(g.zeros, R, g.pages, entries, nT * nD).reshape(B, h, nT, nD)
+            else:
+                scale = None if g.static_scale is None else g.static_scale.unsqueeze(0).expand(B, *g.static_scale.shape)
+                zero = None if g.static_zero is None else g.static_zero.unsqueeze(0).expand(B, *g.static_zero.shape)
+            qt = QTensor(codes, scale, zero, fmt, (B, h, n_q, D), P)
+            out[:, g.heads, g.start : g.end] = dequantize(qt)
+        return out
