@@ -7,15 +7,17 @@ Arithmetic (fp32 throughout, so that a kernel can reproduce every code bit for b
 
 * statistics per block: ``amax = max|x|`` (symmetric, fp8) or ``lo = min x, hi = max x``
   (asymmetric), after clipping (:mod:`kverr.quant.formats`);
-* symmetric integers: ``s = ceil(amax / L)``, ``u = clamp(rint(x / s), -L, L) + 2**(b-1)``,
+* symmetric integers: ``s = ceil(div_ru(amax, L))``, ``u = clamp(rint(x / s), -L, L) + 2**(b-1)``,
   ``x_hat = (u - 2**(b-1)) * s`` with ``L = 2**(b-1) - 1``;
-* asymmetric integers: ``m = floor(lo)``, ``s = ceil((hi - m) / L)``,
+* asymmetric integers: ``m = floor(lo)``, ``s = ceil(div_ru(sub_ru(hi, m), L))``,
   ``u = clamp(rint((x - m) / s), 0, L)``, ``x_hat = u * s + m`` with ``L = 2**b - 1``;
-* fp8: ``s = ceil(amax / fp8_max)``, ``u = bits(fp8(clamp(x / s, -fp8_max, fp8_max)))``,
+* fp8: ``s = ceil(div_ru(amax, fp8_max))``, ``u = bits(fp8(clamp(x / s, -fp8_max, fp8_max)))``,
   ``x_hat = float(u) * s``.
 
-``ceil``/``floor`` round the fp32 value *up*/*down* to the scale dtype (fp16, bf16 or fp32), so
-the stored grid always covers the clipped range: inside it, ``|x - x_hat| <= s / 2`` for integer
+``div_ru``/``sub_ru`` are fp32 operations rounded toward +inf (CUDA ``__fdiv_ru``,
+``__fsub_ru``); ``ceil``/``floor`` round the fp32 value *up*/*down* to the scale dtype (fp16,
+bf16 or fp32). Every rounding on the way to a scale goes outward, so the stored grid always
+covers the clipped range: inside it, ``|x - x_hat| <= s / 2`` for integer
 codes. ``rint`` is round-half-to-even; divisions are IEEE fp32. A block whose scale is zero
 (all-zero, or constant for asymmetric) divides by one instead, stores ``s = 0`` and reconstructs
 exactly ``m`` (or zero).
@@ -81,21 +83,21 @@ def as_float_tensor(x: ArrayLike, name: str = "x") -> torch.Tensor:
 
 
 def ceil_cast(v: torch.Tensor, dtype: str, what: str = "scale") -> torch.Tensor:
-    """Round float32 ``v`` up to the nearest value representable in ``dtype``."""
+    """Round ``v`` (float32 or float64) up to the nearest value representable in ``dtype``."""
     target = TORCH_DTYPES[dtype]
     r = v.to(target)
-    if target != torch.float32:
-        r = torch.where(r.float() < v, torch.nextafter(r, torch.full_like(r, _INF)), r)
+    if target != v.dtype:
+        r = torch.where(r.to(v.dtype) < v, torch.nextafter(r, torch.full_like(r, _INF)), r)
     _check_metadata_finite(r, dtype, what)
     return r
 
 
 def floor_cast(v: torch.Tensor, dtype: str, what: str = "zero point") -> torch.Tensor:
-    """Round float32 ``v`` down to the nearest value representable in ``dtype``."""
+    """Round ``v`` (float32 or float64) down to the nearest value representable in ``dtype``."""
     target = TORCH_DTYPES[dtype]
     r = v.to(target)
-    if target != torch.float32:
-        r = torch.where(r.float() > v, torch.nextafter(r, torch.full_like(r, -_INF)), r)
+    if target != v.dtype:
+        r = torch.where(r.to(v.dtype) > v, torch.nextafter(r, torch.full_like(r, -_INF)), r)
     _check_metadata_finite(r, dtype, what)
     return r
 
@@ -201,14 +203,32 @@ def _masked_quantile(v: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Ten
 # --------------------------------------------------------------------------------------------
 
 
+def _div_up(num: torch.Tensor, den: float) -> torch.Tensor:
+    """fp32 ``num / den`` rounded toward +inf (CUDA ``__fdiv_ru``), as float32.
+
+    Emulated exactly through float64: the quotient of an fp32 number by a small integer is
+    never within float64 rounding of an fp32 value it does not equal.
+    """
+    return ceil_cast(num.double() / den, "fp32")
+
+
+def _sub_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a - b`` rounded toward +inf (CUDA ``__fsub_ru``); exact in float64 first."""
+    return ceil_cast(a.double() - b.double(), "fp32")
+
+
 def _params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stored (scale, zero) for clip range ``[lo, hi]`` of each block (``lo = -hi`` if symmetric)."""
+    """Stored (scale, zero) for clip range ``[lo, hi]`` of each block (``lo = -hi`` if symmetric).
+
+    Every rounding on the way to the stored scale is upward and the zero point is rounded
+    downward, so ``[m, m + L*s]`` (or ``[-L*s, L*s]``) covers ``[lo, hi]`` exactly.
+    """
     if fmt.is_fp8:
-        return ceil_cast(hi / fp8_max(fmt.dtype), fmt.scale_dtype), None
+        return ceil_cast(_div_up(hi, fp8_max(fmt.dtype)), fmt.scale_dtype), None
     if fmt.symmetric:
-        return ceil_cast(hi / fmt.levels, fmt.scale_dtype), None
+        return ceil_cast(_div_up(hi, fmt.levels), fmt.scale_dtype), None
     m = floor_cast(lo, fmt.scale_dtype)
-    s = ceil_cast((hi - m.float()) / fmt.levels, fmt.scale_dtype)
+    s = ceil_cast(_div_up(_sub_up(hi, m.float()), fmt.levels), fmt.scale_dtype)
     return s, m
 
 
@@ -320,9 +340,26 @@ class QTensor:
             return self.codes
         return unpack(self.codes, self.fmt.bits, self.shape[-1])
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, *, unrotate: bool = True) -> torch.Tensor:
         """Reconstruct ``[..., H, T, D]``, see :func:`dequantize`."""
-        return dequantize(self, dtype=dtype)
+        return dequantize(self, dtype=dtype, unrotate=unrotate)
+
+    def element_metadata(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale and zero point of every element, float32 ``[..., H, T, D]`` (zero ``None`` if
+        symmetric); in the rotated space if the format rotates."""
+        if self.scale is None:
+            raise ConfigError(f"plain {self.fmt.dtype} storage has no scales")
+        *lead, H, T, D = self.shape
+        block = block_shape(self.fmt, H, T, D, self.page_size)
+        out = []
+        for meta in (self.scale, self.zero):
+            if meta is None:
+                out.append(None)
+                continue
+            m = meta.float().reshape(-1, *meta.shape[len(lead):])
+            m = m.repeat_interleave(block[0], 1).repeat_interleave(block[1], 2).repeat_interleave(block[2], 3)
+            out.append(m[:, :, :T, :].reshape(self.shape))
+        return out[0], out[1]
 
 
 def quantize(
@@ -416,8 +453,12 @@ def _static_params(fmt, scale, zero, group_shape, lead):
     return s, None
 
 
-def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Reconstruct the ``[..., H, T, D]`` tensor of ``qt`` in the original (unrotated) space."""
+def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, unrotate: bool = True) -> torch.Tensor:
+    """Reconstruct the ``[..., H, T, D]`` tensor of ``qt``.
+
+    With ``unrotate=False`` a Hadamard-rotated format stays in the rotated space (as a kernel
+    that rotates the query instead would read it).
+    """
     fmt = qt.fmt
     if fmt.is_float:
         return qt.codes.to(dtype)
@@ -428,7 +469,7 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     s = qt.scale.reshape(B, *qt.scale.shape[len(lead):])
     m = None if qt.zero is None else qt.zero.reshape(B, *qt.zero.shape[len(lead):])
     x = _from_groups(_decode(fmt, _to_groups(u, block), s, m), block, (B, H, T, D))
-    if fmt.rotate == "hadamard":
+    if fmt.rotate == "hadamard" and unrotate:
         x = x @ hadamard(D, x.device)
     return x.reshape(qt.shape).to(dtype)
 

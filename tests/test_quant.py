@@ -1,0 +1,345 @@
+"""Property tests of the quantization oracle (kverr.quant)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from kverr.errors import ConfigError, DTypeError, NonFiniteError, ShapeError
+from kverr.quant import (
+    AbsMax,
+    MSEClip,
+    Percentile,
+    PerChannel,
+    PerHead,
+    PerPage,
+    PerTensor,
+    PerToken,
+    PerTokenGroup,
+    QuantFormat,
+    dequantize,
+    fp8_format,
+    hadamard,
+    int_format,
+    pack,
+    packed_nbytes,
+    quantize,
+    scale_shape,
+    unpack,
+)
+from kverr.quant.reference import ceil_cast, floor_cast
+
+from strategies import data, formats
+
+EPS32 = float(np.finfo(np.float32).eps)
+PAGE = 16
+
+
+def ulp32(t: torch.Tensor) -> torch.Tensor:
+    t = t.float().abs()
+    return torch.nextafter(t, torch.full_like(t, math.inf)) - t
+
+
+def rotated(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    return x @ hadamard(x.shape[-1]) if fmt.rotate == "hadamard" else x
+
+
+# ---------------------------------------------------------------------------------------------
+# Reconstruction error
+# ---------------------------------------------------------------------------------------------
+
+
+@given(st.data())
+def test_integer_error_within_half_a_step_inside_the_grid(draw):
+    x = draw.draw(data())
+    fmt = draw.draw(formats(x.shape[-1], PAGE, kinds=("int",)))
+    qt = quantize(x, fmt, page_size=PAGE)
+    xr = rotated(x, fmt)
+    xh = dequantize(qt, unrotate=False)
+    s, m = qt.element_metadata()
+    L = fmt.levels
+    # Grid extent in float64, so that the check itself does not round.
+    x64, s64 = xr.double(), s.double()
+    if fmt.symmetric:
+        inside = x64.abs() <= L * s64
+        m_abs = torch.zeros_like(s)
+    else:
+        inside = (x64 >= m.double()) & (x64 <= m.double() + L * s64)
+        m_abs = m.abs()
+    # Half a step, plus a few fp32 roundings of the magnitudes involved.
+    bound = s / 2 + 4 * EPS32 * (xr.abs() + m_abs + L * s)
+    err = (xr - xh).abs()
+    assert bool((err[inside] <= bound[inside]).all()), float((err - bound)[inside].max())
+    if isinstance(fmt.clip, AbsMax):
+        # Without clipping, the grid covers every element: this is what rounding scales up buys.
+        assert bool(inside.all())
+
+
+@given(st.data())
+def test_fp8_error_within_half_an_fp8_ulp(draw):
+    x = draw.draw(data())
+    fmt = draw.draw(formats(x.shape[-1], PAGE, kinds=("fp8_e4m3", "fp8_e5m2"), clip=False))
+    qt = quantize(x, fmt, page_size=PAGE)
+    xr = rotated(x, fmt)
+    xh = dequantize(qt, unrotate=False)
+    s, _ = qt.element_metadata()
+    mbits, emin = (3, -6) if fmt.dtype == "fp8_e4m3" else (2, -14)
+    v = xr / torch.where(s > 0, s, torch.ones_like(s))
+    exp = torch.floor(torch.log2(v.abs().clamp(min=2.0**emin)))
+    half_ulp = torch.exp2(exp - mbits) / 2
+    bound = s * half_ulp + 4 * EPS32 * (xr.abs() + s)
+    assert bool(((xr - xh).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("fmt", [
+    int_format(4, PerTokenGroup(8)),
+    int_format(2, PerChannel(4)),
+    int_format(8, PerToken(), symmetric=True),
+    fp8_format(PerHead()),
+    int_format(3, PerPage(), clip=MSEClip()),
+    int_format(4, PerTensor(), clip=Percentile(99.0), rotate="hadamard"),
+])
+@pytest.mark.parametrize("value", [0.0, 3.25, -1e-3, 1234.5])
+def test_constant_and_zero_blocks_are_finite_and_within_bounds(fmt, value):
+    x = torch.full((2, 3, 9, 16), value)
+    qt = quantize(x, fmt, page_size=4)
+    xh = qt.dequantize()
+    assert bool(torch.isfinite(xh).all())
+    assert bool(torch.isfinite(qt.scale.float()).all())
+    if value == 0.0:
+        assert bool((xh == 0).all())
+        return
+    # Constant blocks obey the general bound: half a step of their (tiny) scale.
+    s, _ = qt.element_metadata()
+    s_orig = s if fmt.rotate == "none" else s.amax()  # a rotation mixes a token's channels
+    assert bool(((xh - value).abs() <= s_orig / 2 + 64 * EPS32 * abs(value)).all())
+    if fmt.has_zero and fmt.rotate == "none" and float(torch.tensor(value).half()) == value:
+        assert bool((xh == value).all())  # offset representable: reconstructed exactly
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid round trip and idempotence
+# ---------------------------------------------------------------------------------------------
+
+
+@given(st.data())
+def test_values_on_the_grid_round_trip_exactly(draw):
+    """Codes drawn at random with a static scale: dequantize, quantize again with the same
+    metadata, and get the same codes and bit-identical values."""
+    x = draw.draw(data())
+    fmt = draw.draw(formats(x.shape[-1], PAGE, clip=False, rotate=False))
+    ref = quantize(x, fmt, page_size=PAGE)  # real metadata of the right shape and dtype
+    rng = np.random.default_rng(draw.draw(st.integers(0, 2**32 - 1)))
+    codes = ref.unpacked_codes().clone()
+    if fmt.is_fp8:
+        # random finite fp8 bit patterns (e4m3fn: 0x7f/0xff are NaN; e5m2: exponent 31 is Inf/NaN)
+        vals = torch.from_numpy(rng.integers(0, 256, size=codes.shape, dtype=np.uint8))
+        f = vals.view(torch.float8_e4m3fn if fmt.dtype == "fp8_e4m3" else torch.float8_e5m2).float()
+        vals[~torch.isfinite(f)] = 0
+    else:
+        lo = 1 if fmt.symmetric else 0
+        vals = torch.from_numpy(rng.integers(lo, 2**fmt.bits, size=codes.shape).astype(np.uint8))
+    q_codes = vals if fmt.is_fp8 else pack(vals, fmt.bits)
+    grid = type(ref)(q_codes, ref.scale, ref.zero, fmt, ref.shape, PAGE)
+    y = grid.dequantize()
+    again = quantize(y, fmt, page_size=PAGE, scale=ref.scale, zero=ref.zero)
+    s, _ = ref.element_metadata()
+    nonzero_scale = s > 0  # a zero scale maps every code to the same value
+    assert torch.equal(again.unpacked_codes()[nonzero_scale], vals[nonzero_scale])
+    assert torch.equal(again.dequantize(), y)
+
+
+@given(st.data())
+def test_quantize_dequantize_quantize_is_idempotent(draw):
+    """Q(D(Q(x))) == Q(x) for every format without clipping (clipping re-clips by design).
+
+    Codes are identical. fp16 and bf16 metadata are bit-identical. fp32 metadata agree to the
+    rounding that dequantization itself commits: ``code * s + m`` is not exact in fp32 when
+    ``s`` has 24 significant bits, so the new range is off by up to an ulp of ``|m| + L*s``,
+    which moves the new scale by that over ``L``, plus the scale's own ulp.
+    """
+    x = draw.draw(data())
+    fmt = draw.draw(formats(x.shape[-1], PAGE, clip=False))
+    q1 = quantize(x, fmt, page_size=PAGE)
+    # Precondition: scales are normal numbers of their dtype. A subnormal fp16 scale has too
+    # few significant bits to place the top code (see QuantFormat's scale_dtype check).
+    tiny = torch.finfo(q1.scale.dtype).tiny
+    assume(bool(((q1.scale.float() == 0) | (q1.scale.float() >= tiny)).all()))
+    y = q1.dequantize(unrotate=False)
+    fmt_norot = QuantFormat(fmt.dtype, fmt.bits, fmt.symmetric, fmt.granularity, fmt.scale_dtype, fmt.clip, "none")
+    q2 = quantize(y, fmt_norot, page_size=PAGE)
+    assert torch.equal(q2.unpacked_codes(), q1.unpacked_codes())
+    for a, b in ((q1.scale, q2.scale), (q1.zero, q2.zero)):
+        if a is None:
+            assert b is None
+            continue
+        if fmt.scale_dtype == "fp32":
+            s1 = q1.scale.float()
+            m1 = q1.zero.float() if q1.zero is not None else torch.zeros_like(s1)
+            span = m1.abs() + (fmt.levels if fmt.dtype == "int" else 448.0) * s1
+            tol = ulp32(a) + 2 * ulp32(span) / (fmt.levels if fmt.dtype == "int" else 448.0) + ulp32(m1)
+            assert bool(((a - b).abs() <= tol).all())
+        else:
+            assert torch.equal(a, b)
+    assert torch.equal(quantize(q2.dequantize(), fmt_norot, page_size=PAGE).unpacked_codes(), q2.unpacked_codes())
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+@given(bits=st.sampled_from([1, 2, 3, 4, 8]), n=st.integers(0, 131), rows=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_pack_unpack_round_trip_at_any_length(bits, n, rows, seed):
+    rng = np.random.default_rng(seed)
+    codes = torch.from_numpy(rng.integers(0, 2**bits, size=(rows, n)).astype(np.uint8))
+    packed = pack(codes, bits)
+    assert packed.shape == (rows, packed_nbytes(n, bits))
+    assert packed.dtype == torch.uint8
+    assert torch.equal(unpack(packed, bits, n), codes)
+
+
+def test_packed_layout_is_planar():
+    """Bit slice j of byte i holds channel j*P + i: the layout the kernels rely on."""
+    codes = torch.arange(16, dtype=torch.uint8).reshape(1, 16) % 16
+    packed = pack(codes, 4)  # P = 8 bytes
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 8] << 4)
+    assert packed[0, 7] == codes[0, 7] | (codes[0, 15] << 4)
+    codes2 = torch.tensor([[3, 2, 1, 0, 1, 2, 3, 0, 1]], dtype=torch.uint8)  # n=9, P=3
+    p2 = pack(codes2, 2)
+    assert p2.shape[-1] == 3
+    assert int(p2[0, 0]) == 3 | (0 << 2) | (3 << 4)  # channels 0, 3, 6; channel 9 is padding
+    three = pack(torch.full((1, 64), 7, dtype=torch.uint8), 3)
+    assert three.shape[-1] == 24  # 16 bytes of low bits + 8 bytes of high bits
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ShapeError, match="does not fit in 2 bits"):
+        pack(torch.tensor([[4]], dtype=torch.uint8), 2)
+    with pytest.raises(DTypeError):
+        pack(torch.tensor([[1]], dtype=torch.int32), 2)
+    with pytest.raises(ConfigError, match="allowed: 1, 2, 3, 4, 8"):
+        pack(torch.tensor([[1]], dtype=torch.uint8), 5)
+    with pytest.raises(ShapeError, match="take 2"):
+        unpack(torch.zeros((1, 3), dtype=torch.uint8), 4, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scales, shapes, rotation, bad input
+# ---------------------------------------------------------------------------------------------
+
+
+@given(v=st.floats(1e-30, 1e4).map(lambda f: float(np.float32(f))), dtype=st.sampled_from(["fp16", "bf16", "fp32"]))
+def test_metadata_casts_round_outward(v, dtype):
+    t = torch.tensor([v], dtype=torch.float32)
+    assert float(ceil_cast(t, dtype).float()) >= float(t)
+    assert float(floor_cast(t, dtype).float()) <= float(t)
+    assert float(floor_cast(-t, dtype).float()) <= -float(t)
+
+
+@pytest.mark.parametrize(
+    "gran, expect",
+    [
+        (PerTensor(), (1, 1, 1)),
+        (PerHead(), (3, 1, 1)),
+        (PerToken(), (3, 63, 1)),
+        (PerTokenGroup(16), (3, 63, 4)),
+        (PerChannel(32), (3, 2, 64)),
+        (PerChannel(None), (3, 1, 64)),
+        (PerPage(), (3, 4, 1)),
+    ],
+)
+def test_scale_shapes(gran, expect):
+    fmt = int_format(4, gran)
+    assert scale_shape(fmt, 3, 63, 64, 16) == expect
+    qt = quantize(torch.randn(2, 3, 63, 64), fmt, page_size=16)
+    assert tuple(qt.scale.shape) == (2, *expect)
+    assert qt.scale.dtype == torch.float16
+
+
+def test_hadamard_is_orthogonal_and_preserves_attention_products():
+    H = hadamard(64).double()
+    assert torch.allclose(H @ H, torch.eye(64, dtype=torch.float64), atol=1e-6)
+    q, k = torch.randn(5, 64, dtype=torch.float64), torch.randn(7, 64, dtype=torch.float64)
+    assert torch.allclose((q @ H) @ (k @ H).T, q @ k.T, atol=1e-5)
+    with pytest.raises(ShapeError, match="power-of-two"):
+        hadamard(48)
+
+
+def test_hadamard_rotation_spreads_an_outlier_channel():
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 256, 64)
+    x[..., 5] *= 50.0
+    plain = int_format(4, PerToken())
+    rot = int_format(4, PerToken(), rotate="hadamard")
+    err_plain = float(((quantize(x, plain).dequantize() - x) ** 2).mean())
+    err_rot = float(((quantize(x, rot).dequantize() - x) ** 2).mean())
+    assert err_rot < 0.5 * err_plain
+
+
+def test_mse_clip_never_worse_than_absmax():
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 64, 64) ** 3  # heavy tails
+    for bits in (2, 3, 4):
+        base = int_format(bits, PerTokenGroup(32))
+        mse = int_format(bits, PerTokenGroup(32), clip=MSEClip(grid=16))
+        e0 = ((quantize(x, base).dequantize() - x) ** 2).sum()
+        e1 = ((quantize(x, mse).dequantize() - x) ** 2).sum()
+        assert float(e1) <= float(e0)
+
+
+def test_percentile_clip_matches_numpy_on_a_single_block():
+    torch.manual_seed(2)
+    x = torch.randn(1, 1, 1, 64)
+    fmt = int_format(8, PerToken(), symmetric=True, scale_dtype="fp32", clip=Percentile(90.0))
+    qt = quantize(x, fmt)
+    expect = np.percentile(np.abs(x.numpy().ravel()), 90.0) / 127
+    assert float(qt.scale) == pytest.approx(expect, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_raises(bad):
+    x = torch.randn(1, 2, 5, 8)
+    x[0, 1, 3, 2] = bad
+    with pytest.raises(NonFiniteError, match=r"1 NaN/Inf value\(s\), the first at index \(0, 1, 3, 2\)"):
+        quantize(x, int_format(4, PerToken()))
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ShapeError, match="kv_head, token, channel"):
+        quantize(torch.randn(4, 8), int_format(4, PerToken()))
+    with pytest.raises(DTypeError, match="floating"):
+        quantize(np.ones((1, 2, 3), dtype=np.int32), int_format(4, PerToken()))
+    with pytest.raises(ConfigError, match="does not divide the head dimension 48"):
+        quantize(torch.randn(1, 1, 4, 48), int_format(4, PerTokenGroup(32)))
+    with pytest.raises(ConfigError, match="page_size"):
+        quantize(torch.randn(1, 1, 4, 8), int_format(4, PerPage()))
+    with pytest.raises(ConfigError, match="overflows scale_dtype='fp16'"):
+        quantize(torch.full((1, 1, 2, 8), 1e9), int_format(8, PerToken(), symmetric=True))
+    with pytest.raises(ShapeError, match="does not broadcast"):
+        quantize(torch.randn(1, 2, 4, 8), fp8_format(PerHead()), scale=torch.ones(3))
+
+
+def test_numpy_input_and_float64_are_accepted():
+    x = np.random.default_rng(0).standard_normal((3, 10, 16))
+    qt = quantize(x, int_format(4, PerTokenGroup(8)))
+    assert qt.dequantize().shape == (3, 10, 16)
+    assert qt.dequantize().dtype == torch.float32
+
+
+def test_quantize_static_scale_is_used_as_given():
+    x = torch.randn(1, 2, 9, 8)
+    s = torch.tensor([0.5, 0.25]).reshape(2, 1, 1)
+    qt = quantize(x, fp8_format(PerHead()), scale=s)
+    assert torch.equal(qt.scale.reshape(-1), torch.tensor([0.5, 0.25]))
+
+
+def test_asymmetric_grid_of_two_bits_has_four_levels():
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0]).reshape(1, 1, 1, 4)
+    qt = quantize(x, int_format(2, PerToken(), scale_dtype="fp32"))
+    assert torch.equal(qt.dequantize(), x)
