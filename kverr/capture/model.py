@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,20 @@ def _rope_params(model: Any, config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(params, default=str))
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' sub-second "Loading weights" bar (kverr shows its own progress)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _load_dir(
     path: Path, *, dtype: torch.dtype, model_id: str, weights_sha256: str
 ) -> LoadedModel:
@@ -289,7 +304,8 @@ def _load_dir(
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load the tokenizer in {path}: {exc}") from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(f"cannot load the model in {path}: {exc}") from exc
     model.eval()
@@ -343,6 +359,8 @@ def load_model(spec: str = "default", *, dtype: torch.dtype = torch.float32) -> 
             converted, dtype=dtype, model_id=DEFAULT_MODEL_ID, weights_sha256=gguf_sha
         )
     path = _model_dir(spec)
+    # Reject an unsupported model before hashing (possibly many GB of) weights.
+    _check_model_type(_load_config(path), str(path))
     return _load_dir(
         path,
         dtype=dtype,
