@@ -184,10 +184,12 @@ def _from_groups(g: torch.Tensor, block: tuple[int, int, int], shape: tuple[int,
     return x.reshape(B, H, nT * bt, D)[:, :, :T, :]
 
 
-def _masked_quantile(v: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+def _masked_quantile(v: torch.Tensor, mask: torch.Tensor | None, q: float) -> torch.Tensor:
     """Linear-interpolated quantile ``q`` of the valid (``mask``) entries along the last axis."""
+    if mask is None:
+        mask = torch.ones((1,) * v.ndim, dtype=torch.bool, device=v.device)
     mask = mask.expand_as(v)
-    s, _ = torch.sort(torch.where(mask, v, torch.full_like(v, _INF)), dim=-1)
+    s, _ = torch.sort(v.masked_fill(~mask, _INF), dim=-1)
     n = mask.sum(-1).clamp(min=1).to(torch.float64)
     pos = (n - 1) * q
     lo_i = pos.floor().to(torch.int64)
@@ -257,7 +259,7 @@ def _decode(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor 
     return u.float() * s32 + m.float().unsqueeze(-1)
 
 
-def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip range ``(lo, hi)`` per group before any MSE search (``lo = -hi`` if symmetric)."""
     sym = fmt.symmetric
     clip = fmt.clip
@@ -267,15 +269,18 @@ def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor) -> tuple[
             hi = _masked_quantile(g.abs(), mask, q)
             return -hi, hi
         return _masked_quantile(g, mask, 1.0 - q), _masked_quantile(g, mask, q)
+    if mask is None:  # no padded tokens: plain reductions
+        if sym:
+            hi = g.abs().amax(-1)
+            return -hi, hi
+        return g.amin(-1), g.amax(-1)
     if sym:
-        hi = torch.where(mask, g.abs(), torch.zeros_like(g)).amax(-1)
+        hi = g.abs().masked_fill(~mask, 0.0).amax(-1)
         return -hi, hi
-    lo = torch.where(mask, g, torch.full_like(g, _INF)).amin(-1)
-    hi = torch.where(mask, g, torch.full_like(g, -_INF)).amax(-1)
-    return lo, hi
+    return g.masked_fill(~mask, _INF).amin(-1), g.masked_fill(~mask, -_INF).amax(-1)
 
 
-def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     lo, hi = _clip_range(fmt, g, mask)
     if not isinstance(fmt.clip, MSEClip):
         return _params(fmt, lo, hi)
@@ -286,7 +291,8 @@ def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor) -> tup
             s, m = _params(fmt, -hi * r, hi * r)
         else:
             s, m = _params(fmt, mid - half * r, mid + half * r)
-        err = torch.where(mask, (_decode(fmt, _encode(fmt, g, s, m), s, m) - g) ** 2, 0.0).sum(-1)
+        sq = (_decode(fmt, _encode(fmt, g, s, m), s, m) - g) ** 2
+        err = (sq if mask is None else sq.masked_fill(~mask, 0.0)).sum(-1)
         if best_err is None:
             best_s, best_m, best_err = s, m, err
             continue
@@ -404,7 +410,9 @@ def quantize(
     x4 = x32.reshape(-1, H, T, D)
     block = block_shape(fmt, H, T, D, page_size)
     g = _to_groups(x4, block)
-    mask = _to_groups(torch.ones((1, H, T, D), dtype=torch.bool, device=x32.device), block, fill=False)
+    mask = None  # which grouped entries are real tokens; None when no block is padded
+    if T % block[1]:
+        mask = _to_groups(torch.ones((1, H, T, D), dtype=torch.bool, device=x32.device), block, fill=False)
     if scale is not None:
         s, m = _static_params(fmt, scale, zero, g.shape[:-1], lead)
     else:

@@ -1,0 +1,97 @@
+"""Reference quantize+dequantize throughput as a ratio to a plain copy of the same tensor.
+
+For every preset, K and V of one layer of the default model at T tokens ([3, T, 64] float32
+each) go through ``quantize`` then ``dequantize`` with the preset's formats; the floor is
+``torch.clone`` of the same tensors, timed in the same run, interleaved, best of N. The ratio
+is what the machine's noise cannot move much; absolute times are printed for context.
+
+    .venv/bin/python bench/bench_quant.py [--tokens 4096] [--repeats 7] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from kverr.config import PRESETS
+from kverr.quant import dequantize, quantize
+
+
+def machine() -> str:
+    cpu = "unknown cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{platform.node()} | {cpu} | {torch.get_num_threads()} torch threads | "
+        f"torch {torch.__version__} | python {platform.python_version()}"
+    )
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads (default 1: on a shared 2-core machine the thread pool's "
+        "synchronisation, not the work, dominates small ops)",
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    k = torch.randn(3, args.tokens, 64)
+    v = torch.randn(3, args.tokens, 64)
+    nbytes = 2 * k.numel() * 4
+    lines = [
+        f"# bench_quant: reference quantize+dequantize vs copy, K and V of one layer [3, {args.tokens}, 64] fp32",
+        f"# date {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+        f"# machine {machine()}",
+        f"# command: .venv/bin/python bench/bench_quant.py --tokens {args.tokens} --repeats {args.repeats} --threads {args.threads}",
+        f"{'preset':18s} {'quant+dequant ms':>17s} {'copy ms':>9s} {'ratio':>8s} {'GB/s':>7s}",
+    ]
+    for name, cfg in PRESETS.items():
+        def qdq():
+            for x, fmt in ((k, cfg.k), (v, cfg.v)):
+                dequantize(quantize(x, fmt, page_size=cfg.page_size))
+
+        def copy():
+            k.clone()
+            v.clone()
+
+        qdq(), copy()  # warm up
+        tq, tc = [], []
+        for _ in range(args.repeats):  # interleave so that noise hits both alike
+            tq.append(best(qdq, 1))
+            tc.append(best(copy, 1))
+        q, c = min(tq), min(tc)
+        lines.append(f"{name:18s} {q * 1e3:17.2f} {c * 1e3:9.3f} {q / c:8.1f} {nbytes / q / 1e9:7.2f}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
