@@ -1,0 +1,210 @@
+"""Decode attention over a paged, quantized KV cache, dequantizing inside the loads.
+
+``@triton.jit`` code only; the launcher is :mod:`kverr.gpu.launch`.
+
+Flash-decoding: the quantized tokens of each sequence are split into ``NS`` chunks; program
+``(b, kv_head, split)`` runs an online softmax over its chunk for every query head that reads
+``kv_head`` (grouped-query attention: the ``REP`` query heads of one kv head form the rows of one
+tile, so K/V bytes are read once per kv head) and writes a partial ``(max, sum, acc)``. A second
+launch (``TAIL``) covers the tokens held in full precision -- sinks and the window -- plus the
+tokens that are quantized for one of K/V but not yet for the other (their token blocks differ),
+choosing per row between the paged codes and the full-precision buffer. :func:`merge_kernel`
+combines the ``NS + 1`` partials of each query head.
+
+Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
+``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float; ``BITS``; ``BD`` channels
+per scale column; ``BTS`` token rows per scale row; ``STATIC`` scales are ``[h, D // BD]``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _deq_tile(C, row_base, nmask, SC, ZP, srow, c,
+              KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
+    """Dequantized ``[N, D]`` fp32 tile; ``row_base``/``srow`` are per-row element offsets of the
+    codes and of the scale row; the planar bytes are gathered per channel (the DRAM traffic is
+    the packed bytes; the repeated addresses hit L1)."""
+    m2 = nmask[:, None]
+    if KIND == 4:
+        return tl.load(C + row_base[:, None] + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    if BITS == 3:
+        P2: tl.constexpr = D // 4
+        P1: tl.constexpr = D // 8
+        b2 = tl.load(C + row_base[:, None] + (c % P2)[None, :], mask=m2, other=0).to(tl.int32)
+        b1 = tl.load(C + row_base[:, None] + P2 + (c % P1)[None, :], mask=m2, other=0).to(tl.int32)
+        u = ((b2 >> ((c // P2) * 2)[None, :]) & 3) | (((b1 >> (c // P1)[None, :]) & 1) << 2)
+    else:
+        PB: tl.constexpr = D * BITS // 8
+        bb = tl.load(C + row_base[:, None] + (c % PB)[None, :], mask=m2, other=0).to(tl.int32)
+        u = (bb >> ((c // PB) * BITS)[None, :]) & ((1 << BITS) - 1)
+    sc = (c // BD)[None, :]
+    s = tl.load(SC + srow[:, None] + sc, mask=m2, other=0.0).to(tl.float32)
+    if KIND == 0:
+        x = (u - (1 << (BITS - 1))).to(tl.float32) * s
+    elif KIND == 1:
+        z = tl.load(ZP + srow[:, None] + sc, mask=m2, other=0.0).to(tl.float32)
+        x = u.to(tl.float32) * s + z
+    elif KIND == 2:
+        # e4m3 -> fp16 bit pattern (exponent rebased by 2**-8), exact
+        h = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+        x = h.to(tl.float32) * 256.0 * s
+    else:
+        # e5m2 is the top byte of fp16
+        h = (u << 8).to(tl.int16).to(tl.float16, bitcast=True)
+        x = h.to(tl.float32) * s
+    return x
+
+
+@triton.jit
+def _offsets(t, start, b, BT, sbt_b, P: tl.constexpr, hloc, s_cp, s_ch, s_sp, s_sh,
+             CB: tl.constexpr, NSD: tl.constexpr, BTS: tl.constexpr, STATIC: tl.constexpr, nmask):
+    """Element offsets of the code row and of the scale row of quantized tokens ``t``."""
+    i = t - start
+    lp = i // P
+    row = (i % P).to(tl.int64)
+    page = tl.load(BT + b * sbt_b + lp, mask=nmask, other=0).to(tl.int64)
+    row_base = page * s_cp + hloc * s_ch + row * CB
+    if STATIC:
+        srow = row_base * 0 + hloc * s_sh
+    else:
+        srow = page * s_sp + hloc * s_sh + (row // BTS) * NSD
+    return row_base, srow
+
+
+@triton.jit
+def _scores(q, k, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
+    if USE_DOT:
+        if DOT_FP16:
+            return tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+
+
+@triton.jit
+def _pv(p, v, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
+    if USE_DOT:
+        if DOT_FP16:
+            return tl.dot(p.to(tl.float16), v.to(tl.float16))
+        return tl.dot(p, v, input_precision="ieee")
+    return tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+@triton.jit
+def paged_decode_kernel(
+    Q, sq_b, sq_h,  # [B, Hq, D] queries (post-RoPE)
+    SEQ_LENS,  # [B] int32 tokens in each sequence (including this step's)
+    BT, sbt_b,  # [B, max_pages] int32 block table
+    HEADS, KMAP, VMAP,  # [n] int32: global kv head, its index in the K group and in the V group
+    KC, skc_p, skc_h, KS, KZ, sks_p, sks_h,  # key code pool, scale pool, zero pool
+    VC, svc_p, svc_h, VS, VZ, svs_p, svs_h,  # value pools
+    KF, skf_b, skf_h, skf_t,  # key full-precision buffer [slots, hK, sinks + cap_k, D]
+    VF, svf_b, svf_h, svf_t,
+    PO, PM, PL,  # partials [B, Hq, NSP, D], [B, Hq, NSP], [B, Hq, NSP] fp32
+    qk_scale,  # softmax scale * log2(e)
+    SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0,
+    HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, P: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_BD: tl.constexpr, K_BTS: tl.constexpr,
+    K_STATIC: tl.constexpr, K_CB: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_BD: tl.constexpr, V_BTS: tl.constexpr,
+    V_STATIC: tl.constexpr, V_CB: tl.constexpr,
+    TAIL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
+):
+    """Grid ``(B, n, NS)`` (main: quantized tokens, split ``pid2``) or ``(B, n, 1)`` (``TAIL``)."""
+    b = tl.program_id(0)
+    hi = tl.program_id(1)
+    sp = tl.program_id(2)
+    T = tl.load(SEQ_LENS + b)
+    hg = tl.load(HEADS + hi)
+    hk = tl.load(KMAP + hi).to(tl.int64)
+    hv = tl.load(VMAP + hi).to(tl.int64)
+    start = tl.minimum(SINKS, T)
+    avail = tl.maximum(T - start - WINDOW, 0)
+    end_k = start + avail - avail % TB_K
+    end_v = start + avail - avail % TB_V
+    e0 = tl.minimum(end_k, end_v)
+
+    c = tl.arange(0, D)
+    hr = tl.arange(0, BLOCK_H)
+    hmask = hr < REP
+    qh = hg * REP + hr
+    q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + c[None, :], mask=hmask[:, None], other=0.0)
+    q = q.to(tl.float32) * qk_scale
+
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    NSD_K: tl.constexpr = D // K_BD
+    NSD_V: tl.constexpr = D // V_BD
+    b64 = b.to(tl.int64)
+
+    if TAIL:
+        lo = 0
+        hi_ = start + (T - e0)
+    else:
+        lo = start + sp * CHUNK
+        hi_ = tl.minimum(lo + CHUNK, e0)
+    for v0 in range(lo, hi_, BLOCK_N):
+        vi = v0 + tl.arange(0, BLOCK_N)
+        nmask = vi < hi_
+        if TAIL:
+            t = tl.where(vi < start, vi, e0 + vi - start)
+            k_pg = nmask & (t >= start) & (t < end_k)
+            v_pg = nmask & (t >= start) & (t < end_v)
+            k_slot = tl.where(t < SINKS, t, SINKS + (t - SINKS) % CAP_K).to(tl.int64)
+            v_slot = tl.where(t < SINKS, t, SINKS + (t - SINKS) % CAP_V).to(tl.int64)
+        else:
+            t = vi
+            k_pg = nmask
+            v_pg = nmask
+        krow, ksrow = _offsets(t, start, b64, BT, sbt_b, P, hk, skc_p, skc_h, sks_p, sks_h,
+                               K_CB, NSD_K, K_BTS, K_STATIC, k_pg)
+        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, K_KIND, K_BITS, K_BD, D)
+        if TAIL:
+            kf = tl.load(KF + b64 * skf_b + hk * skf_h + k_slot[:, None] * skf_t + c[None, :],
+                         mask=(nmask & ~k_pg)[:, None], other=0.0).to(tl.float32)
+            k = tl.where(k_pg[:, None], k, kf)
+        s = _scores(q, k, USE_DOT, DOT_FP16)
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        vrow, vsrow = _offsets(t, start, b64, BT, sbt_b, P, hv, svc_p, svc_h, svs_p, svs_h,
+                               V_CB, NSD_V, V_BTS, V_STATIC, v_pg)
+        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, V_KIND, V_BITS, V_BD, D)
+        if TAIL:
+            vf = tl.load(VF + b64 * svf_b + hv * svf_h + v_slot[:, None] * svf_t + c[None, :],
+                         mask=(nmask & ~v_pg)[:, None], other=0.0).to(tl.float32)
+            v = tl.where(v_pg[:, None], v, vf)
+        acc = acc * alpha[:, None] + _pv(p, v, USE_DOT, DOT_FP16)
+        m_i = m_new
+
+    split = SPLIT0 + sp
+    prow = (b64 * HQ + qh) * NSP + split
+    tl.store(PO + prow[:, None] * D + c[None, :], acc, mask=hmask[:, None])
+    tl.store(PM + prow, m_i, mask=hmask)
+    tl.store(PL + prow, l_i, mask=hmask)
+
+
+@triton.jit
+def merge_kernel(PO, PM, PL, OUT, so_b, so_h, NSP, HQ: tl.constexpr, D: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """Combine the ``NSP`` partials of query head ``pid1`` of sequence ``pid0``. Grid ``(B, Hq)``."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sidx = tl.arange(0, BLOCK_S)
+    smask = sidx < NSP
+    c = tl.arange(0, D)
+    base = (b * HQ + h) * NSP
+    m = tl.load(PM + base + sidx, mask=smask, other=float("-inf"))
+    l = tl.load(PL + base + sidx, mask=smask, other=0.0)
+    M = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - M), 0.0)
+    acc = tl.load(PO + (base + sidx)[:, None] * D + c[None, :], mask=smask[:, None], other=0.0)
+    num = tl.sum(w[:, None] * acc, axis=0)
+    den = tl.sum(w * l, axis=0)
+    tl.store(OUT + b * so_b + h * so_h + c, (num / den).to(OUT.dtype.element_ty))

@@ -1,0 +1,227 @@
+"""Quantize-and-store: new (or flushed) K/V tokens -> codes and scales in the pages of a paged cache.
+
+``@triton.jit`` code only; the launcher is :mod:`kverr.gpu.launch`. Every number follows the
+oracle, :mod:`kverr.quant.reference`, bit for bit:
+
+* divisions are ``div_rn`` (IEEE round-to-nearest fp32; Triton's ``/`` is an approximate
+  division on the GPU);
+* scales are rounded *up* and zero points *down* to the scale dtype (``_ceil_cast`` /
+  ``_floor_cast``: round-to-nearest, then one ulp step through the integer bit pattern);
+* round-half-to-even is the add-and-subtract of 1.5 * 2**23 (exact for the clamped, small
+  values it sees, and free of libdevice so the interpreter runs it too);
+* fp8 bit patterns are produced with integer arithmetic (round-to-nearest-even), so the kernel
+  needs no hardware fp8 conversion and compiles for sm_80 as well as sm_90.
+
+Constexpr format codes (shared with :mod:`kernels.decode` and :mod:`kverr.gpu.spec`):
+``KIND`` 0 = int symmetric, 1 = int asymmetric, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = plain float;
+``SDT`` (scale dtype) 0 = fp32, 1 = fp16, 2 = bf16; ``GRAN`` 0 = one scale per row (token,
+token group), 1 = one scale over all rows of the job (channel groups of tokens, page),
+2 = static (scales given).
+"""
+
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, ties to even.
+_RINT_MAGIC = 12582912.0
+
+
+@triton.jit
+def _rint(y):
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _cast_step(v, SDT: tl.constexpr, UP: tl.constexpr):
+    """fp32 ``v`` rounded up (``UP``) or down to the scale dtype, returned as fp32 (exact)."""
+    if SDT == 0:
+        return v
+    if SDT == 1:
+        r = v.to(tl.float16)
+    else:
+        r = v.to(tl.bfloat16)
+    rf = r.to(tl.float32)
+    bits = r.to(tl.int16, bitcast=True).to(tl.int32)
+    if UP:
+        wrong = rf < v
+        # one ulp towards +inf: magnitude up for positives, down for negatives, +0 -> +tiny.
+        nb = tl.where(rf > 0, bits + 1, tl.where(rf == 0, 1, bits - 1))
+    else:
+        wrong = rf > v
+        nb = tl.where(rf > 0, bits - 1, tl.where(rf == 0, 0x8001, bits + 1))
+    if SDT == 1:
+        stepped = nb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        stepped = nb.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return tl.where(wrong, stepped, rf)
+
+
+@triton.jit
+def _fp8_bits(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """Bit pattern (int32 in [0, 255]) of fp32 ``y`` (finite, within the fp8 range) in an fp8
+    format with ``MBITS`` mantissa bits and smallest normal exponent ``EMIN``; RNE."""
+    ybits = y.to(tl.int32, bitcast=True)
+    a = tl.abs(y)
+    e = ((ybits >> 23) & 0xFF) - 127  # floor(log2 |y|) for normal fp32; <= -127 otherwise
+    E = tl.maximum(e, EMIN)
+    # |y| / quantum, quantum = 2**(E - MBITS): a power-of-two scaling, exact in fp32.
+    inv_q = ((MBITS - E + 127) << 23).to(tl.float32, bitcast=True)
+    n = _rint(a * inv_q).to(tl.int32)
+    code = ((E - EMIN) << MBITS) + n  # also right when rounding carries into the next binade
+    return tl.where(ybits < 0, code | 0x80, code)
+
+
+@triton.jit
+def _encode(x, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Codes (int32) of fp32 ``x`` with stored scale ``s`` and zero ``m`` (fp32, broadcast)."""
+    s_div = tl.where(s > 0, s, 1.0)
+    if KIND == 0:
+        L: tl.constexpr = (1 << (BITS - 1)) - 1
+        y = tl.math.div_rn(x, s_div)
+        y = tl.minimum(tl.maximum(y, -L), L)
+        return _rint(y).to(tl.int32) + (1 << (BITS - 1))
+    elif KIND == 1:
+        L2: tl.constexpr = (1 << BITS) - 1
+        y = tl.math.div_rn(x - m, s_div)
+        y = tl.minimum(tl.maximum(y, 0.0), L2)
+        return _rint(y).to(tl.int32)
+    elif KIND == 2:
+        y = tl.math.div_rn(x, s_div)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        return _fp8_bits(y, 3, -6)
+    else:
+        y = tl.math.div_rn(x, s_div)
+        y = tl.minimum(tl.maximum(y, -57344.0), 57344.0)
+        return _fp8_bits(y, 2, -14)
+
+
+@triton.jit
+def _params(lo, hi, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
+    """Stored (scale, zero) as fp32 for the block range ``[lo, hi]`` (``hi`` = amax if symmetric)."""
+    if KIND == 0:
+        L: tl.constexpr = (1 << (BITS - 1)) - 1
+        s = _cast_step(tl.math.div_rn(hi, L * 1.0), SDT, True)
+        return s, s * 0.0
+    elif KIND == 1:
+        L2: tl.constexpr = (1 << BITS) - 1
+        m = _cast_step(lo, SDT, False)
+        s = _cast_step(tl.math.div_rn(hi - m, L2 * 1.0), SDT, True)
+        return s, m
+    elif KIND == 2:
+        s = _cast_step(tl.math.div_rn(hi, 448.0), SDT, True)
+        return s, s * 0.0
+    else:
+        s = _cast_step(tl.math.div_rn(hi, 57344.0), SDT, True)
+        return s, s * 0.0
+
+
+@triton.jit
+def quant_store_kernel(
+    X, sx_n, sx_h,  # new tokens [N, H, D] (any float dtype)
+    FP, sf_b, sf_h, sf_t,  # full-precision buffer [slots, h, sinks + cap, D] of this head group
+    HEADS,  # [h] int32: global kv head of each local head
+    JOB_PAGE, JOB_ROW0, JOB_NROWS, JOB_B,  # [J] int32
+    SRC_NEW, SRC_SLOT,  # [J, BLOCK_R] int32: row of X, or slot of FP, or -1
+    CODES, sc_p, sc_h,  # code pool [pages, h, P, CB] (uint8, or the float dtype)
+    SCALE, ZERO, ss_p, ss_h,  # scale pools [pages, h, P // BT_S, NSD] or static [h, NSD]
+    D: tl.constexpr, CB: tl.constexpr, BLOCK_R: tl.constexpr,
+    KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
+    GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
+):
+    """One program quantizes the rows of one job (consecutive tokens of one page) for one head.
+
+    Grid ``(J, h)``.
+    """
+    j = tl.program_id(0)
+    hl = tl.program_id(1)
+    hg = tl.load(HEADS + hl)
+    page = tl.load(JOB_PAGE + j).to(tl.int64)
+    row0 = tl.load(JOB_ROW0 + j)
+    nrows = tl.load(JOB_NROWS + j)
+    b = tl.load(JOB_B + j).to(tl.int64)
+
+    r = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, D)
+    rmask = r < nrows
+    src_new = tl.load(SRC_NEW + j * BLOCK_R + r, mask=rmask, other=-1)
+    src_slot = tl.load(SRC_SLOT + j * BLOCK_R + r, mask=rmask, other=-1)
+    from_x = src_new >= 0
+    from_fp = src_slot >= 0
+    xa = tl.load(
+        X + src_new.to(tl.int64)[:, None] * sx_n + hg * sx_h + c[None, :],
+        mask=from_x[:, None], other=0.0,
+    ).to(tl.float32)
+    xb = tl.load(
+        FP + b * sf_b + hl * sf_h + src_slot.to(tl.int64)[:, None] * sf_t + c[None, :],
+        mask=from_fp[:, None], other=0.0,
+    ).to(tl.float32)
+    x = tl.where(from_x[:, None], xa, xb)
+
+    rows = (row0 + r).to(tl.int64)
+    code_base = CODES + page * sc_p + hl * sc_h + rows[:, None] * CB
+    if KIND == 4:
+        tl.store(code_base + c[None, :], x.to(CODES.dtype.element_ty), mask=rmask[:, None])
+        return
+
+    NG: tl.constexpr = D // BD
+    g = tl.arange(0, NG)
+    x3 = tl.reshape(x, (BLOCK_R, NG, BD))
+    SYM: tl.constexpr = KIND != 1
+    scale_base = SCALE + page * ss_p + hl * ss_h
+    zero_base = ZERO + page * ss_p + hl * ss_h
+    if GRAN == 0:
+        # one scale per (row, channel group)
+        if SYM:
+            hi = tl.max(tl.abs(x3), axis=2)
+            lo = -hi
+        else:
+            lo = tl.min(x3, axis=2)
+            hi = tl.max(x3, axis=2)
+        s, m = _params(lo, hi, KIND, BITS, SDT)
+        u3 = _encode(x3, s[:, :, None], m[:, :, None], KIND, BITS)
+        soff = rows[:, None] * NG + g[None, :]
+        tl.store(scale_base + soff, s, mask=rmask[:, None])
+        if KIND == 1:
+            tl.store(zero_base + soff, m, mask=rmask[:, None])
+    else:
+        if GRAN == 1:
+            # one scale per channel group over all rows of the job (a whole token block)
+            r3 = rmask[:, None, None]
+            if SYM:
+                hi = tl.max(tl.max(tl.where(r3, tl.abs(x3), 0.0), axis=2), axis=0)
+                lo = -hi
+            else:
+                lo = tl.min(tl.min(tl.where(r3, x3, float("inf")), axis=2), axis=0)
+                hi = tl.max(tl.max(tl.where(r3, x3, float("-inf")), axis=2), axis=0)
+            s, m = _params(lo, hi, KIND, BITS, SDT)
+            soff = (row0 // BT_S) * NG + g
+            tl.store(scale_base + soff, s)
+            if KIND == 1:
+                tl.store(zero_base + soff, m)
+        else:
+            # static: calibrated scales [h, NG]
+            s = tl.load(SCALE + hl * ss_h + g).to(tl.float32)
+            if KIND == 1:
+                m = tl.load(ZERO + hl * ss_h + g).to(tl.float32)
+            else:
+                m = s * 0.0
+        u3 = _encode(x3, s[None, :, None], m[None, :, None], KIND, BITS)
+    u = tl.reshape(u3, (BLOCK_R, D))
+
+    if BITS == 8:
+        tl.store(code_base + c[None, :], u.to(tl.uint8), mask=rmask[:, None])
+    elif BITS == 3:
+        # bit-sliced: a planar 2-bit plane of D // 4 bytes, then a planar 1-bit plane of D // 8
+        lo3 = tl.reshape(u & 3, (BLOCK_R, 4, D // 4))
+        lo_b = tl.sum(lo3 << (tl.arange(0, 4) * 2)[None, :, None], axis=1)
+        tl.store(code_base + tl.arange(0, D // 4)[None, :], lo_b.to(tl.uint8), mask=rmask[:, None])
+        hi3 = tl.reshape(u >> 2, (BLOCK_R, 8, D // 8))
+        hi_b = tl.sum(hi3 << tl.arange(0, 8)[None, :, None], axis=1)
+        tl.store(code_base + D // 4 + tl.arange(0, D // 8)[None, :], hi_b.to(tl.uint8), mask=rmask[:, None])
+    else:
+        # planar: bit slice j of byte i holds channel j * PB + i
+        K: tl.constexpr = 8 // BITS
+        PB: tl.constexpr = D // K
+        u3p = tl.reshape(u, (BLOCK_R, K, PB))
+        packed = tl.sum(u3p << (tl.arange(0, K) * BITS)[None, :, None], axis=1)
+        tl.store(code_base + tl.arange(0, PB)[None, :], packed.to(tl.uint8), mask=rmask[:, None])

@@ -1,0 +1,554 @@
+"""A paged, quantized KV cache driven by the Triton kernels: plan once per step, run per layer.
+
+Layout
+------
+One block table ``[max_batch, max_pages]`` (int32) is shared by every layer, K/V and head group:
+logical page ``p`` of sequence ``b`` is physical page ``block_table[b, p]`` of *every* pool, as in
+vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the cache holds
+
+* ``codes``  ``[num_pages, h, page_size, cb]`` uint8 (planar packed codes, fp8 bit patterns) or
+  the plain float dtype (``cb = D``);
+* ``scale``/``zero`` ``[num_pages, h, page_size // bts, D // bd]`` in the scale dtype, i.e. one
+  row per token (token, token groups), per token block (channel groups) or per page; static
+  granularities hold ``[h, D // bd]`` once;
+* ``fp`` ``[max_batch, h, sinks + window + tb, D]`` in ``window_dtype``: the sink tokens in slots
+  ``[0, sinks)`` and the full-precision window as a ring (token ``t`` in slot
+  ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data.
+
+Token policy is exactly :func:`kverr.quant.token_regions`: page ``p`` holds quantized tokens
+``sinks + p*P .. sinks + (p+1)*P``. A token that waited in the window is quantized from its
+``window_dtype`` copy when its block fills (inputs already in ``window_dtype``, as a model
+produces them, give codes bit-identical to the reference).
+
+Usage::
+
+    cache = PagedKVCache(config, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D,
+                         max_batch=B, max_tokens=T_max, device="cuda")
+    step = cache.plan([n_new_0, ..., n_new_{B-1}])     # host bookkeeping once per step
+    for layer in range(L):
+        cache.store(step, layer, k_new, v_new)          # [N_new, H, D] rows, sequences in order
+        out = cache.decode(step, layer, q)              # [B, Hq, D]: the last query of each sequence
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kverr.errors import ConfigError, KernelError, ShapeError
+from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec
+from kverr.quant.formats import TORCH_DTYPES, is_static
+from kverr.quant.reference import QTensor, dequantize
+from kverr.quant.store import quantize_region
+
+log = logging.getLogger(__name__)
+
+#: Most rows a store job quantizes for per-row granularities (one tile of the store kernel).
+JOB_ROWS = 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(eq=False)
+class Pool:
+    """Storage of one ``(layer, K|V, head group)``."""
+
+    spec: KernelSpec
+    heads: list[int]
+    heads_t: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    fp: torch.Tensor
+    cap: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero, self.fp) if t is not None)
+
+
+@dataclass(eq=False)
+class StoreJobs:
+    """Work of one step for the pools whose token block is ``tb`` (device tensors)."""
+
+    tb: int
+    n_jobs: int
+    block_r: int
+    page: torch.Tensor
+    row0: torch.Tensor
+    nrows: torch.Tensor
+    seq: torch.Tensor
+    src_new: torch.Tensor
+    src_slot: torch.Tensor
+    n_fp: int
+    fp_row: torch.Tensor
+    fp_seq: torch.Tensor
+    fp_slot: torch.Tensor
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """Everything a step needs that does not depend on the layer (see :meth:`PagedKVCache.plan`)."""
+
+    new_tokens: np.ndarray
+    lengths: np.ndarray
+    n_rows: int
+    store: dict[int, StoreJobs]
+    seq_lens: torch.Tensor
+    num_splits: int
+    chunk: int
+    partial_o: torch.Tensor
+    partial_m: torch.Tensor
+    partial_l: torch.Tensor
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Launch:
+    """One decode launch: the kv heads of a layer whose (K format, V format) pair is the same."""
+
+    kpool: Pool
+    vpool: Pool
+    heads: list[int]
+    heads_t: torch.Tensor
+    kmap: torch.Tensor
+    vmap: torch.Tensor
+
+
+def calibrate_static_scales(config, keys, values) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]:
+    """Static scales for every static-granularity head group, from calibration data.
+
+    Parameters
+    ----------
+    config : CacheConfig
+    keys, values : list of array ``[B, kv_head, token, channel]``, one per layer
+        The scales are taken, as :class:`kverr.quant.ReferenceStore` takes them, jointly over
+        the quantized tokens of all ``B`` sequences with :func:`kverr.quant.quantize_region`.
+
+    Returns
+    -------
+    dict
+        ``(layer, "k"|"v", first_head) -> (scale, zero)``, ready for :class:`PagedKVCache`.
+    """
+    from kverr.quant.store import token_regions
+
+    out = {}
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        for which, x in (("k", k), ("v", v)):
+            x = torch.as_tensor(x).float()
+            H, T = x.shape[1], x.shape[2]
+            for fmt, heads in config.head_groups(layer, H, which):
+                if fmt.is_float or not is_static(fmt.granularity):
+                    continue
+                start, end = token_regions(T, config, fmt)
+                region = x[:, heads, start:end] if end > start else x[:, heads]
+                qt = quantize_region(region, fmt, config.page_size)
+                out[(layer, which, heads[0])] = (qt.scale[0], None if qt.zero is None else qt.zero[0])
+    return out
+
+
+class PagedKVCache:
+    """Paged quantized KV cache for ``max_batch`` sequences of a model (see the module docs).
+
+    Parameters
+    ----------
+    config : CacheConfig
+        Formats per layer and head, sinks, window, page size, window dtype.
+    n_layers, n_kv_heads, n_q_heads, head_dim : int
+        Model shape; ``n_q_heads`` a multiple of ``n_kv_heads`` (query head ``h`` reads kv head
+        ``h // (n_q_heads // n_kv_heads)``).
+    max_batch : int
+        Sequence slots.
+    max_tokens : int
+        Longest sequence; sizes the block table (and, unless ``num_pages`` is given, the pools).
+    device : str or torch.device
+        ``"cuda"`` for real kernels; ``"cpu"`` under ``TRITON_INTERPRET=1``.
+    static_scales : dict, optional
+        Calibrated scales for static granularities, see :func:`calibrate_static_scales`.
+    num_pages : int, optional
+        Physical pages per pool (default: enough for every slot at ``max_tokens``).
+    dot_fp16 : bool
+        Multiply in fp16 on tensor cores (fp32 accumulation); default fp32 (IEEE) products.
+    block_n : int, optional
+        Tokens per decode tile (default 64 for D <= 64, else 32).
+    """
+
+    def __init__(self, config, *, n_layers: int, n_kv_heads: int, n_q_heads: int, head_dim: int,
+                 max_batch: int, max_tokens: int, device: str | torch.device | None = None,
+                 static_scales: dict | None = None, num_pages: int | None = None,
+                 dot_fp16: bool = False, block_n: int | None = None) -> None:
+        from kverr.config import CacheConfig
+
+        if not isinstance(config, CacheConfig):
+            raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
+        for name, val in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("n_q_heads", n_q_heads),
+                          ("max_batch", max_batch), ("max_tokens", max_tokens)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ShapeError(f"{name}={val!r} must be a positive integer")
+        if n_q_heads % n_kv_heads:
+            raise ShapeError(f"n_q_heads={n_q_heads} is not a multiple of n_kv_heads={n_kv_heads}")
+        check_head_dim(head_dim)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and not interpreting():
+            raise KernelError(
+                f"the Triton kernels need a CUDA device, got {self.device}; on a CPU set "
+                "TRITON_INTERPRET=1 before importing kverr.gpu to run them in the interpreter"
+            )
+        config.check_model(n_layers, n_kv_heads, head_dim)
+        self.config = config
+        self.L, self.H, self.Hq, self.D = n_layers, n_kv_heads, n_q_heads, head_dim
+        self.rep = n_q_heads // n_kv_heads
+        self.B = max_batch
+        self.P = config.page_size
+        self.S = config.sinks
+        self.W = config.window
+        self.max_pages = -(-max_tokens // self.P)
+        self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages
+        self.dot_fp16 = bool(dot_fp16)
+        self.block_n = block_n or (64 if head_dim <= 64 else 32)
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise KernelError(f"block_n={self.block_n} must be a power of two >= 16")
+        wdt = TORCH_DTYPES[config.window_dtype]
+        static_scales = dict(static_scales or {})
+        dev = self.device
+
+        self.pools: list[dict[str, list[Pool]]] = []
+        self.launches: list[list[_Launch]] = []
+        for layer in range(n_layers):
+            per: dict[str, list[Pool]] = {}
+            for which in ("k", "v"):
+                per[which] = []
+                for fmt, heads in config.head_groups(layer, n_kv_heads, which):
+                    spec = kernel_spec(fmt, head_dim, self.P)
+                    h = len(heads)
+                    codes = torch.zeros((self.num_pages, h, self.P, spec.cb), dtype=spec.codes_dtype, device=dev)
+                    scale = zero = None
+                    if spec.kind != KIND_FLOAT:
+                        ncol = head_dim // spec.bd
+                        if spec.static:
+                            key = (layer, which, heads[0])
+                            if key not in static_scales:
+                                raise KernelError(
+                                    f"layer {layer} {which} heads {heads}: {fmt.label()} has static scales; "
+                                    "pass static_scales (see kverr.gpu.calibrate_static_scales)"
+                                )
+                            s, z = static_scales[key]
+                            scale = self._static(s, h, ncol, spec, "scale", key)
+                            if spec.kind == 1:
+                                if z is None:
+                                    raise KernelError(f"{key}: {fmt.label()} is asymmetric and needs a static zero point")
+                                zero = self._static(z, h, ncol, spec, "zero", key)
+                        else:
+                            shape = (self.num_pages, h, spec.scale_rows(self.P), ncol)
+                            scale = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
+                            if spec.kind == 1:
+                                zero = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
+                    cap = self.W + spec.tb
+                    fp = torch.zeros((max_batch, h, self.S + cap, head_dim), dtype=wdt, device=dev)
+                    per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
+                                           codes, scale, zero, fp, cap))
+            self.pools.append(per)
+            self.launches.append(self._make_launches(per))
+        self.block_table = np.zeros((max_batch, self.max_pages), dtype=np.int32)
+        self.block_table_t = torch.zeros((max_batch, self.max_pages), dtype=torch.int32, device=dev)
+        self.lengths = np.zeros(max_batch, dtype=np.int64)
+        self.pages_held = np.zeros(max_batch, dtype=np.int64)
+        self.free_pages = list(range(self.num_pages - 1, -1, -1))
+        self.token_blocks = sorted({p.spec.tb for per in self.pools for ps in per.values() for p in ps})
+
+    # ---- construction helpers ----------------------------------------------------------------
+
+    def _static(self, t, h, ncol, spec: KernelSpec, what, key) -> torch.Tensor:
+        t = torch.as_tensor(t).float()
+        try:
+            t = torch.broadcast_to(t.reshape(-1, 1, t.shape[-1]) if t.ndim >= 1 else t.reshape(1, 1, 1), (h, 1, ncol))
+        except RuntimeError:
+            raise ShapeError(f"{key}: static {what} of shape {tuple(t.shape)} does not fit {h} heads x {ncol} columns") from None
+        return t.reshape(h, ncol).to(spec.scale_dtype).to(self.device).contiguous()
+
+    def _make_launches(self, per: dict[str, list[Pool]]) -> list[_Launch]:
+        owner = {}
+        for w in ("k", "v"):
+            for pool in per[w]:
+                for i, h in enumerate(pool.heads):
+                    owner[(w, h)] = (pool, i)
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for h in range(self.H):
+            pairs.setdefault((id(owner[("k", h)][0]), id(owner[("v", h)][0])), []).append(h)
+        out = []
+        for heads in pairs.values():
+            kp, vp = owner[("k", heads[0])][0], owner[("v", heads[0])][0]
+            mk = lambda vals: torch.tensor(vals, dtype=torch.int32, device=self.device)  # noqa: E731
+            out.append(_Launch(kp, vp, heads, mk(heads), mk([owner[("k", h)][1] for h in heads]),
+                               mk([owner[("v", h)][1] for h in heads])))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache allocated (pools, fp buffers, block table)."""
+        return sum(p.nbytes for per in self.pools for ps in per.values() for p in ps) + self.block_table_t.numel() * 4
+
+    # ---- token policy ------------------------------------------------------------------------
+
+    def region_end(self, T: np.ndarray | int, tb: int):
+        """End of the quantized region of ``T`` tokens for token block ``tb`` (cf. token_regions)."""
+        T = np.asarray(T, dtype=np.int64)
+        start = np.minimum(self.S, T)
+        avail = np.maximum(0, T - start - self.W)
+        return start + avail - avail % tb
+
+    def reset(self, seq: int) -> None:
+        """Forget sequence slot ``seq`` and return its pages to the free list."""
+        for p in range(int(self.pages_held[seq])):
+            self.free_pages.append(int(self.block_table[seq, p]))
+        self.pages_held[seq] = 0
+        self.lengths[seq] = 0
+
+    # ---- plan (once per step) ------------------------------------------------------------------
+
+    def plan(self, new_tokens, *, num_splits: int | None = None) -> StepPlan:
+        """Append ``new_tokens[b]`` tokens to every sequence ``b``; build the step's work lists.
+
+        The lengths advance immediately: call :meth:`store` for every layer with the returned
+        plan before :meth:`decode` reads it.
+        """
+        n = np.asarray(new_tokens, dtype=np.int64).reshape(-1)
+        if n.shape[0] != self.B or (n < 0).any():
+            raise ShapeError(f"new_tokens must hold {self.B} non-negative counts (one per slot), got {n.tolist()}")
+        T0 = self.lengths.copy()
+        T1 = T0 + n
+        if (T1 > self.max_pages * self.P).any():
+            raise ShapeError(f"a sequence would exceed max_tokens={self.max_pages * self.P}: lengths {T1.tolist()}")
+        # pages: enough for the longest quantized region among the token blocks
+        need_end = np.max([self.region_end(T1, tb) for tb in self.token_blocks], axis=0)
+        need = -(-(np.maximum(need_end - np.minimum(self.S, T1), 0)) // self.P)
+        changed = False
+        for b in range(self.B):
+            while self.pages_held[b] < need[b]:
+                if not self.free_pages:
+                    raise KernelError(f"the cache is out of pages ({self.num_pages} per pool); raise num_pages")
+                self.block_table[b, self.pages_held[b]] = self.free_pages.pop()
+                self.pages_held[b] += 1
+                changed = True
+        if changed:
+            self.block_table_t.copy_(torch.from_numpy(self.block_table))
+        cu = np.concatenate([[0], np.cumsum(n)])
+        store = {tb: self._jobs(tb, T0, T1, cu) for tb in self.token_blocks}
+        self.lengths = T1
+
+        max_q = int(max(0, (T1 - np.minimum(self.S, T1)).max()))
+        bn = self.block_n
+        if num_splits is None:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
+            num_splits = max(1, -(-2 * sms // (self.B * self.H)))
+        ns = min(int(num_splits), -(-max_q // bn)) if max_q else 0
+        chunk = (-(-(-(-max_q // ns)) // bn) * bn) if ns else 0
+        nsp = ns + 1
+        dev = self.device
+        return StepPlan(
+            new_tokens=n, lengths=T1.copy(), n_rows=int(n.sum()), store=store,
+            seq_lens=torch.tensor(T1, dtype=torch.int32, device=dev), num_splits=ns, chunk=chunk,
+            partial_o=torch.empty((self.B, self.Hq, nsp, self.D), dtype=torch.float32, device=dev),
+            partial_m=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
+            partial_l=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
+        )
+
+    def _jobs(self, tb: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
+        S, P, cap = self.S, self.P, self.W + tb
+        e0, e1 = self.region_end(T0, tb), self.region_end(T1, tb)
+        q_t, q_b, fp_t, fp_b = [], [], [], []
+        for b in range(self.B):
+            if e1[b] > e0[b]:
+                q_t.append(np.arange(e0[b], e1[b]))
+                q_b.append(np.full(e1[b] - e0[b], b))
+            t = np.arange(T0[b], T1[b])
+            keep = (t < S) | (t >= e1[b])
+            fp_t.append(t[keep])
+            fp_b.append(np.full(int(keep.sum()), b))
+        dev = self.device
+        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev)  # noqa: E731
+        t = np.concatenate(q_t) if q_t else np.zeros(0, np.int64)
+        b = np.concatenate(q_b) if q_b else np.zeros(0, np.int64)
+        if t.size:
+            i = t - S
+            page = self.block_table[b, i // P]
+            row = i % P
+            src_new = np.where(t >= T0[b], cu[b] + t - T0[b], -1)
+            src_slot = np.where(t >= T0[b], -1, S + (t - S) % cap)
+            if tb == 1:
+                key = (i // P) * P + row // JOB_ROWS
+            else:
+                key = i // tb
+            key = b * (1 << 40) + key
+            starts = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1])
+            nrows = np.diff(np.concatenate([starts, [t.size]]))
+            block_r = _next_pow2(int(nrows.max()))
+            job_of = np.repeat(np.arange(starts.size), nrows)
+            pos = np.arange(t.size) - starts[job_of]
+            sn = np.full((starts.size, block_r), -1, np.int64)
+            ss = np.full((starts.size, block_r), -1, np.int64)
+            sn[job_of, pos] = src_new
+            ss[job_of, pos] = src_slot
+            jobs = dict(n_jobs=int(starts.size), block_r=block_r, page=i32(page[starts]), row0=i32(row[starts]),
+                        nrows=i32(nrows), seq=i32(b[starts]), src_new=i32(sn), src_slot=i32(ss))
+        else:
+            z = i32(np.zeros(1))
+            jobs = dict(n_jobs=0, block_r=1, page=z, row0=z, nrows=z, seq=z, src_new=z, src_slot=z)
+        ft = np.concatenate(fp_t) if fp_t else np.zeros(0, np.int64)
+        fb = np.concatenate(fp_b) if fp_b else np.zeros(0, np.int64)
+        slot = np.where(ft < S, ft, S + (ft - S) % cap)
+        row_new = cu[fb] + ft - T0[fb]
+        to_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)  # noqa: E731
+        return StoreJobs(tb=tb, **jobs, n_fp=int(ft.size), fp_row=to_long(row_new), fp_seq=to_long(fb),
+                         fp_slot=to_long(slot))
+
+    # ---- run (per layer) ---------------------------------------------------------------------
+
+    def _rows(self, x, step: StepPlan, name: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch tensor")
+        if not x.is_floating_point():
+            raise ShapeError(f"{name} must be floating point, got {x.dtype}")
+        if x.device.type != self.device.type:
+            raise KernelError(f"{name} is on {x.device}, the cache on {self.device}")
+        if x.ndim == 4:  # [B, H, n, D] with equal n
+            n = int(x.shape[2])
+            if x.shape[0] != self.B or not (step.new_tokens == n).all():
+                raise ShapeError(f"{name} of shape {tuple(x.shape)} needs new_tokens == [{n}] * {self.B}")
+            x = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
+        if x.ndim != 3 or x.shape[0] != step.n_rows or x.shape[1] != self.H or x.shape[2] != self.D:
+            raise ShapeError(
+                f"{name} has shape {tuple(x.shape)}; want [{step.n_rows}, {self.H}, {self.D}] "
+                "(this step's new tokens of every sequence, in order) or [B, H, n, D]"
+            )
+        if x.stride(2) != 1:
+            x = x.contiguous()
+        return x
+
+    def store(self, step: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize-and-store this step's new keys and values of ``layer``."""
+        from kverr.gpu.launch import launch_store
+
+        self._check_layer(layer)
+        for which, x in (("k", k), ("v", v)):
+            x = self._rows(x, step, which)
+            for pool in self.pools[layer][which]:
+                jobs = step.store[pool.spec.tb]
+                # quantize first: a job may read a window slot this step's new tokens overwrite
+                if jobs.n_jobs:
+                    launch_store(pool, jobs, x, self.D, self.P)
+                if jobs.n_fp:
+                    vals = x.index_select(0, jobs.fp_row).index_select(1, pool.heads_t.long())
+                    pool.fp[jobs.fp_seq, :, jobs.fp_slot] = vals.to(pool.fp.dtype)
+
+    def decode(self, step: StepPlan, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one query per sequence over its cached tokens (all of them).
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[B, n_q_heads, D]`` post-RoPE queries.
+        sm_scale : float, optional
+            Logit scale, default ``1/sqrt(D)``.
+        out : torch.Tensor, optional
+            ``[B, n_q_heads, D]`` output buffer (default: a new tensor of ``q``'s dtype).
+
+        Returns
+        -------
+        torch.Tensor
+            ``[B, n_q_heads, D]``.
+        """
+        from kverr.gpu.launch import launch_decode, launch_merge
+
+        self._check_layer(layer)
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != (self.B, self.Hq, self.D):
+            raise ShapeError(f"q must be [{self.B}, {self.Hq}, {self.D}], got {tuple(getattr(q, 'shape', ()))}")
+        if q.device.type != self.device.type:
+            raise KernelError(f"q is on {q.device}, the cache on {self.device}")
+        if (step.lengths < 1).any():
+            raise ShapeError(f"every sequence needs at least one cached token to decode; lengths {step.lengths.tolist()}")
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        if out is None:
+            out = torch.empty_like(q)
+        scale = (1.0 / math.sqrt(self.D)) if sm_scale is None else float(sm_scale)
+        for ln in self.launches[layer]:
+            if step.num_splits:
+                launch_decode(self, step, ln, q, scale, tail=False)
+            launch_decode(self, step, ln, q, scale, tail=True)
+        launch_merge(step, out, self.Hq, self.D)
+        return out
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.L:
+            raise ShapeError(f"layer={layer} out of range (the cache has {self.L} layers)")
+
+    # ---- read back (inspection, tests, validation) --------------------------------------------
+
+    def quantized(self, layer: int, which: str, seq: int) -> list[tuple[QTensor, list[int], int, int]]:
+        """The quantized region of sequence ``seq`` as reference :class:`QTensor` s, per head group.
+
+        Returns ``[(qtensor, heads, start, end)]`` where ``qtensor`` has shape ``[h, end-start, D]``
+        and is read from the pages through the block table, so it can be compared code for code
+        with :func:`kverr.quant.quantize` and decoded with :func:`kverr.quant.dequantize`.
+        """
+        self._check_layer(layer)
+        T = int(self.lengths[seq])
+        out = []
+        for pool in self.pools[layer][which]:
+            spec = pool.spec
+            start = min(self.S, T)
+            end = int(self.region_end(T, spec.tb))
+            n = end - start
+            i = np.arange(n)
+            pages = torch.from_numpy(self.block_table[seq, i // self.P].astype(np.int64)).to(self.device)
+            rows = torch.from_numpy(i % self.P).to(self.device)
+            codes = pool.codes[pages, :, rows].permute(1, 0, 2)  # [h, n, cb]
+            scale = zero = None
+            if spec.kind != KIND_FLOAT:
+                if spec.static:
+                    # a per-tensor block spans the group's heads: one scale (stored per head)
+                    hs = 1 if spec.fmt.granularity.kind == "tensor" else len(pool.heads)
+                    scale = pool.scale[:hs, None, :]
+                    zero = None if pool.zero is None else pool.zero[:hs, None, :]
+                else:
+                    bt = spec.bts
+                    blk = np.arange(-(-n // bt)) * bt if spec.gran == GRAN_BLOCK else i
+                    bp = torch.from_numpy(self.block_table[seq, blk // self.P].astype(np.int64)).to(self.device)
+                    br = torch.from_numpy((blk % self.P) // bt).to(self.device)
+                    scale = pool.scale[bp, :, br].permute(1, 0, 2)
+                    zero = None if pool.zero is None else pool.zero[bp, :, br].permute(1, 0, 2)
+            fmt = spec.fmt
+            qt = QTensor(codes.cpu(), None if scale is None else scale.cpu(), None if zero is None else zero.cpu(),
+                         fmt, (len(pool.heads), n, self.D), self.P)
+            out.append((qt, pool.heads, start, end))
+        return out
+
+    def read(self, layer: int, which: str, seq: int) -> torch.Tensor:
+        """What the cache holds for sequence ``seq``: float32 ``[n_kv_heads, T, D]`` (dequantized
+        with the reference :func:`kverr.quant.dequantize`; sinks and window from the fp buffer)."""
+        T = int(self.lengths[seq])
+        res = torch.full((self.H, T, self.D), float("nan"))
+        for (qt, heads, start, end), pool in zip(self.quantized(layer, which, seq), self.pools[layer][which]):
+            if end > start:
+                res[heads, start:end] = dequantize(qt)
+            t = np.concatenate([np.arange(0, start), np.arange(end, T)]).astype(np.int64)
+            slot = np.where(t < self.S, t, self.S + (t - self.S) % pool.cap)
+            fp = pool.fp[seq][:, torch.from_numpy(slot).to(self.device)].float().cpu()
+            res[torch.tensor(heads)[:, None], torch.from_numpy(t)[None, :]] = fp
+        return res

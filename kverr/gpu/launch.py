@@ -1,0 +1,97 @@
+"""Kernel launches: argument marshalling and grids (inputs are checked by :mod:`kverr.gpu.cache`)."""
+
+from __future__ import annotations
+
+import torch
+
+from kverr.gpu.spec import KernelSpec
+
+
+def _kernels():
+    # imported lazily: TRITON_INTERPRET must be set before the kernel modules are imported
+    from kverr_kernels import decode, quant_store
+
+    return quant_store, decode
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def store_constexprs(spec: KernelSpec, D: int, block_r: int) -> dict:
+    return dict(D=D, CB=spec.cb, BLOCK_R=block_r, KIND=spec.kind, BITS=spec.bits, SDT=spec.sdt,
+                GRAN=spec.gran, BD=spec.bd, BT_S=spec.bts)
+
+
+def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
+    qs, _ = _kernels()
+    spec = pool.spec
+    scale = pool.scale if pool.scale is not None else pool.codes
+    zero = pool.zero if pool.zero is not None else scale
+    if spec.static or pool.scale is None:
+        ss_p, ss_h = 0, scale.stride(0) if pool.scale is not None else 0
+    else:
+        ss_p, ss_h = scale.stride(0), scale.stride(1)
+    grid = (jobs.n_jobs, len(pool.heads))
+    qs.quant_store_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        pool.fp, pool.fp.stride(0), pool.fp.stride(1), pool.fp.stride(2),
+        pool.heads_t,
+        jobs.page, jobs.row0, jobs.nrows, jobs.seq, jobs.src_new, jobs.src_slot,
+        pool.codes, pool.codes.stride(0), pool.codes.stride(1),
+        scale, zero, ss_p, ss_h,
+        **store_constexprs(spec, D, jobs.block_r),
+    )
+
+
+def _fmt_args(pool):
+    spec = pool.spec
+    scale = pool.scale if pool.scale is not None else pool.codes
+    zero = pool.zero if pool.zero is not None else scale
+    if pool.scale is None:
+        sp, sh = 0, 0
+    elif spec.static:
+        sp, sh = 0, scale.stride(0)
+    else:
+        sp, sh = scale.stride(0), scale.stride(1)
+    return (pool.codes, pool.codes.stride(0), pool.codes.stride(1), scale, zero, sp, sh)
+
+
+def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, rep: int, block_n: int,
+                      P: int, tail: bool, dot_fp16: bool) -> dict:
+    return dict(
+        HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep)), BLOCK_N=block_n, P=P,
+        K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb,
+        V_KIND=vspec.kind, V_BITS=vspec.bits, V_BD=vspec.bd, V_BTS=vspec.bts, V_STATIC=vspec.static, V_CB=vspec.cb,
+        TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16,
+    )
+
+
+def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bool) -> None:
+    _, dk = _kernels()
+    kp, vp = ln.kpool, ln.vpool
+    ns = step.num_splits
+    grid = (cache.B, len(ln.heads), 1 if tail else ns)
+    kf, vf = kp.fp, vp.fp
+    dk.paged_decode_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        step.seq_lens, cache.block_table_t, cache.block_table_t.stride(0),
+        ln.heads_t, ln.kmap, ln.vmap,
+        *_fmt_args(kp), *_fmt_args(vp),
+        kf, kf.stride(0), kf.stride(1), kf.stride(2),
+        vf, vf.stride(0), vf.stride(1), vf.stride(2),
+        step.partial_o, step.partial_m, step.partial_l,
+        sm_scale * 1.4426950408889634,
+        cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
+        ns if tail else 0,
+        **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=cache.block_n,
+                            P=cache.P, tail=tail, dot_fp16=cache.dot_fp16),
+    )
+
+
+def launch_merge(step, out: torch.Tensor, Hq: int, D: int) -> None:
+    _, dk = _kernels()
+    nsp = step.num_splits + 1
+    B = out.shape[0]
+    dk.merge_kernel[(B, Hq)](step.partial_o, step.partial_m, step.partial_l, out, out.stride(0), out.stride(1),
+                             nsp, HQ=Hq, D=D, BLOCK_S=_next_pow2(nsp))
