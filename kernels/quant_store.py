@@ -3,8 +3,9 @@
 ``@triton.jit`` code only; the launcher is :mod:`kverr.gpu.launch`. Every number follows the
 oracle, :mod:`kverr.quant.reference`, bit for bit:
 
-* divisions are ``div_rn`` (IEEE round-to-nearest fp32; Triton's ``/`` is an approximate
-  division on the GPU);
+* the codes' divisions are ``div_rn`` (IEEE round-to-nearest fp32; Triton's ``/`` is an
+  approximate division on the GPU); the scales' ``div_ru``/``sub_ru`` (rounded toward +inf) go
+  through float64 exactly as the oracle does (one float64 op per scale, not per element);
 * scales are rounded *up* and zero points *down* to the scale dtype (``_ceil_cast`` /
   ``_floor_cast``: round-to-nearest, then one ulp step through the integer bit pattern);
 * round-half-to-even is the add-and-subtract of 1.5 * 2**23 (exact for the clamped, small
@@ -96,22 +97,48 @@ def _encode(x, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _ceil_f32(v64):
+    """float64 ``v64`` rounded up to fp32 (exact: one ulp step through the bit pattern)."""
+    r = v64.to(tl.float32)
+    bits = r.to(tl.int32, bitcast=True)
+    nb = tl.where(r > 0, bits + 1, tl.where(r == 0, 1, bits - 1))
+    return tl.where(r.to(tl.float64) < v64, nb.to(tl.float32, bitcast=True), r)
+
+
+@triton.jit
+def _div_ru(a, den: tl.constexpr):
+    """fp32 ``a / den`` rounded toward +inf (CUDA ``__fdiv_ru``), through float64 as the oracle
+    does: the float64 quotient of an fp32 number by a small constant is never within float64
+    rounding of an fp32 value it does not equal."""
+    return _ceil_f32(a.to(tl.float64) / den)
+
+
+@triton.jit
+def _sub_ru(a, b):
+    """fp32 ``a - b`` rounded toward +inf (``__fsub_ru``); the float64 difference is exact."""
+    return _ceil_f32(a.to(tl.float64) - b.to(tl.float64))
+
+
+@triton.jit
 def _params(lo, hi, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
-    """Stored (scale, zero) as fp32 for the block range ``[lo, hi]`` (``hi`` = amax if symmetric)."""
+    """Stored (scale, zero) as fp32 for the block range ``[lo, hi]`` (``hi`` = amax if symmetric).
+
+    Every rounding on the way to a scale goes up and the zero point goes down (the oracle's
+    ``ceil(div_ru(sub_ru(hi, m), L))``), so the grid covers the block."""
     if KIND == 0:
         L: tl.constexpr = (1 << (BITS - 1)) - 1
-        s = _cast_step(tl.math.div_rn(hi, L * 1.0), SDT, True)
+        s = _cast_step(_div_ru(hi, L * 1.0), SDT, True)
         return s, s * 0.0
     elif KIND == 1:
         L2: tl.constexpr = (1 << BITS) - 1
         m = _cast_step(lo, SDT, False)
-        s = _cast_step(tl.math.div_rn(hi - m, L2 * 1.0), SDT, True)
+        s = _cast_step(_div_ru(_sub_ru(hi, m), L2 * 1.0), SDT, True)
         return s, m
     elif KIND == 2:
-        s = _cast_step(tl.math.div_rn(hi, 448.0), SDT, True)
+        s = _cast_step(_div_ru(hi, 448.0), SDT, True)
         return s, s * 0.0
     else:
-        s = _cast_step(tl.math.div_rn(hi, 57344.0), SDT, True)
+        s = _cast_step(_div_ru(hi, 57344.0), SDT, True)
         return s, s * 0.0
 
 
@@ -160,7 +187,13 @@ def quant_store_kernel(
     rows = (row0 + r).to(tl.int64)
     code_base = CODES + page * sc_p + hl * sc_h + rows[:, None] * CB
     if KIND == 4:
-        tl.store(code_base + c[None, :], x.to(CODES.dtype.element_ty), mask=rmask[:, None])
+        if CODES.dtype.element_ty == tl.bfloat16:
+            # round-to-nearest-even by hand: the interpreter's fp32 -> bf16 cast truncates
+            xb32 = x.to(tl.int32, bitcast=True)
+            rne = (xb32 + 0x7FFF + ((xb32 >> 16) & 1)) >> 16
+            tl.store(code_base + c[None, :], rne.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=rmask[:, None])
+        else:
+            tl.store(code_base + c[None, :], x.to(CODES.dtype.element_ty), mask=rmask[:, None])
         return
 
     NG: tl.constexpr = D // BD

@@ -369,7 +369,8 @@ class PagedKVCache:
 
     def _jobs(self, tb: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
         S, P, cap = self.S, self.P, self.W + tb
-        e0, e1 = self.region_end(T0, tb), self.region_end(T1, tb)
+        # quantized tokens start at the sinks; below that region_end() is the length itself
+        e0, e1 = np.maximum(self.region_end(T0, tb), S), self.region_end(T1, tb)
         q_t, q_b, fp_t, fp_b = [], [], [], []
         for b in range(self.B):
             if e1[b] > e0[b]:

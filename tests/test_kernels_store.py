@@ -1,0 +1,252 @@
+"""Quantize-and-store kernel: codes and scales bit-exact against the reference quantizer.
+
+Runs the Triton kernels in the interpreter on the CPU (tests/conftest.py). Shapes are small and
+odd: T=63 tokens, pages of 16 (a partial last page), sinks and a window, sequences of unequal
+lengths filled in prefill chunks and single-token steps. Every pool is pre-filled with sentinels
+(NaN scales and window slots, 0xA5 code bytes) so an unwritten slot fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kverr.config import CacheConfig
+from kverr.errors import KernelError, ShapeError
+from kverr.gpu import PagedKVCache, calibrate_static_scales
+from kverr.quant import (
+    MSEClip,
+    PerChannel,
+    PerHead,
+    PerPage,
+    PerTensor,
+    PerToken,
+    PerTokenGroup,
+    float_format,
+    fp8_format,
+    int_format,
+    quantize,
+    reconstruct,
+)
+
+H, D, P = 2, 32, 16
+
+
+def data(B: int, T: int, seed: int) -> torch.Tensor:
+    """[B, H, T, D] in fp16-representable float32, with the corner cases the oracle documents:
+    an all-zero token, a constant token, a tiny-range token (subnormal fp16 scales), a large one,
+    an all-zero channel."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, T, D, generator=g) * torch.linspace(0.3, 3.0, D)
+    if T > 12:
+        x[:, :, 5] = 0.0
+        x[:, :, 9] = 1.5
+        x[:, :, 11] *= 1e-6
+        x[:, :, 12] *= 300.0
+    x[:, :, :, 3] = 0.0
+    return x.half().float()
+
+
+def sentinel(cache: PagedKVCache) -> None:
+    for per in cache.pools:
+        for pools in per.values():
+            for p in pools:
+                if p.codes.dtype == torch.uint8:
+                    p.codes.fill_(0xA5)
+                else:
+                    p.codes.fill_(float("nan"))
+                for t in (p.scale, p.zero):
+                    if t is not None and not p.spec.static:
+                        t.fill_(float("nan"))
+                p.fp.fill_(float("nan"))
+
+
+def fill(cache: PagedKVCache, ks, vs, schedule) -> None:
+    """Append tokens per ``schedule`` (a list of per-sequence counts per step)."""
+    done = [0] * cache.B
+    for counts in schedule:
+        step = cache.plan(counts)
+        for layer in range(cache.L):
+            rows_k, rows_v = [], []
+            for b, n in enumerate(counts):
+                rows_k.append(ks[layer][b][:, done[b]:done[b] + n].transpose(0, 1))
+                rows_v.append(vs[layer][b][:, done[b]:done[b] + n].transpose(0, 1))
+            cache.store(step, layer, torch.cat(rows_k), torch.cat(rows_v))
+        done = [d + n for d, n in zip(done, counts)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def check_exact(cache: PagedKVCache, cfg: CacheConfig, ks, vs, static=None) -> int:
+    """Compare codes and scales of every group of every sequence; returns regions compared."""
+    compared = 0
+    for layer in range(cache.L):
+        for which, xs in (("k", ks), ("v", vs)):
+            for b in range(cache.B):
+                x = xs[layer][b]
+                for qt, heads, start, end in cache.quantized(layer, which, b):
+                    if end == start:
+                        continue
+                    region = x[heads, start:end]
+                    key = (layer, which, heads[0])
+                    if static and key in static:
+                        s, z = static[key]
+                        ref = quantize(region, qt.fmt, page_size=cfg.page_size, scale=s, zero=z)
+                    else:
+                        ref = quantize(region, qt.fmt, page_size=cfg.page_size)
+                    assert qt.codes.dtype == ref.codes.dtype
+                    if qt.fmt.is_float:
+                        assert torch.equal(bits(qt.codes), bits(ref.codes)), (layer, which, b, qt.fmt.label())
+                    else:
+                        bad = (qt.codes != ref.codes).nonzero()
+                        assert bad.numel() == 0, f"{qt.fmt.label()} {which} seq {b}: codes differ at {bad[:5].tolist()}"
+                        if not qt.fmt.is_float and not cache.pools[layer][which][0].spec.static:
+                            assert torch.equal(bits(qt.scale), bits(ref.scale)), f"{qt.fmt.label()} scales differ"
+                            if ref.zero is not None:
+                                assert torch.equal(bits(qt.zero), bits(ref.zero)), f"{qt.fmt.label()} zeros differ"
+                    compared += 1
+                # and what the cache gives back is what the reference gives back
+                got = cache.read(layer, which, b)
+                want = reconstruct(x, cfg, layer=layer, which=which) if not static else None
+                if want is not None:
+                    assert torch.equal(got, want), f"layer {layer} {which} seq {b}: read != reconstruct"
+                assert not torch.isnan(got).any()
+    return compared
+
+
+# K and V formats paired to cover every element kind, bit width, symmetry, granularity and scale
+# dtype the kernels serve, in few runs.
+PAIRS = [
+    ("int8a/tok", int_format(8, PerToken()), "int4s/tg16/bf16", int_format(4, PerTokenGroup(16), symmetric=True, scale_dtype="bf16")),
+    ("int4a/tg8", int_format(4, PerTokenGroup(8)), "int2s/tok/fp32", int_format(2, PerToken(), symmetric=True, scale_dtype="fp32")),
+    ("int2a/ch8", int_format(2, PerChannel(8)), "int3a/tok", int_format(3, PerToken())),
+    ("int3s/ch4/bf16", int_format(3, PerChannel(4), symmetric=True, scale_dtype="bf16"), "int8s/page/fp32", int_format(8, PerPage(), symmetric=True, scale_dtype="fp32")),
+    ("int4a/page", int_format(4, PerPage()), "fp8e4m3/tok", fp8_format(PerToken())),
+    ("fp8e5m2/tg8/fp16", fp8_format(PerTokenGroup(8), variant="e5m2", scale_dtype="fp16"), "int8s/ch16", int_format(8, PerChannel(16), symmetric=True)),
+    ("fp16", float_format("fp16"), "bf16", float_format("bf16")),
+]
+
+
+@pytest.mark.parametrize("kname,kf,vname,vf", PAIRS, ids=[f"{a}+{c}" for a, _, c, _ in PAIRS])
+def test_store_bit_exact_unequal_batch(kname, kf, vname, vf):
+    """Three sequences of 63, 17 and 40 tokens: prefill chunks, then single-token steps that flush
+    token blocks out of the window ring."""
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2)
+    lens = [63, 17, 40]
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
+    sentinel(cache)
+    x = data(3, 63, 1)
+    y = data(3, 63, 2)
+    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
+    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
+    schedule = [[30, 10, 27], [20, 0, 1]] + [[1, 1, 1]] * 6 + [[7, 1, 6]]
+    assert [sum(s[b] for s in schedule) for b in range(3)] == lens
+    fill(cache, ks, vs, schedule)
+    assert check_exact(cache, cfg, ks, vs) >= 3
+
+
+def test_store_one_shot_equals_token_by_token():
+    """The same sequence stored in one prefill and token by token gives identical pages."""
+    cfg = CacheConfig(k=int_format(2, PerChannel(8)), v=int_format(4, PerTokenGroup(16)), page_size=P, window=3, sinks=1)
+    x, y = data(1, 63, 3), data(1, 63, 4)
+    caches = []
+    for schedule in ([[63]], [[1]] * 63):
+        c = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=1, max_tokens=63, device="cpu")
+        sentinel(c)
+        fill(c, [[x[0]]], [[y[0]]], schedule)
+        caches.append(c)
+    for which in "kv":
+        a, b = (c.quantized(0, which, 0)[0][0] for c in caches)
+        assert torch.equal(a.codes, b.codes) and torch.equal(bits(a.scale), bits(b.scale))
+        assert torch.equal(caches[0].read(0, which, 0), caches[1].read(0, which, 0))
+
+
+@pytest.mark.parametrize("gran", [PerTensor(), PerHead(), PerChannel(None)], ids=["tensor", "head", "channel-all"])
+def test_store_static_scales(gran):
+    """Static (calibrated) scales: codes equal the reference's with the same scales; what the cache
+    returns equals reconstruct() of the batch (which calibrates jointly over the batch)."""
+    kf = fp8_format(gran) if not isinstance(gran, PerChannel) else int_format(4, gran, symmetric=True)
+    vf = int_format(8, gran)
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=4, sinks=2)
+    x, y = data(2, 37, 5), data(2, 37, 6)
+    static = calibrate_static_scales(cfg, [x], [y])
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=2, max_tokens=40,
+                         device="cpu", static_scales=static)
+    sentinel(cache)
+    ks, vs = [[x[0], x[1]]], [[y[0], y[1]]]
+    fill(cache, ks, vs, [[20, 20], [17, 17]])
+    check_exact(cache, cfg, ks, vs, static=static)
+    for which, t in (("k", x), ("v", y)):
+        want = reconstruct(t, cfg, layer=0, which=which)
+        for b in range(2):
+            assert torch.equal(cache.read(0, which, b), want[b])
+
+
+def test_store_per_head_and_per_layer_formats():
+    """Two layers; layer 1 overrides V, and (1, kv head 1) overrides K: several head groups."""
+    from kverr.config import Override
+
+    cfg = CacheConfig(
+        k=int_format(4, PerToken()), v=int_format(4, PerTokenGroup(8)), page_size=P, window=2, sinks=0,
+        layers={1: Override(v=fp8_format(PerToken(), variant="e5m2"))},
+        heads={(1, 1): Override(k=int_format(2, PerChannel(16), symmetric=True))},
+    )
+    x, y = data(1, 45, 7), data(1, 45, 8)
+    cache = PagedKVCache(cfg, n_layers=2, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=1, max_tokens=48, device="cpu")
+    assert len(cache.pools[1]["k"]) == 2 and len(cache.launches[1]) == 2
+    sentinel(cache)
+    ks = [[x[0]], [x[0] * 0.5]]
+    vs = [[y[0]], [y[0] * 2.0]]
+    fill(cache, ks, vs, [[30], [1], [1], [13]])
+    check_exact(cache, cfg, ks, vs)
+
+
+def test_fp8_rounding_corner_values():
+    """Ties, subnormals, the largest finite value and negative zero, for both fp8 variants."""
+    e4 = torch.tensor([0.0, -0.0, 448.0, -448.0, 0.0009765625, 0.00146484375, 0.001953125 * 1.5, 2.0 ** -10,
+                       17.0, 18.0, 19.0, 20.0, 9.5, 0.3, -7.1, 1e-3] * 2)
+    x = torch.stack([e4, e4 * 128.0]).reshape(1, 1, 2, D).expand(1, H, 2, D).contiguous()
+    for fmt in (fp8_format(PerTensor()), fp8_format(PerTensor(), variant="e5m2")):
+        cfg = CacheConfig(k=fmt, v=fmt, page_size=P)
+        static = {(0, w, 0): (torch.tensor(1.0), None) for w in "kv"}
+        cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=1, max_tokens=16,
+                             device="cpu", static_scales=static)
+        fill(cache, [[x[0]]], [[x[0]]], [[2]])
+        qt = cache.quantized(0, "k", 0)[0][0]
+        ref = quantize(x[0], fmt, scale=torch.tensor(1.0))
+        assert torch.equal(qt.codes, ref.codes), fmt.label()
+
+
+def test_unsupported_formats_raise_kernel_error():
+    bad = [int_format(4, PerToken(), clip=MSEClip()), int_format(4, PerToken(), rotate="hadamard")]
+    for fmt in bad:
+        cfg = CacheConfig(k=fmt, v=fmt)
+        with pytest.raises(KernelError, match="not implemented"):
+            PagedKVCache(cfg, n_layers=1, n_kv_heads=1, n_q_heads=1, head_dim=64, max_batch=1, max_tokens=8, device="cpu")
+    cfg = CacheConfig(k=int_format(4, PerToken()), v=int_format(4, PerToken()))
+    with pytest.raises(KernelError, match="power-of-two head dimension"):
+        PagedKVCache(cfg, n_layers=1, n_kv_heads=1, n_q_heads=1, head_dim=96, max_batch=1, max_tokens=8, device="cpu")
+    with pytest.raises(KernelError, match="static scales"):
+        PagedKVCache(CacheConfig(k=fp8_format(PerTensor()), v=fp8_format(PerTensor())), n_layers=1, n_kv_heads=1,
+                     n_q_heads=1, head_dim=32, max_batch=1, max_tokens=8, device="cpu")
+
+
+def test_plan_and_store_input_checks():
+    cfg = CacheConfig(k=int_format(4, PerToken()), v=int_format(4, PerToken()), page_size=P)
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=2 * H, head_dim=D, max_batch=2, max_tokens=20,
+                         device="cpu", num_pages=2)
+    with pytest.raises(ShapeError, match="non-negative counts"):
+        cache.plan([1])
+    with pytest.raises(ShapeError, match="max_tokens"):
+        cache.plan([33, 0])
+    step = cache.plan([3, 2])
+    with pytest.raises(ShapeError, match=r"want \[5, 2, 32\]"):
+        cache.store(step, 0, torch.zeros(4, H, D), torch.zeros(4, H, D))
+    with pytest.raises(ShapeError, match="layer=3"):
+        cache.store(step, 3, torch.zeros(5, H, D), torch.zeros(5, H, D))
+    with pytest.raises(KernelError, match="out of pages"):
+        cache.plan([15, 15])
+    with pytest.raises(ShapeError, match="q must be"):
+        cache.decode(step, 0, torch.zeros(2, H, D))
