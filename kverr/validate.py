@@ -1,0 +1,252 @@
+"""A cache config through the kernel path and through the reference path, on the same captured data.
+
+The kernel path is :class:`kverr.gpu.PagedKVCache`: quantize-and-store every token (a prefill, then
+single-token decode steps that flush token blocks out of the full-precision window) and decode
+attention with fused dequantization. The reference path is :func:`kverr.quant.reconstruct` (what the
+oracle says the cache holds) and :func:`kverr.error.decompose` (attention over it). They agree
+when
+
+* what the cache holds, read back through its block table, equals ``reconstruct`` bit for bit
+  (``mismatched`` counts differing elements; it must be 0), and
+* the decode output differs from the reference attention output by a relative RMS of at most
+  ``tol`` (default 1e-3; the kernel multiplies in fp32 unless ``dot_fp16``).
+
+Keys and values are rounded to the config's ``window_dtype`` first, on both paths, as a model
+running in that dtype produces them (a cache quantizes window tokens from that copy when they
+leave the window). On a machine without CUDA the kernels run in the Triton interpreter; set
+``TRITON_INTERPRET=1`` before anything imports :mod:`kverr_kernels` (the ``kverr validate`` command
+does this itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kverr.errors import CaptureError, KernelError, ShapeError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LayerResult", "ValidationReport", "reference_decode", "rel_rms", "validate", "validate_arrays"]
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64 (0 when both are 0)."""
+    g, w = got.double(), want.double()
+    den = float(w.norm())
+    num = float((g - w).norm())
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor,
+                     kv_head_of_q, scale: float | None = None):
+    """Reference attention of the last position over reconstructed keys/values, via the decomposition.
+
+    Parameters
+    ----------
+    q : ``[q_head, D]`` the query of the last token.
+    k, v, k_hat, v_hat : ``[kv_head, T, D]`` clean and reconstructed keys/values.
+    kv_head_of_q : ``[q_head]`` kv head each query head reads.
+
+    Returns
+    -------
+    (out_hat, out, decomposition)
+        ``out_hat`` = attention over ``k_hat``/``v_hat`` and ``out`` over ``k``/``v``, float64
+        ``[q_head, D]``.
+    """
+    from kverr.error import decompose
+
+    T = k.shape[-2]
+    d = decompose(q[:, None, :].double(), k.double(), v.double(), k_hat.double(), v_hat.double(), causal=True,
+                  scale=scale, kv_head_of_q=list(map(int, kv_head_of_q)), q_positions=[T - 1])
+    return (d.out + d.total)[:, 0], d.out[:, 0], d
+
+
+@dataclass
+class LayerResult:
+    """Agreement of the two paths on one layer (worst over sequences and steps)."""
+
+    layer: int
+    k_formats: str
+    v_formats: str
+    mismatched: int
+    rel_rms: float
+    max_abs: float
+    worst: str
+    quant_rel_error: float
+    ok: bool
+
+
+@dataclass
+class ValidationReport:
+    """Result of :func:`validate`; ``ok`` only when every layer agrees."""
+
+    config: str
+    tokens: int
+    batch: int
+    steps: int
+    tol: float
+    device: str
+    interpreted: bool
+    layers: list[LayerResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "layers"}
+        out["ok"] = self.ok
+        out["layers"] = [asdict(r) for r in self.layers]
+        return out
+
+    def to_table(self, largest: int | None = None) -> str:
+        rows = sorted(self.layers, key=lambda r: -r.rel_rms)[:largest] if largest else self.layers
+        head = f"{'layer':>5}  {'K format':<22} {'V format':<22} {'mismatch':>8} {'rel RMS':>10} {'max |diff|':>10}  {'quant err':>9}  ok"
+        lines = [head]
+        for r in rows:
+            lines.append(
+                f"{r.layer:>5}  {r.k_formats[:22]:<22} {r.v_formats[:22]:<22} {r.mismatched:>8} {r.rel_rms:>10.2e} "
+                f"{r.max_abs:>10.2e}  {r.quant_rel_error:>9.2e}  {'yes' if r.ok else 'NO'}"
+            )
+        return "\n".join(lines)
+
+
+def _labels(config, layer: int, H: int, which: str) -> str:
+    return ",".join(f.label() if len(h) == H else f"{f.label()}@{h}" for f, h in config.head_groups(layer, H, which))
+
+
+def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_head_of_q, *, layers=None,
+                    steps: int = 2, tol: float = 1e-3, device=None, dot_fp16: bool = False,
+                    num_splits: int | None = None, block_n: int | None = None) -> ValidationReport:
+    """Validate on arrays: ``q`` ``[L, B, q_head, T, D]``, ``k``/``v`` ``[L, B, kv_head, T, D]``.
+
+    Every sequence has ``T`` tokens: ``T - steps`` arrive in one prefill, then one per step; the
+    decode output of each step is compared (the query is that step's token).
+    """
+    from kverr.gpu import PagedKVCache, calibrate_static_scales
+    from kverr.gpu.cache import interpreting
+    from kverr.quant import is_static, reconstruct
+    from kverr.quant.formats import TORCH_DTYPES
+
+    L, B, Hq, T, D = q.shape
+    H = k.shape[2]
+    if k.shape != (L, B, H, T, D) or v.shape != k.shape:
+        raise ShapeError(f"k and v must be [L, B, kv_head, T, D] = {(L, B, H, T, D)}, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if not 1 <= steps < T:
+        raise ShapeError(f"steps={steps} must be in [1, {T - 1}] for {T} tokens")
+    if config.key_pre_rope:
+        raise KernelError("key_pre_rope configs need RoPE fused into the decode kernel, which is not implemented")
+    kv_map = [int(i) for i in kv_head_of_q]
+    rep = Hq // H
+    if kv_map != [h // rep for h in range(Hq)]:
+        raise ShapeError(f"kv_head_of_q={kv_map} is not the contiguous grouping the kernels use")
+    wdt = TORCH_DTYPES[config.window_dtype]
+    k = k.float().to(wdt).float()
+    v = v.float().to(wdt).float()
+    q = q.float()
+    layers = list(range(L)) if layers is None else list(layers)
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    has_static = any(
+        is_static(f.granularity) and not f.is_float
+        for l in layers for w in "kv" for f, _ in config.head_groups(l, H, w)
+    )
+    # static scales are calibrated on the whole batch at its final length, as reconstruct() does
+    static = calibrate_static_scales(config, [k[l] for l in range(L)], [v[l] for l in range(L)]) if has_static else None
+    cache = PagedKVCache(config, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                         device=dev, static_scales=static, dot_fp16=dot_fp16, block_n=block_n)
+    report = ValidationReport(config.name or "config", T, B, steps, tol, str(dev), interpreting())
+    worst = {l: dict(mis=0, rel=0.0, mx=0.0, where="", qerr=0.0) for l in layers}
+    schedule = [T - steps] + [1] * steps
+    t = 0
+    for si, n in enumerate(schedule):
+        step = cache.plan([n] * B, num_splits=num_splits)
+        t += n
+        final = si == len(schedule) - 1
+        for l in range(L):
+            cache.store(step, l, k[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev),
+                        v[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev))
+        if si == 0:
+            continue  # the prefill is checked through the steps that follow
+        if has_static and not final:
+            continue  # the reference's static scales are those of the final length
+        for l in layers:
+            out = cache.decode(step, l, q[l, :, :, t - 1].to(dev)).float().cpu()
+            k_hat = reconstruct(k[l, :, :, :t], config, layer=l, which="k")
+            v_hat = reconstruct(v[l, :, :, :t], config, layer=l, which="v")
+            w = worst[l]
+            for b in range(B):
+                for which, hat in (("k", k_hat), ("v", v_hat)):
+                    got = cache.read(l, which, b)
+                    w["mis"] += int((got != hat[b]).sum())
+                ref, clean, _ = reference_decode(q[l, b, :, t - 1], k[l, b, :, :t], v[l, b, :, :t], k_hat[b], v_hat[b], kv_map)
+                r = rel_rms(out[b], ref)
+                diff = (out[b].double() - ref).abs()
+                if r >= w["rel"]:
+                    w["rel"] = r
+                    idx = int(diff.argmax())
+                    w["where"] = f"seq {b} token {t - 1} q_head {idx // D} channel {idx % D}"
+                w["mx"] = max(w["mx"], float(diff.max()))
+                w["qerr"] = max(w["qerr"], rel_rms(ref, clean))
+    for l in layers:
+        w = worst[l]
+        report.layers.append(LayerResult(
+            layer=l, k_formats=_labels(config, l, H, "k"), v_formats=_labels(config, l, H, "v"),
+            mismatched=w["mis"], rel_rms=w["rel"], max_abs=w["mx"], worst=w["where"], quant_rel_error=w["qerr"],
+            ok=w["mis"] == 0 and w["rel"] <= tol,
+        ))
+    return report
+
+
+def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int = 2, layers=None, tol: float = 1e-3,
+             device=None, dot_fp16: bool = False) -> ValidationReport:
+    """Validate ``config`` (a :class:`CacheConfig`, preset name or JSON path) on a capture.
+
+    Parameters
+    ----------
+    capture : path or xarray.Dataset
+        A capture (see :func:`kverr.io.open_capture`); uses ``q`` and ``k`` (post-RoPE) and ``v``.
+    tokens, batch : int
+        ``batch`` sequences of ``tokens`` tokens, taken as consecutive disjoint windows of the
+        captured token axis.
+    steps : int
+        Single-token decode steps after the prefill; each is compared.
+    layers : list of int, optional
+        Layers to compare (all are stored).
+    tol : float
+        Largest allowed relative RMS between the kernel and reference decode outputs.
+    """
+    from kverr.config import resolve
+
+    cfg = resolve(config)
+    if isinstance(capture, (str, bytes)) or hasattr(capture, "__fspath__"):
+        from kverr.io import open_capture
+
+        ds = open_capture(capture)
+    else:
+        ds = capture
+    n_tok = int(ds.sizes["token"])
+    if tokens * batch > n_tok:
+        raise CaptureError(f"the capture has {n_tok} tokens; {batch} sequences of {tokens} need {tokens * batch}")
+    sel = dict(token=slice(0, tokens * batch))
+    if layers is not None:
+        bad = [l for l in layers if not 0 <= l < ds.sizes["layer"]]
+        if bad:
+            raise CaptureError(f"layers {bad} are not in the capture (it has {ds.sizes['layer']})")
+    q = torch.from_numpy(np.asarray(ds["q"].isel(sel).values, dtype=np.float32))
+    k = torch.from_numpy(np.asarray(ds["k"].isel(sel).values, dtype=np.float32))
+    v = torch.from_numpy(np.asarray(ds["v"].isel(sel).values, dtype=np.float32))
+    kv_map = np.asarray(ds["kv_head_of_q"].values)
+
+    def split(x):  # [L, heads, B*T, D] -> [L, B, heads, T, D]
+        Lx, Hx, _, Dx = x.shape
+        return x.reshape(Lx, Hx, batch, tokens, Dx).permute(0, 2, 1, 3, 4).contiguous()
+
+    rep = validate_arrays(cfg, split(q), split(k), split(v), kv_map, layers=layers, steps=steps, tol=tol,
+                          device=device, dot_fp16=dot_fp16)
+    return rep
