@@ -297,7 +297,7 @@ def test_cli_capture_and_info(tiny_dirs, tmp_path, capsys):
     capsys.readouterr()
     assert _cli("info", str(out)) == 0
     shown = capsys.readouterr().out
-    assert "q heads" in shown and "qwen" not in shown.lower() or "kv_head_of_q" in shown
+    assert "q heads" in shown and "kv_head_of_q [0, 0, 0, 1, 1, 1]" in shown and "256 tokens" in shown
     assert _cli("info", "--json", str(out)) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["dims"]["token"] == 256 and summary["layers"] == [1]
