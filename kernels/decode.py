@@ -28,7 +28,15 @@ def _deq_tile(C, row_base, nmask, SC, ZP, srow, c,
     the packed bytes; the repeated addresses hit L1)."""
     m2 = nmask[:, None]
     if KIND == 4:
-        return tl.load(C + row_base[:, None] + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(C + row_base[:, None] + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    else:
+        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, KIND, BITS, BD, D)
+    return x
+
+
+@triton.jit
+def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c,
+               KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
     if BITS == 3:
         P2: tl.constexpr = D // 4
         P1: tl.constexpr = D // 8
@@ -39,12 +47,18 @@ def _deq_tile(C, row_base, nmask, SC, ZP, srow, c,
         PB: tl.constexpr = D * BITS // 8
         bb = tl.load(C + row_base[:, None] + (c % PB)[None, :], mask=m2, other=0).to(tl.int32)
         u = (bb >> ((c // PB) * BITS)[None, :]) & ((1 << BITS) - 1)
-    sc = (c // BD)[None, :]
-    s = tl.load(SC + srow[:, None] + sc, mask=m2, other=0.0).to(tl.float32)
+    if BD == D:
+        # one scale per row: a vector load, broadcast over the channels
+        s = tl.load(SC + srow, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    else:
+        s = tl.load(SC + srow[:, None] + (c // BD)[None, :], mask=m2, other=0.0).to(tl.float32)
     if KIND == 0:
         x = (u - (1 << (BITS - 1))).to(tl.float32) * s
     elif KIND == 1:
-        z = tl.load(ZP + srow[:, None] + sc, mask=m2, other=0.0).to(tl.float32)
+        if BD == D:
+            z = tl.load(ZP + srow, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        else:
+            z = tl.load(ZP + srow[:, None] + (c // BD)[None, :], mask=m2, other=0.0).to(tl.float32)
         x = u.to(tl.float32) * s + z
     elif KIND == 2:
         # e4m3 -> fp16 bit pattern (exponent rebased by 2**-8), exact

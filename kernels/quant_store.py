@@ -194,14 +194,20 @@ def quant_store_kernel(
             tl.store(code_base + c[None, :], rne.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=rmask[:, None])
         else:
             tl.store(code_base + c[None, :], x.to(CODES.dtype.element_ty), mask=rmask[:, None])
-        return
+    else:
+        _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h, SCALE + hl * ss_h, ZERO + hl * ss_h, row0, D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S)
+
+
+@triton.jit
+def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, static_z, row0,
+                D: tl.constexpr, BLOCK_R: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                SDT: tl.constexpr, GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr):
+    """Scales, codes and packing of a ``[BLOCK_R, D]`` tile (integer and fp8 formats)."""
 
     NG: tl.constexpr = D // BD
     g = tl.arange(0, NG)
     x3 = tl.reshape(x, (BLOCK_R, NG, BD))
     SYM: tl.constexpr = KIND != 1
-    scale_base = SCALE + page * ss_p + hl * ss_h
-    zero_base = ZERO + page * ss_p + hl * ss_h
     if GRAN == 0:
         # one scale per (row, channel group)
         if SYM:
@@ -233,9 +239,9 @@ def quant_store_kernel(
                 tl.store(zero_base + soff, m)
         else:
             # static: calibrated scales [h, NG]
-            s = tl.load(SCALE + hl * ss_h + g).to(tl.float32)
+            s = tl.load(static_s + g).to(tl.float32)
             if KIND == 1:
-                m = tl.load(ZERO + hl * ss_h + g).to(tl.float32)
+                m = tl.load(static_z + g).to(tl.float32)
             else:
                 m = s * 0.0
         u3 = _encode(x3, s[None, :, None], m[None, :, None], KIND, BITS)

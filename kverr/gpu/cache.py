@@ -182,7 +182,7 @@ class PagedKVCache:
     dot_fp16 : bool
         Multiply in fp16 on tensor cores (fp32 accumulation); default fp32 (IEEE) products.
     block_n : int, optional
-        Tokens per decode tile (default 64 for D <= 64, else 32).
+        Tokens per decode tile (default 32; with 8 warps no specialisation spills, see bench/results/aot-*.txt).
     """
 
     def __init__(self, config, *, n_layers: int, n_kv_heads: int, n_q_heads: int, head_dim: int,
@@ -219,7 +219,7 @@ class PagedKVCache:
         self.max_pages = -(-max_tokens // self.P)
         self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages
         self.dot_fp16 = bool(dot_fp16)
-        self.block_n = block_n or (64 if head_dim <= 64 else 32)
+        self.block_n = block_n or 32
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise KernelError(f"block_n={self.block_n} must be a power of two >= 16")
         wdt = TORCH_DTYPES[config.window_dtype]

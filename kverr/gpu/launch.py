@@ -14,6 +14,10 @@ def _kernels():
     return quant_store, decode
 
 
+#: Warps of the decode kernel: with 8, no specialisation spills at head dim 64 or 128 (AOT table).
+DECODE_WARPS = 8
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -86,6 +90,7 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         ns if tail else 0,
         **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=cache.block_n,
                             P=cache.P, tail=tail, dot_fp16=cache.dot_fp16),
+        num_warps=DECODE_WARPS,
     )
 
 

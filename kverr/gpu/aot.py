@@ -1,0 +1,240 @@
+"""Ahead-of-time compilation of every kernel specialisation for sm_90 / sm_80, without a GPU.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` runs the whole compiler
+(TTIR -> TTGIR -> LLVM -> PTX -> ptxas) on the CPU; ``cuobjdump --dump-resource-usage`` (bundled
+with triton's wheel) then reads registers, shared memory, stack and local (spill) bytes from the
+cubin. The interpreter accepts code the GPU compiler rejects, so this is the test that the
+kernels really compile.
+
+Compilation must not run with ``TRITON_INTERPRET=1`` (the kernels would be interpreter objects);
+:func:`compile_in_subprocess` runs ``python -m kverr.gpu.aot`` with it unset.
+
+Command line::
+
+    python -m kverr.gpu.aot --arch 90 [--arch 80] [--full] [--head-dim 128] [--json] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kverr.errors import KernelError
+from kverr.gpu.launch import DECODE_WARPS, decode_constexprs, store_constexprs
+from kverr.gpu.spec import KernelSpec, kernel_spec
+from kverr.quant.formats import (
+    PerChannel,
+    PerHead,
+    PerPage,
+    PerTensor,
+    PerToken,
+    PerTokenGroup,
+    QuantFormat,
+    float_format,
+    fp8_format,
+    int_format,
+)
+
+_PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "u8": "*u8", "i32": "*i32"}
+
+
+@dataclass
+class Resource:
+    """Resource usage of one compiled specialisation."""
+
+    kernel: str
+    spec: str
+    arch: int
+    registers: int
+    shared: int
+    stack: int
+    local: int
+    num_warps: int
+
+    @property
+    def spills(self) -> bool:
+        return self.local > 0 or self.stack > 0
+
+
+def _granularities(P: int):
+    return [("tok", PerToken()), ("tg32", PerTokenGroup(32)), ("ch32", PerChannel(32)), ("page", PerPage()),
+            ("tensor", PerTensor()), ("head", PerHead()), ("chall", PerChannel(None))]
+
+
+def _elements():
+    out = []
+    for bits in (2, 3, 4, 8):
+        for sym in (True, False):
+            out.append(lambda g, b=bits, s=sym: int_format(b, g, symmetric=s))
+    out.append(lambda g: fp8_format(g))
+    out.append(lambda g: fp8_format(g, variant="e5m2"))
+    return out
+
+
+def formats(full: bool, P: int = 64) -> list[QuantFormat]:
+    """The formats the calibrator can emit: every element format x every granularity (``full``),
+    or each element format at per-token scales plus each granularity with int4 (the test set)."""
+    fmts: list[QuantFormat] = [float_format("fp16")]
+    grans = _granularities(P)
+    elems = _elements()
+    if full:
+        fmts += [e(g) for e in elems for _, g in grans]
+    else:
+        fmts += [e(PerToken()) for e in elems]
+        fmts += [int_format(4, g) for name, g in grans if name != "tok"]
+        fmts += [int_format(2, PerChannel(32)), fp8_format(PerTensor())]
+    seen, out = set(), []
+    for f in fmts:
+        if f not in seen:
+            seen.add(f)
+            out.append(f)
+    return out
+
+
+def _sdt_ptr(spec: KernelSpec) -> str:
+    return _PTR[spec.fmt.scale_dtype] if spec.kind != 4 else "*u8"
+
+
+def _codes_ptr(spec: KernelSpec) -> str:
+    return _PTR["fp16"] if spec.kind == 4 else "*u8"
+
+
+def store_signature(spec: KernelSpec) -> dict:
+    sig = {"X": "*fp16", "sx_n": "i32", "sx_h": "i32", "FP": "*fp16", "sf_b": "i32", "sf_h": "i32", "sf_t": "i32",
+           "HEADS": "*i32", "JOB_PAGE": "*i32", "JOB_ROW0": "*i32", "JOB_NROWS": "*i32", "JOB_B": "*i32",
+           "SRC_NEW": "*i32", "SRC_SLOT": "*i32", "CODES": _codes_ptr(spec), "sc_p": "i32", "sc_h": "i32",
+           "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32"}
+    return sig
+
+
+def decode_signature(ks: KernelSpec, vs: KernelSpec) -> dict:
+    sig = {"Q": "*fp16", "sq_b": "i32", "sq_h": "i32", "SEQ_LENS": "*i32", "BT": "*i32", "sbt_b": "i32",
+           "HEADS": "*i32", "KMAP": "*i32", "VMAP": "*i32"}
+    for p, s in (("K", ks), ("V", vs)):
+        low = p.lower()
+        sig.update({f"{p}C": _codes_ptr(s), f"s{low}c_p": "i32", f"s{low}c_h": "i32", f"{p}S": _sdt_ptr(s),
+                    f"{p}Z": _sdt_ptr(s), f"s{low}s_p": "i32", f"s{low}s_h": "i32"})
+    for p in ("K", "V"):
+        low = p.lower()
+        sig.update({f"{p}F": "*fp16", f"s{low}f_b": "i32", f"s{low}f_h": "i32", f"s{low}f_t": "i32"})
+    sig.update({"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "qk_scale": "fp32"})
+    for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0"):
+        sig[n] = "i32"
+    return sig
+
+
+def _compile(fn, sig: dict, constexprs: dict, arch: int, num_warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = dict(sig)
+    for name in constexprs:
+        full[name] = "constexpr"
+    src = ASTSource(fn=fn, signature=full, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(p) if p.exists() else "cuobjdump"
+
+
+def resource_usage(compiled) -> dict:
+    """Registers, shared, stack and local bytes of a compiled kernel, from its cubin."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(compiled.asm["cubin"])
+        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    vals = {k: int(v) for k, v in re.findall(r"(REG|SHARED|STACK|LOCAL):(\d+)", out)}
+    return dict(registers=vals.get("REG", 0), shared=vals.get("SHARED", 0), stack=vals.get("STACK", 0), local=vals.get("LOCAL", 0))
+
+
+def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep: int = 4, num_warps: int = 4,
+                progress=None) -> list[Resource]:
+    """Compile the store kernel for every format and the decode kernel (main and tail) for every
+    format as both K and V, plus mixed K/V pairs; return the resource usage of each."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise KernelError("AOT compilation needs TRITON_INTERPRET unset; use compile_in_subprocess()")
+    from kverr_kernels import decode, quant_store
+
+    specs = [kernel_spec(f, D, P) for f in formats(full, P)]
+    block_n = 32
+    out: list[Resource] = []
+    jobs = []
+    for s in specs:
+        block_r = 16 if s.tb == 1 else s.tb
+        jobs.append(("quant_store", s.fmt.label(), quant_store.quant_store_kernel, store_signature(s),
+                     store_constexprs(s, D, block_r)))
+    pairs = [(s, s) for s in specs]
+    by = {s.fmt.label(): s for s in specs}
+    for a, b in (("int2a/ch32/fp16", "int2a/tg32/fp16"), ("int4a/ch32/fp16", "int4a/tg32/fp16"),
+                 ("int8a/tok/fp16", "int4a/tok/fp16"), ("fp16", "int4a/tok/fp16")):
+        if a in by and b in by:
+            pairs.append((by[a], by[b]))
+    for ks, vs in pairs:
+        for tail in (False, True):
+            jobs.append(("decode" + ("_tail" if tail else ""), f"K {ks.fmt.label()} V {vs.fmt.label()}",
+                         decode.paged_decode_kernel, decode_signature(ks, vs),
+                         decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=block_n, P=P, tail=tail,
+                                           dot_fp16=True)))
+    for i, (kname, label, fn, sig, cx) in enumerate(jobs):
+        warps = DECODE_WARPS if kname.startswith("decode") else num_warps
+        c = _compile(fn, sig, cx, arch, warps)
+        out.append(Resource(kname, label, arch, num_warps=warps, **resource_usage(c)))
+        if progress:
+            progress(i + 1, len(jobs))
+    return out
+
+
+def compile_in_subprocess(arch: int, *, full: bool = False, D: int = 128, timeout: float = 1800) -> list[Resource]:
+    """:func:`compile_all` in a fresh interpreter with ``TRITON_INTERPRET`` unset."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kverr.gpu.aot", "--arch", str(arch), "--head-dim", str(D), "--json"]
+    if full:
+        cmd.append("--full")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if res.returncode:
+        raise KernelError(f"AOT compilation for sm_{arch} failed:\n{res.stderr[-4000:]}")
+    return [Resource(**r) for r in json.loads(res.stdout)]
+
+
+def table(rows: list[Resource]) -> str:
+    lines = [f"{'kernel':<12} {'sm':>3} {'warps':>5} {'regs':>4} {'smem':>6} {'stack':>5} {'local':>5}  specialisation"]
+    for r in rows:
+        lines.append(f"{r.kernel:<12} {r.arch:>3} {r.num_warps:>5} {r.registers:>4} {r.shared:>6} {r.stack:>5} {r.local:>5}  {r.spec}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kverr.gpu.aot", description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 or 80 (repeatable)")
+    ap.add_argument("--full", action="store_true", help="every element format x every granularity")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", help="also write the table to this file")
+    a = ap.parse_args(argv)
+    rows = []
+    for arch in a.arch or [90]:
+        rows += compile_all(arch, full=a.full, D=a.head_dim,
+                            progress=(lambda i, n: print(f"\r{i}/{n}", end="", file=sys.stderr)) if not a.json else None)
+    if a.json:
+        print(json.dumps([asdict(r) for r in rows]))
+    else:
+        print(table(rows))
+    if a.out:
+        Path(a.out).write_text(table(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Decode attention over the paged quantized cache vs reference attention (kverr.error) over what
+the oracle reconstructs (kverr.quant.reconstruct): relative RMS <= 1e-3 in fp32.
+
+Interpreter on the CPU; small odd shapes: GQA, split-K with a merge, sequences of unequal
+lengths (one shorter than the sinks), sinks and window, K and V formats with different token
+blocks, per-layer and per-head formats, static scales. The output is pre-filled with NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kverr.config import CacheConfig, Override
+from kverr.gpu import PagedKVCache, calibrate_static_scales
+from kverr.quant import PerChannel, PerHead, PerPage, PerToken, PerTokenGroup, float_format, fp8_format, int_format, reconstruct
+from kverr.validate import reference_decode, rel_rms, validate_arrays
+
+D, P = 32, 16
+
+
+def _data(L, B, Hq, H, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(L, B, Hq, T, D, generator=g) * 2.0
+    k = (torch.randn(L, B, H, T, D, generator=g) * torch.linspace(0.2, 3.0, D)).half().float()
+    v = torch.randn(L, B, H, T, D, generator=g).half().float()
+    return q, k, v
+
+
+def run_decode(cfg, lens, *, H=2, Hq=6, L=1, seed=0, num_splits=3, dot_fp16=False, static=False, block_n=16):
+    """Fill sequences of ``lens`` tokens (prefill chunks, then one decode step) and decode."""
+    B, T = len(lens), max(lens)
+    q, k, v = _data(L, B, Hq, H, T, seed)
+    st = calibrate_static_scales(cfg, [k[l] for l in range(L)], [v[l] for l in range(L)]) if static else None
+    cache = PagedKVCache(cfg, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                         device="cpu", static_scales=st, dot_fp16=dot_fp16, block_n=block_n)
+    first = [max(n - 1, 0) for n in lens]
+    for counts, off in ((first, [0] * B), ([1] * B, first)):
+        step = cache.plan(counts, num_splits=num_splits)
+        for l in range(L):
+            ks = torch.cat([k[l, b, :, off[b]:off[b] + n].transpose(0, 1) for b, n in enumerate(counts)])
+            vs = torch.cat([v[l, b, :, off[b]:off[b] + n].transpose(0, 1) for b, n in enumerate(counts)])
+            cache.store(step, l, ks, vs)
+    worst = 0.0
+    kv_map = [h // (Hq // H) for h in range(Hq)]
+    for l in range(L):
+        qd = torch.stack([q[l, b, :, n - 1] for b, n in enumerate(lens)])
+        out = torch.full((B, Hq, D), float("nan"))
+        cache.decode(step, l, qd, out=out)
+        assert not torch.isnan(out).any()
+        for b, n in enumerate(lens):
+            kk, vv = k[l, b, :, :n], v[l, b, :, :n]
+            if static:  # the reference calibrates static scales over the batch, as the cache did
+                kh = reconstruct(k[l], cfg, layer=l, which="k")[b, :, :n]
+                vh = reconstruct(v[l], cfg, layer=l, which="v")[b, :, :n]
+            else:
+                kh = reconstruct(kk, cfg, layer=l, which="k")
+                vh = reconstruct(vv, cfg, layer=l, which="v")
+            ref, _, _ = reference_decode(qd[b], kk, vv, kh, vh, kv_map)
+            worst = max(worst, rel_rms(out[b], ref))
+    return worst, step
+
+
+KIVI2 = CacheConfig(k=int_format(2, PerChannel(8)), v=int_format(2, PerTokenGroup(8)), page_size=P, window=5, sinks=2)
+
+
+def test_decode_gqa_split_k_unequal_lengths():
+    """K quantized in blocks of 8 tokens, V per token: their quantized ranges end differently, so
+    the tail program mixes paged and full-precision rows; one sequence is shorter than the sinks."""
+    worst, step = run_decode(KIVI2, [63, 1, 40, 18])
+    assert step.num_splits == 3
+    assert worst <= 1e-3
+
+
+@pytest.mark.parametrize("splits", [1, 7])
+def test_decode_split_counts(splits):
+    cfg = CacheConfig(k=int_format(8, PerToken()), v=int_format(4, PerTokenGroup(16), symmetric=True), page_size=P)
+    worst, step = run_decode(cfg, [63, 33], num_splits=splits, Hq=2, H=2)
+    assert worst <= 1e-3
+
+
+def test_decode_mixed_per_layer_and_per_head_formats():
+    cfg = CacheConfig(
+        k=int_format(4, PerToken()), v=int_format(4, PerTokenGroup(8)), page_size=P, window=3, sinks=1,
+        layers={1: Override(k=fp8_format(PerToken(), variant="e5m2"), v=int_format(3, PerToken()))},
+        heads={(1, 0): Override(k=int_format(8, PerPage(), symmetric=True)), (0, 1): Override(v=float_format("fp16"))},
+    )
+    worst, _ = run_decode(cfg, [45, 30], L=2, Hq=4)
+    assert worst <= 1e-3
+
+
+def test_decode_static_scales_and_fp8():
+    cfg = CacheConfig(k=fp8_format(PerHead()), v=int_format(4, PerChannel(None), symmetric=True), page_size=P, window=4)
+    worst, _ = run_decode(cfg, [50, 50], static=True, Hq=2)
+    assert worst <= 1e-3
+
+
+def test_decode_fp16_products():
+    """fp16 tensor-core products (fp32 accumulation) stay within a looser bound."""
+    worst, _ = run_decode(KIVI2, [63, 20], dot_fp16=True)
+    assert worst <= 5e-3
+
+
+def test_validate_arrays_agrees_and_reports():
+    L, B, Hq, H, T = 2, 2, 4, 2, 40
+    q, k, v = _data(L, B, Hq, H, T, 3)
+    cfg = CacheConfig(k=int_format(2, PerChannel(8)), v=int_format(4, PerTokenGroup(16)), page_size=P, window=4, sinks=1, name="t")
+    rep = validate_arrays(cfg, q, k, v, [0, 0, 1, 1], steps=3, num_splits=2, block_n=16)
+    assert rep.ok and len(rep.layers) == L
+    assert all(r.mismatched == 0 and r.rel_rms <= 1e-3 and r.quant_rel_error > 1e-3 for r in rep.layers)
+    d = rep.to_dict()
+    assert d["ok"] and d["layers"][0]["k_formats"] == "int2a/ch8/fp16"
+    assert "rel RMS" in rep.to_table()
+    strict = validate_arrays(cfg, q, k, v, [0, 0, 1, 1], steps=1, tol=0.0, num_splits=2, block_n=16)
+    assert not strict.ok
