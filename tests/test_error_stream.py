@@ -72,9 +72,11 @@ def test_streamed_float32_torch():
 
 
 def test_default_block_is_chosen_to_bound_memory():
-    from kverr.error.stream import DEFAULT_SLAB_ELEMENTS, choose_block
+    from kverr.error.stream import DEFAULT_SLAB_ELEMENTS, choose_block, choose_rows
 
-    assert choose_block(1, 512, 32768, None) * 512 <= DEFAULT_SLAB_ELEMENTS
+    blk = choose_block(1, 512, 32768, None)
+    assert blk < 32768  # a 32k context streams
+    assert choose_rows(blk) * blk <= DEFAULT_SLAB_ELEMENTS
     assert choose_block(1, 4, 100, None) == 100
     assert choose_block(2, 10, 100, 7) == 7
 

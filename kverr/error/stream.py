@@ -16,9 +16,14 @@ which has no cancellation at all. Pass 1 streams the online-softmax statistics (
 Σe^{s−m}, Σe^{s−m}expm1(δs), Σe^{s−m}δs, entropy, top-k); pass 2 forms a, δa per block and
 accumulates the output terms. With a single block pass 2 reuses pass 1's tensors.
 
-KL(a‖a′) = log Σ_j a_j e^{δs_j − μ} with μ = Σ_j a_j δs_j is second order in δs; it is
-computed as log1p(Σ_j a_j g(δs_j − μ)) with g(x) = eˣ − 1 − x evaluated without cancellation
-(:func:`kverr.error.metrics.expm1_minus_x`), using Σ_j a_j (δs_j − μ) = 0.
+Speed. Every [rows, keys] elementwise pass costs about as much as a whole attention matmul at
+head dim 64, so the engine (i) works on row chunks small enough to stay in cache, (ii) folds
+the 1/Z normalisation and every sum that is linear in the keys into one matmul against
+[V, E_V, V̂, K, E_K] (entropy needs Σp·s = q·(pK), μ needs Σp·δs = q·(pE_K)), and (iii) reuses
+buffers in place.
+
+KL(a‖a′) = δlse − μ with μ = Σ_j a_j δs_j. It is second order in δs, so its relative accuracy
+is about ulp/|δs| (1e-13 in float64; 1e-4 in float32 for |δs| ~ 1e-3, i.e. int8 keys).
 """
 
 from __future__ import annotations
@@ -28,10 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kverr.error.metrics import expm1_minus_x, merge_topk, rank_flips, topk_overlap
+from kverr.error.metrics import merge_topk, rank_flips, topk_overlap
 
-#: Default number of logit elements per slab (B·M·block); ~12 live slabs of this size at once.
-DEFAULT_SLAB_ELEMENTS = 1 << 22
+#: Target number of logit elements per [rows, keys] slab: 2^18 float32 = 1 MiB stays in cache.
+DEFAULT_SLAB_ELEMENTS = 1 << 18
+#: Longest key block processed in one pass; longer contexts stream in blocks of this length.
+MAX_SINGLE_BLOCK = 8192
+STREAM_BLOCK = 4096
 
 
 @dataclass
@@ -50,20 +58,162 @@ class EngineOut:
 
 
 def choose_block(B: int, M: int, T: int, block_size: int | None) -> int:
-    """Key-block length: the caller's, or one that keeps a logit slab near the element budget."""
+    """Key-block length: the caller's, the whole context up to 8192 keys, else 4096."""
     if block_size is not None:
         return max(1, min(int(block_size), T))
-    blk = DEFAULT_SLAB_ELEMENTS // max(1, B * M)
-    blk = max(256, (blk // 256) * 256)
-    return min(T, blk)
+    return T if T <= MAX_SINGLE_BLOCK else STREAM_BLOCK
 
 
-def _visible(qpos: torch.Tensor | None, t0: int, t1: int) -> torch.Tensor | None:
-    """``[M, n]`` bool mask of keys t0..t1-1 each query row may see, or None when all may."""
-    if qpos is None or int(qpos.min()) >= t1 - 1:
-        return None
-    t = torch.arange(t0, t1, device=qpos.device)
-    return t.unsqueeze(0) <= qpos.unsqueeze(1)
+def choose_rows(block: int, rows_per_chunk: int | None = None) -> int:
+    """Query rows per chunk so that one [rows, block] slab stays near the cache budget."""
+    if rows_per_chunk is not None:
+        return max(1, int(rows_per_chunk))
+    return max(8, DEFAULT_SLAB_ELEMENTS // max(1, block))
+
+
+def _logits(qs, kk, qpos, t0, t1, T):
+    """Masked clean logits s and perturbation δs for keys t0..t1-1: ``[B, m, n]`` views.
+
+    ``kk`` is ``[B, 2T, D]`` = [K; E_K], so both come out of one matmul. Hidden logits are
+    set to the dtype's most negative finite value rather than −inf, so that p·(s − m) stays
+    0·finite = 0 there (every row sees key 0, so a row maximum is never the sentinel itself).
+    """
+    n = t1 - t0
+    if n == T:
+        both = qs @ kk.mT
+    else:
+        both = qs @ torch.cat([kk[:, t0:t1], kk[:, T + t0:T + t1]], dim=1).mT
+    s, ds = both[..., :n], both[..., n:]
+    if qpos is not None:
+        # only the columns at or after the earliest query position can be hidden
+        c0 = max(t0, int(qpos.min()) + 1)
+        if c0 < t1:
+            t = torch.arange(c0, t1, device=qpos.device)
+            hidden = t.unsqueeze(0) > qpos.unsqueeze(1)  # [m, n']
+            s[..., c0 - t0:].masked_fill_(hidden, torch.finfo(s.dtype).min)
+            ds[..., c0 - t0:].masked_fill_(hidden, 0.0)
+    return s, ds
+
+
+def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
+    """The engine on one row chunk ``qs [B, m, D]``; returns raw per-row results.
+
+    ``rhs`` is ``[B, T, 3·Dv]`` = [V, E_V, V̂]: one matmul per weight matrix gives every
+    output quantity.
+    """
+    B, m, D = qs.shape
+    T = kk.shape[1] // 2
+    dt, dev = qs.dtype, qs.device
+    neg = torch.finfo(dt).min
+    bounds = [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
+    single = len(bounds) == 1
+
+    # ---- pass 1: online softmax statistics -------------------------------------------------
+    mx = torch.full((B, m), -math.inf, dtype=dt, device=dev)
+    Z = torch.zeros((B, m), dtype=dt, device=dev)
+    W = torch.zeros_like(Z)  # Σ p expm1(δs)
+    PD = torch.zeros_like(Z)  # Σ p δs
+    PS = torch.zeros_like(Z)  # Σ p (s − m)
+    ds_max = torch.zeros_like(Z)
+    ds_sq = torch.zeros_like(Z)
+    ev = torch.empty((B, m, 0), dtype=dt, device=dev)
+    ei = torch.empty((B, m, 0), dtype=torch.long, device=dev)
+    top_s, top_i, top_s2, top2_s, top2_i = ev, ei, ev, ev, ei
+    kept = None
+    for t0, t1 in bounds:
+        s, ds = _logits(qs, kk, qpos, t0, t1, T)
+        m_new = torch.maximum(mx, s.amax(dim=-1))
+        alpha = torch.exp(mx - m_new)  # 0 on the first block (mx = −inf, m_new finite)
+        shift = torch.where(torch.isfinite(mx), mx - m_new, torch.zeros_like(mx))
+        mx = m_new
+        ds_max = torch.maximum(ds_max, torch.maximum(ds.amax(dim=-1), -ds.amin(dim=-1)))
+        ds_sq += torch.linalg.vector_norm(ds, 2, dim=-1) ** 2
+        sc = s.sub_(m_new.unsqueeze(-1))  # s − m, in place
+        nk = min(topk, t1 - t0)
+        s2 = torch.add(sc, ds)  # same order as s + δs
+        bv2, bi2 = s2.topk(nk, dim=-1)
+        bv, bi = sc.topk(nk, dim=-1)
+        # running top-k values are kept relative to the running max: shift the old ones
+        top_s = top_s + shift.unsqueeze(-1)
+        top_s2 = top_s2 + shift.unsqueeze(-1)
+        top2_s = top2_s + shift.unsqueeze(-1)
+        top_s, top_i, top_s2 = merge_topk(top_s, top_i, top_s2, bv, bi + t0,
+                                          s2.gather(-1, bi), topk)
+        top2_s, top2_i, _ = merge_topk(top2_s, top2_i, None, bv2, bi2 + t0, None, topk)
+        del s2
+        buf = torch.empty((B, 2 * m, t1 - t0), dtype=dt, device=dev)
+        p = torch.exp(sc, out=buf[:, :m])
+        PS = alpha * (PS + shift * Z) + torch.linalg.vecdot(p, sc)
+        Z = alpha * Z + p.sum(dim=-1)
+        e1 = torch.expm1(ds, out=buf[:, m:2 * m])
+        W = alpha * W + torch.linalg.vecdot(p, e1)
+        PD = alpha * PD + torch.linalg.vecdot(p, ds)
+        if single:
+            kept = (buf, ds)
+        del p, ds, s, sc, e1
+
+    lse_rel = torch.log(Z)  # lse − m
+    dlse = torch.log1p(W / Z)
+    mu = PD / Z
+    entropy = lse_rel - PS / Z
+    # expm1(δs − δlse) = expm1(δs)·e^{−δlse} + expm1(−δlse): one fused op instead of an expm1
+    c_mul = torch.exp(-dlse).unsqueeze(-1)
+    c_add = torch.expm1(-dlse).unsqueeze(-1)
+
+    # ---- pass 2: exact weight change and output terms ---------------------------------------
+    R = torch.zeros((B, m, 2 * Dv), dtype=dt, device=dev)  # p·[V, E_V]
+    R2 = torch.zeros((B, m, 3 * Dv), dtype=dt, device=dev)  # Z·δa·[V, E_V, V̂]
+    lin_v = torch.zeros((B, m, Dv), dtype=dt, device=dev) if first_order_out else None
+    tv, fo_num, fo_den = torch.zeros_like(Z), torch.zeros_like(Z), torch.zeros_like(Z)
+    rows = None
+    if keep_rows:
+        rows = tuple(torch.empty((B, m, T), dtype=dt, device=dev) for _ in range(3))
+    for t0, t1 in bounds:
+        if kept is not None:
+            buf, ds = kept
+            kept = None
+            p, e1 = buf[:, :m], buf[:, m:2 * m]
+        else:
+            s, ds = _logits(qs, kk, qpos, t0, t1, T)
+            buf = torch.empty((B, 2 * m, t1 - t0), dtype=dt, device=dev)
+            p = torch.exp(s.sub_(mx.unsqueeze(-1)), out=buf[:, :m])
+            e1 = torch.expm1(ds, out=buf[:, m:2 * m])
+            del s
+        dp = e1.mul_(c_mul).add_(c_add).mul_(p)  # Z·δa, in place of e1
+        tv += dp.abs().sum(dim=-1)
+        fo_den += torch.linalg.vector_norm(dp, 2, dim=-1) ** 2
+        if rows is not None:
+            rows[0][..., t0:t1] = ds
+            a = p / Z.unsqueeze(-1)
+            rows[1][..., t0:t1] = a
+            rows[2][..., t0:t1] = a + dp / Z.unsqueeze(-1)
+        rb = rhs[:, t0:t1]
+        R += p @ rb[..., : 2 * Dv]
+        R2 += dp @ rb
+        lin = ds.sub_(mu.unsqueeze(-1)).mul_(p)  # Z·Jδs, in place of ds (dead now)
+        if lin_v is not None:
+            lin_v += lin @ rb[..., :Dv]
+        fo_num += torch.linalg.vector_norm(torch.sub(lin, dp), 2, dim=-1) ** 2
+        del p, ds, e1, dp, lin, buf
+
+    inv = (1.0 / Z).unsqueeze(-1)
+    R0, R2 = R * inv, R2 * inv
+    out, value = R0[..., :Dv], R0[..., Dv:2 * Dv]
+    key, cross, dv_hat = R2[..., :Dv], R2[..., Dv:2 * Dv], R2[..., 2 * Dv:]
+    # total = a′V̂ − aV, evaluated as (a′ − a)V̂ + aE_V: the same quantity, formed from
+    # products other than the key and cross terms, and without the a′V̂ ≈ aV cancellation
+    total = dv_hat + value
+
+    def real(x):  # the hidden-key sentinel back to −inf (padding for the top-k metrics)
+        return torch.where(x > neg / 2, x, torch.full_like(x, -math.inf))
+
+    return dict(
+        out=out, value=value, key=key, cross=cross, total=total, key_lin=None if lin_v is None else lin_v * inv,
+        Z=Z, mu=mu, dlse=dlse, entropy=entropy, ds_max=ds_max, ds_sq=ds_sq,
+        tv=tv / Z, fo_num=fo_num, fo_den=fo_den,
+        top_s=real(top_s), top_i=top_i, top_s2=real(top_s2), top2_s=real(top2_s), top2_i=top2_i,
+        rows=rows,
+    )
 
 
 def run_engine(
@@ -78,6 +228,8 @@ def run_engine(
     block: int,
     keep_rows: bool,
     topk: int,
+    rows_per_chunk: int | None = None,
+    first_order_out: bool = True,
 ) -> EngineOut:
     """Decompose attention-output error for canonical tensors.
 
@@ -95,11 +247,16 @@ def run_engine(
     scale : float
         Logit scale.
     block : int
-        Keys per block.
+        Keys per block (the whole context when ``block >= T``: one pass, no recomputation).
     keep_rows : bool
         Also return the ``[B, M, T]`` rows (δs, a, a′).
     topk : int
         k of the top-k overlap and rank-flip metrics.
+    rows_per_chunk : int, optional
+        Query rows per chunk (default: a cache-sized slab).
+    first_order_out : bool
+        Also push the first-order weight change through V (one more [M, T]·[T, Dv] matmul)
+        for the ``first_order_key_err`` metric; NaN when false.
 
     Returns
     -------
@@ -107,127 +264,27 @@ def run_engine(
     """
     B, M, _ = q.shape
     T = k.shape[1]
-    Dv = v.shape[2]
-    dt = q.dtype
-    dev = q.device
+    dt, dev = q.dtype, q.device
     qs = q * scale
-    neg_inf = torch.tensor(-math.inf, dtype=dt, device=dev)
+    Dv = v.shape[2]
+    rhs = torch.cat([v, v_hat - v, v_hat], dim=-1)
+    kk = torch.cat([k, k_hat - k], dim=1)
+    mc = choose_rows(min(block, T), rows_per_chunk)
+    parts = []
+    for m0 in range(0, M, mc):
+        m1 = min(M, m0 + mc)
+        qp = None if qpos is None else qpos[m0:m1]
+        if qp is not None and int(qp.min()) >= T - 1:
+            qp = None
+        parts.append(_chunk(qs[:, m0:m1], kk, rhs, qp, block, keep_rows, topk, Dv, first_order_out))
 
-    bounds = [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
-    single = len(bounds) == 1
+    def cat(name):
+        return torch.cat([p[name] for p in parts], dim=1)
 
-    # ---- pass 1: online softmax statistics -------------------------------------------------
-    m = torch.full((B, M), -math.inf, dtype=dt, device=dev)
-    Z = torch.zeros((B, M), dtype=dt, device=dev)
-    ent = torch.zeros_like(Z)  # Σ p (s − m)
-    zd = torch.zeros_like(Z)  # Σ p δs
-    w = torch.zeros_like(Z)  # Σ p expm1(δs)
-    ds_max = torch.zeros_like(Z)
-    ds_sq = torch.zeros_like(Z)
-    empty_v = torch.empty((B, M, 0), dtype=dt, device=dev)
-    empty_i = torch.empty((B, M, 0), dtype=torch.long, device=dev)
-    top_s, top_i, top_s2 = empty_v, empty_i, empty_v
-    top2_s, top2_i = empty_v, empty_i
-    cached = None
-    for t0, t1 in bounds:
-        vis = _visible(qpos, t0, t1)
-        kb = k[:, t0:t1]
-        s = qs @ kb.mT
-        ds = qs @ (k_hat[:, t0:t1] - kb).mT
-        if vis is not None:
-            s = s.masked_fill(~vis, -math.inf)
-            ds = ds.masked_fill(~vis, 0.0)
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        alpha = torch.exp(m - m_safe)
-        shift = torch.where(torch.isfinite(m), m - m_safe, torch.zeros_like(m))
-        sc = s - m_safe.unsqueeze(-1)
-        p = torch.exp(sc)
-        psc = p * sc
-        if vis is not None:
-            psc = psc.masked_fill(~vis, 0.0)
-        ent = alpha * (ent + shift * Z) + psc.sum(dim=-1)
-        Z = alpha * Z + p.sum(dim=-1)
-        zd = alpha * zd + (p * ds).sum(dim=-1)
-        w = alpha * w + (p * torch.expm1(ds)).sum(dim=-1)
-        m = m_new
-        ds_max = torch.maximum(ds_max, ds.abs().amax(dim=-1))
-        ds_sq = ds_sq + (ds * ds).sum(dim=-1)
-        s2 = s + ds
-        kk = min(topk, t1 - t0)
-        bv, bi = s.topk(kk, dim=-1)
-        top_s, top_i, top_s2 = merge_topk(
-            top_s, top_i, top_s2, bv, bi + t0, s2.gather(-1, bi), topk
-        )
-        bv2, bi2 = s2.topk(kk, dim=-1)
-        top2_s, top2_i, _ = merge_topk(top2_s, top2_i, None, bv2, bi2 + t0, None, topk)
-        if single:
-            cached = (s, ds, p)
-
-    lse = m + torch.log(Z)
-    mu = zd / Z
-    dlse = torch.log1p(w / Z)
-
-    # ---- pass 2: exact weight change and output terms ---------------------------------------
-    out = torch.zeros((B, M, Dv), dtype=dt, device=dev)
-    value = torch.zeros_like(out)
-    key = torch.zeros_like(out)
-    cross = torch.zeros_like(out)
-    out_hat = torch.zeros_like(out)
-    key_lin = torch.zeros_like(out)
-    tv = torch.zeros_like(Z)
-    fo_num = torch.zeros_like(Z)
-    fo_den = torch.zeros_like(Z)
-    kl_acc = torch.zeros_like(Z)
-    var_acc = torch.zeros_like(Z)
+    r = {n: cat(n) for n in parts[0] if n != "rows" and parts[0][n] is not None}
     rows = None
     if keep_rows:
-        rows = (
-            torch.empty((B, M, T), dtype=dt, device=dev),
-            torch.empty((B, M, T), dtype=dt, device=dev),
-            torch.empty((B, M, T), dtype=dt, device=dev),
-        )
-    for t0, t1 in bounds:
-        if cached is not None:
-            s, ds, p = cached
-            a = p / Z.unsqueeze(-1)
-        else:
-            vis = _visible(qpos, t0, t1)
-            kb = k[:, t0:t1]
-            s = qs @ kb.mT
-            ds = qs @ (k_hat[:, t0:t1] - kb).mT
-            if vis is not None:
-                s = s.masked_fill(~vis, -math.inf)
-                ds = ds.masked_fill(~vis, 0.0)
-            a = torch.exp(s - lse.unsqueeze(-1))
-        da = a * torch.expm1(ds - dlse.unsqueeze(-1))
-        x = ds - mu.unsqueeze(-1)
-        dlin = a * x
-        a_hat = a + da
-        vb = v[:, t0:t1]
-        evb = v_hat[:, t0:t1] - vb
-        vcat = torch.cat([vb, evb], dim=-1)
-        r = a @ vcat
-        out += r[..., :Dv]
-        value += r[..., Dv:]
-        r = da @ vcat
-        key += r[..., :Dv]
-        cross += r[..., Dv:]
-        out_hat += a_hat @ v_hat[:, t0:t1]
-        key_lin += dlin @ vb
-        tv += da.abs().sum(dim=-1)
-        diff = da - dlin
-        fo_num += (diff * diff).sum(dim=-1)
-        fo_den += (da * da).sum(dim=-1)
-        kl_acc += (a * expm1_minus_x(x)).sum(dim=-1)
-        var_acc += (dlin * x).sum(dim=-1)
-        if rows is not None:
-            rows[0][..., t0:t1] = ds
-            rows[1][..., t0:t1] = a
-            rows[2][..., t0:t1] = a_hat
-        del s, ds, a, da, x, dlin, a_hat
-
-    total = out_hat - out
+        rows = tuple(torch.cat([p["rows"][i] for p in parts], dim=1) for i in range(3))
 
     # ---- per-query metrics --------------------------------------------------------------------
     if qpos is None:
@@ -239,46 +296,42 @@ def run_engine(
     def norm(x: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(x, dim=-1)
 
-    o_norm = norm(out)
-    key_norm = norm(key)
-    margin = top_s[..., 0] - top_s[..., 1] if top_s.shape[-1] > 1 else None
-    if margin is None or qpos is not None:
-        # Fewer than two visible keys: no margin.
-        m2 = torch.full((B, M), math.nan, dtype=dt, device=dev)
-        if margin is not None:
-            margin = torch.where(n_vis >= 2, margin, m2)
-        else:
-            margin = m2
+    top_s, top_i, top_s2 = r["top_s"], r["top_i"], r["top_s2"]
+    top2_s, top2_i = r["top2_s"], r["top2_i"]
+    nan = torch.full((B, M), math.nan, dtype=dt, device=dev)
+    if top_s.shape[-1] > 1:
+        margin = torch.where(n_vis >= 2, top_s[..., 0] - top_s[..., 1], nan)
+    else:
+        margin = nan
     k_eff = torch.clamp(n_vis, max=float(min(topk, T)))
     pad_a = torch.where(torch.isfinite(top_s), top_i, torch.full_like(top_i, -1))
     pad_b = torch.where(torch.isfinite(top2_s), top2_i, torch.full_like(top2_i, -2))
+    o_norm = norm(r["out"])
+    key_norm = norm(r["key"])
+    kl = torch.clamp(r["dlse"] - r["mu"], min=0.0)
     metrics = {
-        "logit_max_abs": ds_max,
-        "logit_rms": torch.sqrt(ds_sq / n_vis),
-        "logit_std": torch.sqrt(torch.clamp(var_acc, min=0.0)),
+        "logit_max_abs": r["ds_max"],
+        "logit_rms": torch.sqrt(r["ds_sq"] / n_vis),
         "margin": margin,
-        "entropy": torch.log(Z) - ent / Z,
-        "sensitivity": ds_max / margin,
-        "kl": torch.log1p(kl_acc),
-        "tv": 0.5 * tv,
-        "first_order_err": torch.sqrt(fo_num / fo_den),
-        "first_order_key_err": norm(key_lin - key) / key_norm,
+        "entropy": r["entropy"],
+        "sensitivity": r["ds_max"] / margin,
+        "kl": kl,
+        "tv": 0.5 * r["tv"],
+        "first_order_err": torch.sqrt(r["fo_num"] / r["fo_den"]),
+        "first_order_key_err": (norm(r["key_lin"] - r["key"]) / key_norm if "key_lin" in r
+                                else torch.full((B, M), math.nan, dtype=dt, device=dev)),
         "top1_flip": (top_i[..., 0] != top2_i[..., 0]).to(dt),
         "topk_overlap": topk_overlap(pad_a, pad_b, k_eff).to(dt),
         "rank_flips": rank_flips(top_s, top_s2),
         "out_norm": o_norm,
         "key_rel": key_norm / o_norm,
-        "value_rel": norm(value) / o_norm,
-        "cross_rel": norm(cross) / o_norm,
-        "total_rel": norm(total) / o_norm,
+        "value_rel": norm(r["value"]) / o_norm,
+        "cross_rel": norm(r["cross"]) / o_norm,
+        "total_rel": norm(r["total"]) / o_norm,
     }
     res = EngineOut(
-        key_term=key,
-        value_term=value,
-        cross_term=cross,
-        total=total,
-        out=out,
-        metrics=metrics,
+        key_term=r["key"], value_term=r["value"], cross_term=r["cross"], total=r["total"],
+        out=r["out"], metrics=metrics,
     )
     if rows is not None:
         res.delta_logits, res.attn, res.attn_hat = rows

@@ -1,0 +1,197 @@
+"""Benchmark: error decomposition vs plain attention on the default model's shapes.
+
+Shapes (SmolLM2-135M): 30 layers, 9 query heads sharing 3 kv heads, head dim 64, a 4096-token
+context and the last 256 positions as queries. Synthetic data (timing does not depend on values).
+
+Two floors are timed in the same run, on the same tensors, with the same GQA grouping:
+
+* ``matmuls``: the two attention matmuls alone (q·Kᵀ and a·V), no softmax;
+* ``attention``: plain causal attention (scale, mask, softmax, a·V), what a model computes.
+
+The decomposition is :func:`kverr.error.decompose_stream` exactly as the capture layer calls
+it: all four terms, the direct total and every per-query metric. Each timing is the median of
+``--repeats`` full passes over the 30 layers after one warm-up pass.
+
+Usage::
+
+    python bench/bench_decompose.py                 # prints the report
+    python bench/bench_decompose.py --write         # also writes bench/results/decompose-<date>.txt
+    python bench/bench_decompose.py --memory        # peak RSS of a 32k-token, 512-query run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kverr.error import decompose_stream
+
+LAYERS, HQ, HKV, D, T, Q = 30, 9, 3, 64, 4096, 256
+
+
+def _machine() -> str:
+    cpu = platform.processor() or "unknown cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores{mem}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), python {platform.python_version()}"
+    )
+
+
+def _data(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        q = torch.randn(HQ, Q, D, generator=g, dtype=dtype)
+        k = 2 * torch.randn(HKV, T, D, generator=g, dtype=dtype)
+        v = torch.randn(HKV, T, D, generator=g, dtype=dtype)
+        kh = k + 0.05 * torch.randn(k.shape, generator=g, dtype=dtype)
+        vh = v + 0.05 * torch.randn(v.shape, generator=g, dtype=dtype)
+        layers.append((q, k, v, kh, vh))
+    return layers
+
+
+KV_OF_Q = [h // (HQ // HKV) for h in range(HQ)]
+
+
+def _grouped(q: torch.Tensor) -> torch.Tensor:
+    # [HQ, Q, D] -> [HKV, G·Q, D]: the layout any efficient GQA attention uses
+    return q.reshape(HKV, (HQ // HKV) * Q, D)
+
+
+def floor_matmuls(layers, mask):
+    for q, k, v, _, _ in layers:
+        s = _grouped(q) @ k.mT
+        _ = s @ v
+
+
+def floor_attention(layers, mask):
+    scale = D**-0.5
+    for q, k, v, _, _ in layers:
+        s = (_grouped(q) * scale) @ k.mT
+        s = s.masked_fill(mask, float("-inf"))
+        a = torch.softmax(s, dim=-1)
+        _ = a @ v
+
+
+def decomposition(layers, mask):
+    for q, k, v, kh, vh in layers:
+        decompose_stream(q, k, v, kh, vh, causal=True, kv_head_of_q=KV_OF_Q)
+
+
+def _time(fn, layers, mask, repeats: int) -> float:
+    fn(layers, mask)  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(layers, mask)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def timing(repeats: int, dtype: torch.dtype) -> dict:
+    layers = _data(dtype)
+    qpos = torch.arange(T - Q, T).repeat(HQ // HKV)
+    mask = torch.arange(T)[None, :] > qpos[:, None]  # [G·Q, T], True where hidden
+    res = {}
+    with torch.no_grad():
+        res["matmuls_s"] = _time(floor_matmuls, layers, mask, repeats)
+        res["attention_s"] = _time(floor_attention, layers, mask, repeats)
+        res["decompose_s"] = _time(decomposition, layers, mask, repeats)
+    res["ratio_vs_attention"] = res["decompose_s"] / res["attention_s"]
+    res["ratio_vs_matmuls"] = res["decompose_s"] / res["matmuls_s"]
+    return res
+
+
+_MEM = """
+import json, resource, time, torch
+from kverr.error import decompose_stream
+T, Q, D = 32768, 512, 64
+g = torch.Generator().manual_seed(0)
+q = torch.randn(1, Q, D, generator=g); k = torch.randn(1, T, D, generator=g)
+v = torch.randn(1, T, D, generator=g)
+kh = k + 0.05 * torch.randn(k.shape, generator=g); vh = v + 0.05 * torch.randn(v.shape, generator=g)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter(); d = decompose_stream(q, k, v, kh, vh, causal=True)
+dt = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"peak_rss_mib": round(peak / 1024, 1), "rss_before_mib": round(base / 1024, 1),
+                  "seconds": round(dt, 2)}))
+"""
+
+
+def memory() -> dict:
+    out = subprocess.run([sys.executable, "-c", _MEM], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (default: torch's own choice)")
+    ap.add_argument("--memory", action="store_true", help="also measure the 32k/512 peak RSS")
+    ap.add_argument("--write", action="store_true", help="write bench/results/decompose-DATE.txt")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    lines = [
+        f"# kverr decomposition benchmark, {now:%Y-%m-%d %H:%M} UTC",
+        f"# machine: {_machine()}",
+        f"# command: python bench/bench_decompose.py {' '.join(argv or sys.argv[1:])}",
+        f"# shape: {LAYERS} layers, {HQ} q heads / {HKV} kv heads, head dim {D}, "
+        f"{T} tokens, {Q} queries per head (causal, last {Q} positions), {args.dtype}",
+    ]
+    r = timing(args.repeats, dtype)
+    lines += [
+        f"floor_matmuls_s      {r['matmuls_s']:.3f}   (q·Kᵀ and a·V only)",
+        f"floor_attention_s    {r['attention_s']:.3f}   (scale, causal mask, softmax, a·V)",
+        f"decompose_s          {r['decompose_s']:.3f}   (terms, direct total, all metrics)",
+        f"ratio_vs_attention   {r['ratio_vs_attention']:.2f}x   (target <= 3x)",
+        f"ratio_vs_matmuls     {r['ratio_vs_matmuls']:.2f}x",
+    ]
+    if args.memory:
+        m = memory()
+        lines.append(
+            f"memory_32k_512q      peak RSS {m['peak_rss_mib']} MiB (process, incl. "
+            f"{m['rss_before_mib']} MiB before the call), {m['seconds']} s, float32, streamed"
+        )
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    if args.write:
+        out = Path(__file__).parent / "results" / f"decompose-{now:%Y-%m-%d}.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
