@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kverr.errors import KernelError
-from kverr.gpu.launch import DECODE_WARPS, decode_constexprs, store_constexprs
+from kverr.gpu.launch import DECODE_WARPS, decode_block_n, decode_constexprs, store_constexprs, store_warps
 from kverr.gpu.spec import KernelSpec, kernel_spec
 from kverr.quant.formats import (
     PerChannel,
@@ -185,10 +185,10 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
         for tail in (False, True):
             jobs.append(("decode" + ("_tail" if tail else ""), f"K {ks.fmt.label()} V {vs.fmt.label()}",
                          decode.paged_decode_kernel, decode_signature(ks, vs),
-                         decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=block_n, P=P, tail=tail,
+                         decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P, tail=tail,
                                            dot_fp16=True)))
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
-        warps = DECODE_WARPS if kname.startswith("decode") else num_warps
+        warps = DECODE_WARPS if kname.startswith("decode") else store_warps(cx["BLOCK_R"], D)
         c = _compile(fn, sig, cx, arch, warps)
         out.append(Resource(kname, label, arch, num_warps=warps, **resource_usage(c)))
         if progress:

@@ -18,6 +18,17 @@ def _kernels():
 DECODE_WARPS = 8
 
 
+def decode_block_n(kspec: KernelSpec, vspec: KernelSpec, block_n: int) -> int:
+    """Tokens per decode tile: halved for 3-bit codes (two gathered planes per tile), which
+    otherwise spill at head dim 128."""
+    return max(16, block_n // 2) if 3 in (kspec.bits, vspec.bits) else block_n
+
+
+def store_warps(block_r: int, D: int) -> int:
+    """Warps of the store kernel: 8 for tiles of 4096+ elements (whole pages), else 4."""
+    return 8 if block_r * D >= 4096 else 4
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -45,6 +56,7 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),
         scale, zero, ss_p, ss_h,
         **store_constexprs(spec, D, jobs.block_r),
+        num_warps=store_warps(jobs.block_r, D),
     )
 
 
@@ -88,7 +100,7 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         sm_scale * 1.4426950408889634,
         cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
         ns if tail else 0,
-        **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=cache.block_n,
+        **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=decode_block_n(kp.spec, vp.spec, cache.block_n),
                             P=cache.P, tail=tail, dot_fp16=cache.dot_fp16),
         num_warps=DECODE_WARPS,
     )
