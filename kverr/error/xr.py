@@ -148,7 +148,7 @@ def decompose_capture(
         A config, a preset name or a config JSON path (:func:`kverr.config.resolve`).
     queries : int
         Number of query positions: the last ``queries`` tokens, each attending causally to
-        every token up to itself.
+        every token up to itself (all tokens when the capture is shorter).
     layers : sequence of int, optional
         Layer coordinate values to decompose (default: all in the capture).
     scheduler : None, str or distributed.Client
@@ -195,9 +195,11 @@ def decompose_capture(
     head_dim = capture.sizes[CHANNEL]
     n_layers_model = int(capture.attrs.get("model_n_layers", int(capture[LAYER].max()) + 1))
     cfg.check_model(n_layers_model, n_kv, head_dim)
-    if not (isinstance(queries, (int, np.integer)) and 1 <= int(queries) <= n_t):
-        raise ShapeError(f"queries={queries!r} must be an integer in [1, {n_t}] (the captured tokens)")
-    queries = int(queries)
+    if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or int(queries) < 1:
+        raise ShapeError(f"queries={queries!r} must be a positive integer")
+    if int(queries) > n_t:
+        log.warning("queries=%d exceeds the %d captured tokens; using all %d", queries, n_t, n_t)
+    queries = min(int(queries), n_t)
     if layers is not None:
         have = [int(x) for x in capture[LAYER].values]
         bad = [int(x) for x in layers if int(x) not in have]

@@ -1,0 +1,191 @@
+"""The xarray/dask layer and the ``kverr decompose`` command.
+
+K̂ and V̂ always come from the one oracle, :func:`kverr.quant.reconstruct`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from kverr.config import PRESETS, CacheConfig, resolve
+from kverr.error import QUERY_METRICS, decompose_capture, decompose_stream
+from kverr.errors import CaptureError, ConfigError, ShapeError
+from kverr.quant import PerTokenGroup, int_format, reconstruct
+from kverr.rope import apply_rope, default_inv_freq
+
+REAL = Path(__file__).resolve().parents[1] / "data" / "smollm2-pydoc-512.zarr"
+
+
+def synthetic_capture(n_layers=2, hq=4, hkv=2, T=160, D=64, seed=0) -> xr.Dataset:
+    """A small capture-shaped dataset with real RoPE between k_pre and k."""
+    rng = np.random.default_rng(seed)
+    inv = default_inv_freq(D, 10000.0)
+    rope = json.dumps({"inv_freq": inv.tolist(), "attention_scaling": 1.0})
+    pos = np.arange(T)
+    q = rng.normal(size=(n_layers, hq, T, D)).astype(np.float32)
+    k_pre = rng.normal(size=(n_layers, hkv, T, D)).astype(np.float32)
+    k_pre[..., 3] += 4.0  # an outlier channel, as real keys have
+    k = apply_rope(torch.from_numpy(k_pre), pos, rope).numpy()
+    v = rng.normal(size=(n_layers, hkv, T, D)).astype(np.float32)
+    dims4 = ("layer", "kv_head", "token", "channel")
+    return xr.Dataset(
+        {
+            "q": (("layer", "q_head", "token", "channel"), q),
+            "k_pre": (dims4, k_pre),
+            "k": (dims4, k),
+            "v": (dims4, v),
+            "position": ("token", pos.astype(np.int32)),
+        },
+        coords={
+            "layer": [0, 1][:n_layers],
+            "q_head": np.arange(hq),
+            "kv_head": np.arange(hkv),
+            "token": pos,
+            "channel": np.arange(D),
+            "kv_head_of_q": ("q_head", np.arange(hq) // (hq // hkv)),
+            "attn_scale": ("layer", np.full(n_layers, D**-0.5)),
+        },
+        attrs={"rope": rope, "model_n_layers": n_layers, "head_dim": D},
+    )
+
+
+def _direct(cap, config, layer_pos, queries, pre_rope=False):
+    """The array core on one layer, with K̂/V̂ from the oracle."""
+    q = torch.from_numpy(cap.q.values[layer_pos, :, -queries:])
+    k = torch.from_numpy(cap.k.values[layer_pos])
+    v = torch.from_numpy(cap.v.values[layer_pos])
+    layer = int(cap.layer.values[layer_pos])
+    if pre_rope:
+        kp = torch.from_numpy(cap.k_pre.values[layer_pos])
+        k_hat = apply_rope(reconstruct(kp, config, layer=layer, which="k"), cap.position.values,
+                           cap.attrs["rope"])
+    else:
+        k_hat = reconstruct(k, config, layer=layer, which="k")
+    v_hat = reconstruct(v, config, layer=layer, which="v")
+    return decompose_stream(q, k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values), k_hat, v_hat
+
+
+@pytest.mark.parametrize("preset", ["q4_0", "kivi-2"])
+def test_capture_layer_matches_array_core(preset):
+    cap = synthetic_capture()
+    cfg = resolve(preset)
+    ds = decompose_capture(cap, cfg, queries=40)
+    assert ds["kl"].chunks is not None  # lazy
+    assert set(ds["kl"].dims) == {"layer", "q_head", "query"}
+    assert set(ds["k_mse"].dims) == {"layer", "kv_head"}
+    ds = ds.compute(scheduler="synchronous")
+    for li in range(2):
+        d, k_hat, v_hat = _direct(cap, cfg, li, 40)
+        for name in QUERY_METRICS:
+            np.testing.assert_allclose(ds[name].values[li], d.metrics[name].double().numpy(),
+                                       rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=name)
+        err = (k_hat.double() - torch.from_numpy(cap.k.values[li]).double()) ** 2
+        np.testing.assert_allclose(ds.k_mse.values[li], err.mean(dim=(-2, -1)).numpy(), rtol=1e-9)
+    np.testing.assert_array_equal(ds["query"].values, cap["token"].values[-40:])
+    shares = ds.key_share + ds.value_share + ds.cross_share
+    np.testing.assert_allclose(shares.values, 1.0, rtol=1e-12)
+    assert np.all(ds.layer_key_share.values >= 0)
+
+
+def test_pre_rope_keys_are_quantized_then_rotated():
+    cap = synthetic_capture(n_layers=1)
+    cfg = PRESETS["q4_0"].with_(key_pre_rope=True)
+    ds = decompose_capture(cap, cfg, queries=16).compute()
+    d, _, _ = _direct(cap, cfg, 0, 16, pre_rope=True)
+    np.testing.assert_allclose(ds.kl.values[0], d.metrics["kl"].double().numpy(), rtol=1e-6, atol=1e-12)
+    # and it differs from quantizing post-RoPE keys
+    post = decompose_capture(cap, PRESETS["q4_0"], queries=16).compute()
+    assert not np.allclose(post.kl.values, ds.kl.values)
+
+
+def test_unquantized_config_gives_almost_no_error():
+    cap = synthetic_capture(n_layers=1)
+    ds = decompose_capture(cap, "fp16", queries=8).compute()
+    assert float(ds.total_rel.max()) < 1e-3
+    assert float(ds.top1_flip.max()) == 0.0
+
+
+def test_layers_selection_and_model_layer_index():
+    cap = synthetic_capture(n_layers=2)
+    # a per-layer override on layer 1 only: layer 0 must be unaffected by it
+    base = PRESETS["q4_0"]
+    d = base.to_dict()
+    d["layers"] = {"1": {"k": PRESETS["q8_0"].to_dict()["k"]}}
+    cfg = CacheConfig.from_dict(d)
+    both = decompose_capture(cap, cfg, queries=8).compute()
+    only1 = decompose_capture(cap, cfg, queries=8, layers=[1]).compute()
+    assert list(only1.layer.values) == [1]
+    np.testing.assert_allclose(only1.kl.values[0], both.kl.values[1], rtol=1e-12)
+    plain = decompose_capture(cap, base, queries=8, layers=[0]).compute()
+    np.testing.assert_allclose(plain.kl.values[0], both.kl.values[0], rtol=1e-12)
+
+
+def test_distributed_local_cluster_two_workers():
+    distributed = pytest.importorskip("distributed")
+    cap = synthetic_capture()
+    local = decompose_capture(cap, "q4_0", queries=16, scheduler="synchronous")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  host="127.0.0.1", protocol="tcp://", dashboard_address=None) as cluster:
+        assert cluster.scheduler_address.startswith("tcp://127.0.0.1")
+        remote = decompose_capture(cap, "q4_0", queries=16, scheduler=cluster.scheduler_address)
+        with distributed.Client(cluster) as client:
+            assert len(client.scheduler_info()["workers"]) == 2
+    for name in ("kl", "key_rel", "value_rel", "k_mse", "layer_key_share"):
+        np.testing.assert_allclose(remote[name].values, local[name].values, rtol=1e-12, err_msg=name)
+    assert remote["kl"].chunks is None  # computed
+
+
+def test_bad_captures_and_configs():
+    cap = synthetic_capture(n_layers=1)
+    with pytest.raises(CaptureError, match="lacks the variables \\['v'\\]"):
+        decompose_capture(cap.drop_vars("v"), "q4_0")
+    with pytest.raises(CaptureError, match="k_pre"):
+        decompose_capture(cap.drop_vars("k_pre"), PRESETS["q4_0"].with_(key_pre_rope=True))
+    with pytest.raises(CaptureError, match="kv_head_of_q"):
+        decompose_capture(cap.drop_vars("kv_head_of_q"), "q4_0")
+    with pytest.raises(CaptureError, match="dims"):
+        decompose_capture(cap.assign(v=cap.v.transpose("layer", "token", "kv_head", "channel")), "q4_0")
+    with pytest.raises(ShapeError, match="queries"):
+        decompose_capture(cap, "q4_0", queries=0)
+    assert decompose_capture(cap, "q4_0", queries=10_000).sizes["query"] == 160  # all tokens
+    with pytest.raises(ShapeError, match="not in the capture"):
+        decompose_capture(cap, "q4_0", layers=[7], queries=8)
+    # a group of 64 channels cannot fit a head dim of 48
+    small = synthetic_capture(n_layers=1, D=48)
+    bad = CacheConfig(k=int_format(4, PerTokenGroup(64)), v=int_format(4, PerTokenGroup(64)))
+    with pytest.raises(ConfigError):
+        decompose_capture(small, bad, queries=8)
+    with pytest.raises(ConfigError, match="scheduler"):
+        decompose_capture(cap, "q4_0", queries=8, scheduler="nonsense")
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="the real capture is not in data/")
+def test_cli_on_the_real_capture(tmp_path, capsys):
+    from kverr.cli import main
+
+    out = tmp_path / "d.zarr"
+    rc = main(["decompose", "--capture", str(REAL), "--config", "kivi-4", "--out", str(out),
+               "--queries", "64", "--layers", "0,29", "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "key" in text and "value" in text and "cross" in text and "KL" in text and "flips" in text
+    lines = [ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "29 "))]
+    assert len(lines) == 2
+    ds = xr.open_zarr(out, consolidated=False)
+    assert ds.sizes["query"] == 64 and list(ds.layer.values) == [0, 29]
+    assert json.loads(ds.attrs["config"])["name"] == "kivi-4"
+    # a second run refuses to overwrite: one clear line, exit 2
+    rc = main(["decompose", "--capture", str(REAL), "--config", "kivi-4", "--out", str(out)])
+    assert rc == 2
+    assert "exists" in capsys.readouterr().err
+    rc = main(["decompose", "--capture", str(REAL), "--config", "no-such-preset",
+               "--out", str(tmp_path / "x.zarr")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "preset" in err[0]
