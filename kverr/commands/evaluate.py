@@ -1,0 +1,79 @@
+"""``kverr evaluate``: next-token KL, top-1 and perplexity of cache formats in the real model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kverr.commands._common import non_negative_int, positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="measure what cache formats do to the model's output, beside today's formats",
+        description="Prefill P tokens of real text into each cache, quantize, then decode N tokens "
+        "teacher-forced and compare every next-token distribution with the unquantized cache: "
+        "mean/p50/p99 KL, top-1 agreement, perplexity and its delta, and the first step where "
+        "greedy generation diverges. Peers: quanto-int4, quanto-int2 (transformers' "
+        "QuantizedCache, group 64, residual 128). Writes a CSV (one row per scheme and context, "
+        "mean over segments), the per-segment rows beside it and a plot of KL against effective bits.",
+    )
+    p.add_argument("--model", default="default", help="'default' or a transformers model directory")
+    p.add_argument("--scheme", action="append", default=[], metavar="NAME", help="a preset or a peer (repeat)")
+    p.add_argument("--config", action="append", default=[], metavar="PATH", help="a config JSON (repeat)")
+    p.add_argument("--text", default="pydoc", help="'pydoc' (the stdlib's topics) or a UTF-8 file")
+    p.add_argument("--prefill", action="append", type=positive_int, metavar="P", help="prefill tokens (repeat; default 1024)")
+    p.add_argument("--decode", type=positive_int, default=128, help="teacher-forced decode steps (default: %(default)s)")
+    p.add_argument("--segments", type=positive_int, default=1, help="disjoint text segments (default: %(default)s)")
+    p.add_argument("--offset", type=non_negative_int, default=5000, help="first token of the first segment (default: %(default)s)")
+    p.add_argument(
+        "--prefill-policy", choices=("all", "window"), default="all",
+        help="'all': quantize everything after prefill (default); 'window': keep each config's window",
+    )
+    p.add_argument("--greedy", type=non_negative_int, help="greedy steps for first divergence (default: --decode; 0 skips)")
+    p.add_argument("--out", required=True, type=Path, help="CSV to write (plot and per-segment CSV beside it)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument(
+        "--threads", type=positive_int,
+        help="torch CPU threads (default: torch's choice; 1 is fastest on a busy 2-core machine)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kverr.capture import load_model, load_text, model_shape
+    from kverr.config import atomic_write_text
+    from kverr.errors import OutputExistsError
+    from kverr.evaluate import evaluate, parse_schemes, plot_kl_vs_bits, summarize
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out: Path = args.out
+    if out.exists() and not args.overwrite:
+        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
+    schemes = parse_schemes(args.scheme, args.config)
+    # Everything that can be checked without the model is checked before loading it.
+    n_layers, n_kv, head_dim = model_shape(args.model)
+    for s in schemes:
+        if s.config is not None:
+            s.config.check_model(n_layers, n_kv, head_dim)
+    text = load_text(args.text)
+    loaded = load_model(args.model)
+    df = evaluate(
+        loaded, text, schemes,
+        prefill=args.prefill or [1024], decode=args.decode, segments=args.segments, offset=args.offset,
+        prefill_policy=args.prefill_policy, greedy_steps=args.greedy,
+    )
+    summary = summarize(df)
+    atomic_write_text(out.with_name(out.stem + ".segments.csv"), df.to_csv(index=False))
+    atomic_write_text(out, summary.to_csv(index=False))
+    plot = plot_kl_vs_bits(summary, out.with_suffix(".png"))
+    cols = ["scheme", "prefill", "effective_bits", "mean_kl", "p99_kl", "top1", "ppl", "ppl_fp16"]
+    if "first_divergence" in summary:
+        cols.append("first_divergence")
+    print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"wrote {out}, {out.with_name(out.stem + '.segments.csv')} and {plot}")
+    return 0
