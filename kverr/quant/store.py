@@ -1,5 +1,8 @@
 """Token policy and the reference store: what a cache holds for a config, laid out in pages.
 
+The cache receives keys and values in its own dtype (``window_dtype``, fp16 by default): every
+stored number derives from those values, as in a serving engine whose model runs in that dtype.
+
 Token policy for a sequence of ``T`` tokens and one format (see :func:`token_regions`):
 the first ``sinks`` tokens and the most recent ones stay in full precision (``window_dtype``);
 the tokens between are quantized. At least ``window`` recent tokens stay in full precision;
@@ -98,9 +101,10 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) 
     if x32.ndim < 3:
         raise ShapeError(f"{which} must be [..., kv_head, token, channel], got {tuple(x32.shape)}")
     *lead, H, T, D = x32.shape
-    x4 = x32.reshape(-1, H, T, D)
-    wdt = TORCH_DTYPES[config.window_dtype]
-    out = x4.to(wdt).to(torch.float32)
+    # The cache receives K/V in its own dtype (window_dtype); every stored number derives from
+    # those values, as in a serving engine whose model runs in that dtype.
+    x4 = x32.reshape(-1, H, T, D).to(TORCH_DTYPES[config.window_dtype]).to(torch.float32)
+    out = x4.clone()
     for fmt, heads in config.head_groups(layer, H, which):
         fmt.check_head_dim(D, which)
         start, end = token_regions(T, config, fmt)
@@ -191,7 +195,7 @@ class ReferenceStore:
         self.shape: tuple[int, ...] | None = None
         for layer, (k, v) in enumerate(zip(keys, values)):
             for which, x in (("k", k), ("v", v)):
-                x32 = as_float_tensor(x, which)
+                x32 = as_float_tensor(x, which).to(TORCH_DTYPES[config.window_dtype]).float()
                 if x32.ndim != 4:
                     raise ShapeError(f"layer {layer} {which}: want [B, kv_head, token, channel], got {tuple(x32.shape)}")
                 if self.shape is None:

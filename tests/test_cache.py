@@ -1,0 +1,186 @@
+"""KverrCache: the same numbers as the oracle, inside real transformers models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kverr.cache import KverrCache, apply_rope, undo_rope
+from kverr.config import PRESETS, CacheConfig, Override
+from kverr.errors import ConfigError, ShapeError
+from kverr.memory import ModelShape, account
+from kverr.quant import (
+    PerChannel,
+    PerHead,
+    PerToken,
+    PerTokenGroup,
+    float_format,
+    fp8_format,
+    int_format,
+    is_static,
+    quantize,
+    reconstruct,
+)
+
+from strategies import configs
+
+L, H, D = 2, 3, 16
+
+
+def _dynamic(cfg: CacheConfig) -> bool:
+    fmts = [cfg.k, cfg.v] + [getattr(o, w) for o in (*cfg.layers.values(), *cfg.heads.values()) for w in "kv"]
+    return not any(f is not None and not f.is_float and is_static(f.granularity) for f in fmts)
+
+
+def _feed(cache: KverrCache, ks, vs, cuts):
+    """Append K/V of every layer to the cache in chunks ending at ``cuts``; return what attention saw last."""
+    start = 0
+    seen = None
+    for end in cuts:
+        seen = [cache.update(k[:, :, start:end], v[:, :, start:end], i) for i, (k, v) in enumerate(zip(ks, vs))]
+        start = end
+    return seen
+
+
+@given(
+    cfg=configs(L, H, D).filter(lambda c: not c.key_pre_rope and _dynamic(c)),
+    T=st.integers(1, 120),
+    n_cuts=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40)
+def test_cache_holds_exactly_what_reconstruct_says_whatever_the_chunking(cfg, T, n_cuts, seed):
+    g = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(2, H, T, D, generator=g) for _ in range(L)]
+    vs = [torch.randn(2, H, T, D, generator=g) for _ in range(L)]
+    cuts = sorted(set(torch.randint(1, T + 1, (n_cuts,), generator=g).tolist()) | {T})
+    cache = KverrCache(cfg, L, H, D)
+    _feed(cache, ks, vs, cuts)
+    for i in range(L):
+        assert torch.equal(cache.read(i, "k"), reconstruct(ks[i], cfg, layer=i, which="k"))
+        assert torch.equal(cache.read(i, "v"), reconstruct(vs[i], cfg, layer=i, which="v"))
+    assert cache.get_seq_length() == T
+    # The cache holds exactly the unpadded bytes of the accounting: no pages, no alignment here.
+    t = account(cfg, ModelShape(L, H, D), T, batch=2).totals
+    assert cache.nbytes() == t.total - t.page_rounding - t.padding
+
+
+def test_new_tokens_attend_to_their_fresh_values_and_old_ones_to_storage():
+    cfg = PRESETS["q4_0"]
+    ks = [torch.randn(1, H, 40, 32)]
+    vs = [torch.randn(1, H, 40, 32)]
+    cache = KverrCache(cfg, 1, H, 32)
+    first_k, _ = cache.update(ks[0][:, :, :30], vs[0][:, :, :30], 0)
+    assert torch.equal(first_k, ks[0][:, :, :30])  # the prefill attends to fresh keys
+    k, v = cache.update(ks[0][:, :, 30:], vs[0][:, :, 30:], 0)
+    assert torch.equal(k[:, :, 30:], ks[0][:, :, 30:])
+    assert torch.equal(k[:, :, :30], reconstruct(ks[0][:, :, :30], cfg, layer=0, which="k"))
+
+
+def test_flush_quantizes_whole_blocks_regardless_of_the_window():
+    cfg = PRESETS["kivi-2"]  # keys in 32-token groups, window 128
+    k = torch.randn(1, H, 100, 64)
+    cache = KverrCache(cfg, 1, H, 64)
+    cache.update(k, k.clone(), 0)
+    assert cache.layers[0].groups["k"][0].n_quantized == 0  # all 100 inside the window
+    cache.flush()
+    gk, gv = cache.layers[0].groups["k"][0], cache.layers[0].groups["v"][0]
+    assert gk.n_quantized == 96 and gk.n_pending == 4  # 3 whole key groups
+    assert gv.n_quantized == 100 and gv.n_pending == 0  # per-token values: everything
+
+
+def test_static_scales_come_from_the_first_chunk_or_are_given():
+    fmt = fp8_format(PerHead())
+    cfg = CacheConfig(k=fmt, v=fmt)
+    x = torch.randn(1, H, 50, 16).half().float()  # the cache's own dtype: no extra rounding
+    cache = KverrCache(cfg, 1, H, 16)
+    cache.update(x[:, :, :20], x[:, :, :20], 0)
+    cache.update(x[:, :, 20:] * 4, x[:, :, 20:] * 4, 0)
+    first = quantize(x[:, :, :20], fmt)
+    expect = quantize(torch.cat([x[:, :, :20], x[:, :, 20:] * 4], 2), fmt, scale=first.scale, zero=None).dequantize()
+    assert torch.equal(cache.read(0, "k"), expect)
+    given_scale = torch.full((H, 1, 1), 0.01)
+    cache = KverrCache(cfg, 1, H, 16, static_scales={0: {"k": (given_scale, None)}})
+    cache.update(x, x, 0)
+    assert torch.equal(cache.read(0, "k"), quantize(x, fmt, scale=given_scale).dequantize())
+
+
+def test_rope_inverse():
+    pos = torch.arange(10)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2) / 16))
+    ang = torch.cat([pos[:, None] * inv[None]] * 2, -1)
+    cos, sin = ang.cos(), ang.sin()
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    assert torch.allclose(undo_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-12)
+
+
+def test_cache_rejects_what_does_not_fit():
+    with pytest.raises(ConfigError, match="layers.5 overrides a layer the model does not have"):
+        KverrCache(PRESETS["q4_0"].with_(layers={5: Override(k=float_format())}), 2, H, 64)
+    with pytest.raises(ConfigError, match="does not divide the head dimension 48"):
+        KverrCache(PRESETS["q4_0"], 2, H, 48)
+    with pytest.raises(ConfigError, match="rotary"):
+        KverrCache(PRESETS["q4_0"].with_(key_pre_rope=True), 2, H, 64)
+    cache = KverrCache(PRESETS["q4_0"], 1, H, 64)
+    with pytest.raises(ShapeError, match="do not have 3 kv heads"):
+        cache.update(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside real transformers models (small random ones; the bundled model where the claim needs it)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kverr.capture import load_model
+    from kverr.capture.tiny import make_tiny_model
+
+    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama")))
+
+
+def _logits(model, cache, ids, prefill):
+    from kverr.evaluate import teacher_forced
+
+    return teacher_forced(model, cache, ids, prefill, flush=False)
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_full_precision_config_reproduces_the_model(tiny, pre_rope):
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 256, (60,))
+    cfg = CacheConfig(k=float_format("fp32"), v=float_format("fp32"), window_dtype="fp32", key_pre_rope=pre_rope)
+    ref = _logits(tiny.model, DynamicCache(), ids, 40)
+    got = _logits(tiny.model, KverrCache.for_model(tiny.model, cfg), ids, 40)
+    if pre_rope:  # undoing and redoing RoPE costs fp32 round-off, nothing more
+        assert float((ref - got).abs().max()) < 1e-4
+    else:
+        assert torch.equal(ref, got)
+
+
+def test_generate_runs_through_the_cache(tiny):
+    cfg = PRESETS["kivi-2"].with_(window=8)
+    ids = torch.randint(0, 256, (1, 30))
+    cache = KverrCache.for_model(tiny.model, cfg)
+    out = tiny.model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    assert out.shape == (1, 42)
+    assert cache.get_seq_length() == 41  # the last generated token is never fed back
+    assert cache.layers[0].groups["v"][0].n_quantized > 0
+
+
+def test_pre_rope_keys_are_what_gets_quantized(tiny):
+    """With key_pre_rope, the stored keys equal the oracle applied to pre-RoPE keys."""
+    from kverr.cache import model_rotary
+
+    cfg = PRESETS["q4_0"].with_(key_pre_rope=True)
+    rotary = model_rotary(tiny.model)
+    cache = KverrCache(cfg, 1, 2, 64, rotary=rotary)
+    k = torch.randn(1, 2, 20, 64)
+    cache.update(k, k.clone(), 0)
+    cache.update(k[:, :, :1], k[:, :, :1], 0)  # move the first chunk into storage view
+    cos, sin = rotary(torch.arange(20))
+    expect = apply_rope(reconstruct(undo_rope(k, cos, sin), cfg, layer=0, which="k"), cos, sin)
+    assert torch.allclose(cache.read(0, "k")[:, :, :20], expect, atol=1e-6)
