@@ -54,7 +54,9 @@ class Decomposition:
     cross_term : array ``[..., Q, Dv]``
         (attn_hat − attn)·(v_hat − v).
     total : array ``[..., Q, Dv]``
-        attn_hat·v_hat − attn·v, computed directly from its definition (not as the sum).
+        attn_hat·v_hat − attn·v, evaluated as (attn_hat − attn)·v_hat + attn·(v_hat − v): the
+        same quantity without the cancellation of two nearly equal outputs, and formed from
+        other products than the three terms (so their sum is a check, not a tautology).
     out : array ``[..., Q, Dv]``
         The clean attention output attn·v.
     metrics : dict of str to array ``[..., Q]``

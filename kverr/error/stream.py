@@ -16,11 +16,12 @@ which has no cancellation at all. Pass 1 streams the online-softmax statistics (
 Σe^{s−m}, Σe^{s−m}expm1(δs), Σe^{s−m}δs, entropy, top-k); pass 2 forms a, δa per block and
 accumulates the output terms. With a single block pass 2 reuses pass 1's tensors.
 
-Speed. Every [rows, keys] elementwise pass costs about as much as a whole attention matmul at
-head dim 64, so the engine (i) works on row chunks small enough to stay in cache, (ii) folds
-the 1/Z normalisation and every sum that is linear in the keys into one matmul against
-[V, E_V, V̂, K, E_K] (entropy needs Σp·s = q·(pK), μ needs Σp·δs = q·(pE_K)), and (iii) reuses
-buffers in place.
+Speed. At head dim 64 one elementwise pass over a [rows, keys] slab costs about as much as
+one of the attention matmuls, so the engine (i) works on row chunks small enough to stay in
+cache, (ii) gets s and δs from one matmul against [K; E_K] and every output from two matmuls
+against [V, E_V, V̂], folding the 1/Z normalisation into the small results, (iii) uses fused
+row dot products for the sums, and (iv) reuses buffers in place. With a single block (contexts
+up to 8192 keys) there is no second pass over the logits.
 
 KL(a‖a′) = δlse − μ with μ = Σ_j a_j δs_j. It is second order in δs, so its relative accuracy
 is about ulp/|δs| (1e-13 in float64; 1e-4 in float32 for |δs| ~ 1e-3, i.e. int8 keys).
