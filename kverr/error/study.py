@@ -51,12 +51,17 @@ def sweep(
     Returns
     -------
     xarray.Dataset
-        The decomposition datasets concatenated along a new ``config`` dim (config names).
+        The decomposition datasets concatenated along a new ``config`` dim (config names),
+        with a coordinate ``effective_bits`` (config): every cached byte (payload, scales,
+        zero points, padding, pages, sinks and window) per K/V element, from
+        :func:`kverr.memory.account` for this capture's shape and token count.
     """
     import xarray as xr
 
     from kverr.config import PRESETS, resolve
+    from kverr.dims import CHANNEL, KV_HEAD, LAYER, TOKEN
     from kverr.error.xr import compute, decompose_capture
+    from kverr.memory import ModelShape, account
 
     cfgs = [resolve(c) for c in (configs if configs is not None else list(PRESETS))]
     names = [c.name or f"config{i}" for i, c in enumerate(cfgs)]
@@ -65,7 +70,11 @@ def sweep(
         lazy = decompose_capture(capture, cfg, queries=queries)
         parts.append(compute(lazy, scheduler, progress=progress, desc=name).drop_attrs())
         log.info("decomposed %s", name)
-    return xr.concat(parts, dim="config", coords="minimal", compat="override").assign_coords(config=names)
+    n_layers = int(capture.attrs.get("model_n_layers", int(capture[LAYER].max()) + 1))
+    shape = ModelShape(n_layers, int(capture.sizes[KV_HEAD]), int(capture.sizes[CHANNEL]))
+    bits = [account(c, shape, int(capture.sizes[TOKEN])).effective_bits for c in cfgs]
+    out = xr.concat(parts, dim="config", coords="minimal", compat="override")
+    return out.assign_coords(config=names, effective_bits=("config", bits))
 
 
 def layer_table_frame(sw: Any):
@@ -74,7 +83,7 @@ def layer_table_frame(sw: Any):
     Returns
     -------
     pandas.DataFrame
-        Columns ``config, layer, k_mse, v_mse, recon_mse, k_snr_db, v_snr_db, out_rel_err,
+        Columns ``config, layer, effective_bits, k_mse, v_mse, recon_mse, k_snr_db, v_snr_db, out_rel_err,
         kl_mean, key_share, value_share, cross_share, top1_flip_rate, rank_flips_mean``.
     """
     import pandas as pd
@@ -83,8 +92,9 @@ def layer_table_frame(sw: Any):
     for c in sw["config"].values:
         for layer in sw[LAYER].values:
             s = sw.sel(config=c, layer=layer)
+            bits = float(s["effective_bits"]) if "effective_bits" in s.coords else float("nan")
             rows.append(dict(
-                config=str(c), layer=int(layer),
+                config=str(c), layer=int(layer), effective_bits=bits,
                 k_mse=float(s.layer_k_mse), v_mse=float(s.layer_v_mse),
                 recon_mse=float(s.layer_k_mse + s.layer_v_mse),
                 k_snr_db=float(s.layer_k_snr_db), v_snr_db=float(s.layer_v_snr_db),
