@@ -417,3 +417,16 @@ def test_bad_input_messages():
         decompose(q, k, v, kh, vh, kv_head_of_q=[0, 5])
     with pytest.raises(ShapeError, match="do not broadcast"):
         decompose(np.concatenate([q, q, q]), k, v, kh, vh)
+
+
+@pytest.mark.parametrize("ek,tol", [(1e-1, 1e-4), (1e-2, 1e-3), (1e-3, 1e-2)])
+def test_float32_second_order_metrics_lose_about_ulp_over_delta_s(ek, tol):
+    """KL and TV are second/first order in δs; in float32 their relative accuracy is about
+    ulp/|δs| (documented in kverr.error.stream), checked here against float64."""
+    rng = np.random.default_rng(16)
+    arrs = make(rng, (4,), 8, 200, 64, ek=ek, ev=ek)
+    d64 = decompose(*arrs)
+    d32 = decompose(*(a.astype(np.float32) for a in arrs))
+    for n in ("kl", "tv"):
+        rel = np.nanmax(np.abs(d32.metrics[n] - d64.metrics[n]) / np.abs(d64.metrics[n]))
+        assert rel < tol, (n, rel)

@@ -20,6 +20,9 @@ def sw():
 def test_sweep_has_a_config_dim(sw):
     assert list(sw["config"].values) == ["fp16", "int8-token", "q8_0", "q4_0", "fp8-e4m3-head"]
     assert sw["kl"].dims == ("config", "layer", "q_head", "query")
+    # every cached byte counts: 96 tokens fill two 64-token pages, so fp16 costs > 16 bits
+    bits = sw["effective_bits"].to_series()
+    assert bits["fp16"] >= 16 and bits["q4_0"] < bits["q8_0"] < bits["fp16"]
     lt = layer_table_frame(sw)
     assert len(lt) == 10
     # more bits, less damage (a sanity anchor, not the study's claim)
