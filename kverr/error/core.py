@@ -321,7 +321,7 @@ def _run(q, k, v, k_hat, v_hat, *, causal, scale, kv_head_of_q, q_positions, top
         cross_term=_out(plan, res.cross_term),
         total=_out(plan, res.total),
         out=_out(plan, res.out),
-        metrics={n: _out(plan, res.metrics[n].unsqueeze(-1)) [..., 0] for n in QUERY_METRICS},
+        metrics={n: _out(plan, res.metrics[n].unsqueeze(-1))[..., 0] for n in QUERY_METRICS},
     )
 
 
