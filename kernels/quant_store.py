@@ -58,6 +58,20 @@ def _cast_step(v, SDT: tl.constexpr, UP: tl.constexpr):
 
 
 @triton.jit
+def _round_to(x, DT: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in dtype ``DT`` (fp16, bf16 or fp32), as fp32."""
+    if DT == tl.bfloat16:
+        # by hand: the interpreter's fp32 -> bf16 cast truncates
+        xb = x.to(tl.int32, bitcast=True)
+        r = ((xb + 0x7FFF + ((xb >> 16) & 1)) >> 16) << 16
+        return r.to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
 def _fp8_bits(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
     """Bit pattern (int32 in [0, 255]) of fp32 ``y`` (finite, within the fp8 range) in an fp8
     format with ``MBITS`` mantissa bits and smallest normal exponent ``EMIN``; RNE."""
@@ -182,7 +196,8 @@ def quant_store_kernel(
         FP + b * sf_b + hl * sf_h + src_slot.to(tl.int64)[:, None] * sf_t + c[None, :],
         mask=from_fp[:, None], other=0.0,
     ).to(tl.float32)
-    x = tl.where(from_x[:, None], xa, xb)
+    # the cache receives K/V in its own dtype (the window dtype of FP), as the oracle does
+    x = tl.where(from_x[:, None], _round_to(xa, FP.dtype.element_ty), xb)
 
     rows = (row0 + r).to(tl.int64)
     code_base = CODES + page * sc_p + hl * sc_h + rows[:, None] * CB

@@ -11,9 +11,8 @@ when
 * the decode output differs from the reference attention output by a relative RMS of at most
   ``tol`` (default 1e-3; the kernel multiplies in fp32 unless ``dot_fp16``).
 
-Keys and values are rounded to the config's ``window_dtype`` first, on both paths, as a model
-running in that dtype produces them (a cache quantizes window tokens from that copy when they
-leave the window). On a machine without CUDA the kernels run in the Triton interpreter; set
+Keys and values reach both paths as they are; both round them to the config's ``window_dtype``
+first (the cache receives K/V in its own dtype, as a model running in that dtype produces them). On a machine without CUDA the kernels run in the Triton interpreter; set
 ``TRITON_INTERPRET=1`` before anything imports :mod:`kverr_kernels` (the ``kverr validate`` command
 does this itself).
 """
@@ -132,7 +131,6 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     from kverr.gpu import PagedKVCache, calibrate_static_scales
     from kverr.gpu.cache import interpreting
     from kverr.quant import is_static, reconstruct
-    from kverr.quant.formats import TORCH_DTYPES
 
     L, B, Hq, T, D = q.shape
     H = k.shape[2]
@@ -146,9 +144,8 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     rep = Hq // H
     if kv_map != [h // rep for h in range(Hq)]:
         raise ShapeError(f"kv_head_of_q={kv_map} is not the contiguous grouping the kernels use")
-    wdt = TORCH_DTYPES[config.window_dtype]
-    k = k.float().to(wdt).float()
-    v = v.float().to(wdt).float()
+    k = k.float()
+    v = v.float()
     q = q.float()
     layers = list(range(L)) if layers is None else list(layers)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")

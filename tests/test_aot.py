@@ -32,7 +32,5 @@ def test_aot_sm90_every_kernel_specialisation():
 
 @pytest.mark.slow
 def test_aot_sm80_every_kernel_specialisation():
-    # Known: on sm_80 a few 3-bit / mixed specialisations get an 8-40 byte stack frame at 128+
-    # registers (see bench/results/aot-sm80-d128.txt); local-memory spills are still none.
     rows = compile_in_subprocess(80, D=128)
-    _check(rows, 80, strict=False)
+    _check(rows, 80)

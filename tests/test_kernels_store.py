@@ -14,6 +14,7 @@ import torch
 from kverr.config import CacheConfig
 from kverr.errors import KernelError, ShapeError
 from kverr.gpu import PagedKVCache, calibrate_static_scales
+from kverr.quant.formats import TORCH_DTYPES
 from kverr.quant import (
     MSEClip,
     PerChannel,
@@ -89,7 +90,8 @@ def check_exact(cache: PagedKVCache, cfg: CacheConfig, ks, vs, static=None) -> i
                 for qt, heads, start, end in cache.quantized(layer, which, b):
                     if end == start:
                         continue
-                    region = x[heads, start:end]
+                    # the cache receives K/V in its window dtype (as reconstruct() does)
+                    region = x.to(TORCH_DTYPES[cfg.window_dtype]).float()[heads, start:end]
                     key = (layer, which, heads[0])
                     if static and key in static:
                         s, z = static[key]

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kverr.errors import KernelError
-from kverr.gpu.launch import DECODE_WARPS, decode_block_n, decode_constexprs, store_constexprs, store_warps
+from kverr.gpu.launch import DECODE_MAXNREG, DECODE_WARPS, decode_block_n, decode_constexprs, store_constexprs, store_warps
 from kverr.gpu.spec import KernelSpec, kernel_spec
 from kverr.quant.formats import (
     PerChannel,
@@ -130,7 +130,7 @@ def decode_signature(ks: KernelSpec, vs: KernelSpec) -> dict:
     return sig
 
 
-def _compile(fn, sig: dict, constexprs: dict, arch: int, num_warps: int):
+def _compile(fn, sig: dict, constexprs: dict, arch: int, num_warps: int, maxnreg: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -139,7 +139,10 @@ def _compile(fn, sig: dict, constexprs: dict, arch: int, num_warps: int):
     for name in constexprs:
         full[name] = "constexpr"
     src = ASTSource(fn=fn, signature=full, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def _cuobjdump() -> str:
@@ -168,7 +171,7 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
     from kverr_kernels import decode, quant_store
 
     specs = [kernel_spec(f, D, P) for f in formats(full, P)]
-    block_n = 32
+    block_n = 32 if D <= 64 else 16  # as PagedKVCache chooses
     out: list[Resource] = []
     jobs = []
     for s in specs:
@@ -189,7 +192,7 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
                                            dot_fp16=True)))
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
         warps = DECODE_WARPS if kname.startswith("decode") else store_warps(cx["BLOCK_R"], D)
-        c = _compile(fn, sig, cx, arch, warps)
+        c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG if kname.startswith("decode") else None)
         out.append(Resource(kname, label, arch, num_warps=warps, **resource_usage(c)))
         if progress:
             progress(i + 1, len(jobs))

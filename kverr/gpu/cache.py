@@ -16,9 +16,9 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
   ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data.
 
 Token policy is exactly :func:`kverr.quant.token_regions`: page ``p`` holds quantized tokens
-``sinks + p*P .. sinks + (p+1)*P``. A token that waited in the window is quantized from its
-``window_dtype`` copy when its block fills (inputs already in ``window_dtype``, as a model
-produces them, give codes bit-identical to the reference).
+``sinks + p*P .. sinks + (p+1)*P``. As in the oracle, the cache receives K/V in its own dtype
+(``window_dtype``): inputs are rounded to it first, so a token quantized straight from the input
+and one quantized from its window copy when its block fills get the same, reference, codes.
 
 Usage::
 
@@ -144,10 +144,11 @@ def calibrate_static_scales(config, keys, values) -> dict[tuple[int, str, int], 
     """
     from kverr.quant.store import token_regions
 
+    wdt = TORCH_DTYPES[config.window_dtype]
     out = {}
     for layer, (k, v) in enumerate(zip(keys, values)):
         for which, x in (("k", k), ("v", v)):
-            x = torch.as_tensor(x).float()
+            x = torch.as_tensor(x).float().to(wdt).float()  # the cache receives K/V in window_dtype
             H, T = x.shape[1], x.shape[2]
             for fmt, heads in config.head_groups(layer, H, which):
                 if fmt.is_float or not is_static(fmt.granularity):
@@ -182,7 +183,8 @@ class PagedKVCache:
     dot_fp16 : bool
         Multiply in fp16 on tensor cores (fp32 accumulation); default fp32 (IEEE) products.
     block_n : int, optional
-        Tokens per decode tile (default 32; with 8 warps no specialisation spills, see bench/results/aot-*.txt).
+        Tokens per decode tile (default 32 at head dim <= 64, else 16: with 8 warps no
+        specialisation spills, see bench/results/aot-*.txt).
     """
 
     def __init__(self, config, *, n_layers: int, n_kv_heads: int, n_q_heads: int, head_dim: int,
@@ -219,7 +221,7 @@ class PagedKVCache:
         self.max_pages = -(-max_tokens // self.P)
         self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages
         self.dot_fp16 = bool(dot_fp16)
-        self.block_n = block_n or 32
+        self.block_n = block_n or (32 if head_dim <= 64 else 16)
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise KernelError(f"block_n={self.block_n} must be a power of two >= 16")
         wdt = TORCH_DTYPES[config.window_dtype]

@@ -16,6 +16,9 @@ def _kernels():
 
 #: Warps of the decode kernel: with 8, no specialisation spills at head dim 64 or 128 (AOT table).
 DECODE_WARPS = 8
+#: Register cap handed to ptxas: with 8 warps it otherwise caps some specialisations at 128
+#: registers and spills to the stack.
+DECODE_MAXNREG = 255
 
 
 def decode_block_n(kspec: KernelSpec, vspec: KernelSpec, block_n: int) -> int:
@@ -102,7 +105,7 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         ns if tail else 0,
         **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=decode_block_n(kp.spec, vp.spec, cache.block_n),
                             P=cache.P, tail=tail, dot_fp16=cache.dot_fp16),
-        num_warps=DECODE_WARPS,
+        num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
     )
 
 
