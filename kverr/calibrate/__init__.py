@@ -1,0 +1,19 @@
+"""Calibration: choose a format per layer, kv head and K|V under a memory budget; export it.
+
+* :mod:`.candidates` -- the candidate formats and model-wide outer options, exact bytes per head;
+* :mod:`.objective` -- predicted damage from the error decomposition on a capture;
+* :mod:`.knapsack` -- exact multiple-choice knapsack, whole Pareto frontier in one pass;
+* :mod:`.search` -- :func:`calibrate` ties them together and writes provenance;
+* :mod:`.export` -- vLLM and transformers exports (and what they cannot express).
+"""
+
+from .candidates import OuterOption, default_candidates, head_bytes
+from .knapsack import Frontier, brute_force, solve
+from .objective import OBJECTIVE_DOC, OBJECTIVE_NAME, predict
+from .search import DEFAULT_OPTIONS, Calibration, Scores, calibrate, check_model_matches, score
+
+__all__ = [
+    "Calibration", "DEFAULT_OPTIONS", "Frontier", "OBJECTIVE_DOC", "OBJECTIVE_NAME", "OuterOption",
+    "Scores", "brute_force", "calibrate", "check_model_matches", "default_candidates",
+    "head_bytes", "predict", "score", "solve",
+]

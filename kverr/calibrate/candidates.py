@@ -1,0 +1,130 @@
+"""Candidate formats per (layer, kv head, K|V), model-wide outer options, and their exact bytes.
+
+Every candidate is a :class:`kverr.quant.QuantFormat` whose scale groups never span two kv heads
+(no ``tensor`` granularity), so the bytes of a layer are exactly the sum of the bytes of its
+heads and the calibration problem separates into one choice per (layer, kv head, K|V).
+
+The default set (:func:`default_candidates`, 72 formats for keys and for values):
+
+* integers at 2, 3 and 4 bits, asymmetric (a zero point, as KIVI and quanto), with scales per
+  token (``token``), per 16 or 32 channels of a token (``token_group``), per channel over 32 or
+  64 tokens (``channel``, KIVI-style), each with and without a Hadamard rotation, each with
+  absmax scales and with a searched MSE clip (:class:`~kverr.quant.MSEClip`, 5 ratios down to
+  0.6) -- 3 x 5 x 2 x 2 = 60;
+* 8-bit integers with absmax scales per token and per 32 channels, with and without rotation,
+  and symmetric 8-bit groups of 32 (llama.cpp's q8_0) -- 5;
+* fp8 e4m3 with an fp32 scale per token, per 32 channels and per kv head (static, vLLM's
+  ``attn_head`` strategy), with and without rotation -- 6;
+* plain fp16 -- 1.
+
+Outer options (:class:`OuterOption`) are model-wide: full-precision sink tokens ``S``, the
+full-precision window ``R`` of recent tokens and pre- or post-RoPE keys. The search runs the
+inner knapsack once per outer option and keeps the Pareto front of the union.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from kverr.config import CacheConfig
+from kverr.errors import ConfigError
+from kverr.quant.formats import (
+    MSEClip,
+    PerChannel,
+    PerHead,
+    PerTensor,
+    PerToken,
+    PerTokenGroup,
+    QuantFormat,
+    float_format,
+    fp8_format,
+    int_format,
+)
+
+#: The clip searched by MSE candidates: 5 ratios from 1 down to 0.6 (cheap enough for 4096 tokens).
+CALIBRATION_MSE_CLIP = MSEClip(grid=5, min_ratio=0.6)
+
+
+@dataclass(frozen=True)
+class OuterOption:
+    """Model-wide token policy tried by the search."""
+
+    window: int = 0
+    sinks: int = 0
+    key_pre_rope: bool = False
+
+    def label(self) -> str:
+        return f"S{self.sinks}/R{self.window}/{'pre' if self.key_pre_rope else 'post'}"
+
+
+def default_candidates(head_dim: int = 64) -> tuple[QuantFormat, ...]:
+    """The default candidate formats (the same list for keys and values), in a fixed order."""
+    out: list[QuantFormat] = []
+    grans = [PerToken(), PerTokenGroup(16), PerTokenGroup(32), PerChannel(32), PerChannel(64)]
+    for bits in (2, 3, 4):
+        for g in grans:
+            for rot in ("none", "hadamard"):
+                for clip in (None, CALIBRATION_MSE_CLIP):
+                    out.append(int_format(bits, g, clip=clip, rotate=rot))
+    for g in (PerToken(), PerTokenGroup(32)):
+        for rot in ("none", "hadamard"):
+            out.append(int_format(8, g, rotate=rot))
+    out.append(int_format(8, PerTokenGroup(32), symmetric=True))
+    for g in (PerToken(), PerTokenGroup(32), PerHead()):
+        for rot in ("none", "hadamard"):
+            out.append(fp8_format(g, rotate=rot))
+    out.append(float_format("fp16"))
+    return tuple(f for f in out if _fits(f, head_dim))
+
+
+def _fits(fmt: QuantFormat, head_dim: int) -> bool:
+    try:
+        fmt.check_head_dim(head_dim)
+    except ConfigError:
+        return False
+    return True
+
+
+def check_candidates(cands: Sequence[QuantFormat], head_dim: int, page_size: int, which: str) -> None:
+    """Raise :class:`ConfigError` for candidates the per-head search cannot use."""
+    if not cands:
+        raise ConfigError(f"no {which} candidates given")
+    if len(set(cands)) != len(cands):
+        raise ConfigError(f"the {which} candidates contain duplicates")
+    for i, f in enumerate(cands):
+        if not isinstance(f, QuantFormat):
+            raise ConfigError(f"{which} candidate {i} is a {type(f).__name__}, not a QuantFormat")
+        if isinstance(f.granularity, PerTensor) and not f.is_float:
+            raise ConfigError(
+                f"{which} candidate {f.label()} has a 'tensor' granularity, whose one scale spans "
+                "every head sharing the format; per-head search needs 'head' instead"
+            )
+        f.check_head_dim(head_dim, f"{which} candidate {f.label()}")
+        CacheConfig(k=f, v=f, page_size=page_size)  # block/page fit
+
+
+@lru_cache(maxsize=None)
+def head_bytes(
+    fmt: QuantFormat,
+    option: OuterOption,
+    head_dim: int,
+    context: int,
+    page_size: int = 64,
+    window_dtype: str = "fp16",
+    align: int = 16,
+) -> int:
+    """Exact cache bytes of one kv head's keys (or values) stored with ``fmt`` at ``context`` tokens.
+
+    Counted by :func:`kverr.memory.account` on a one-layer, one-head model, so payload, scales,
+    zero points, page rounding, alignment, sinks and window are all included; because no
+    candidate's scale group spans heads, a layer's bytes are the sum of its heads' bytes.
+    """
+    from kverr.memory import ModelShape, account
+
+    cfg = CacheConfig(
+        k=fmt, v=fmt, window=option.window, sinks=option.sinks, key_pre_rope=option.key_pre_rope,
+        page_size=page_size, window_dtype=window_dtype, align=align,
+    )
+    return account(cfg, ModelShape(1, 1, head_dim), context).per_layer[0]["k"].total

@@ -1,0 +1,294 @@
+"""The calibration objective: predicted attention damage of a format, per (layer, kv head, K|V).
+
+Definition (documented in the README). For every layer we sample ``n`` query positions
+``p_1 < ... < p_n`` spread over the calibration capture (the first eighth is skipped so each
+query sees a long context) and form, for each query head, the clean scores ``s = c·q Kᵀ``
+(causal), the weights ``a = softmax(s)`` and the output ``o = a V``. A candidate format
+reconstructs ``K̂ = K + E_K`` (or ``V̂ = V + E_V``) through the oracle
+(:func:`kverr.quant.reconstruct`). With the model-wide outer option (``S`` sinks, ``R``-token
+window) a query at ``p`` sees the error only on its quantized keys, ``S <= t <= p - R``
+(mask ``M``). Then, exactly as :func:`kverr.error.decompose` defines the terms:
+
+* keys: ``δs = c·q (M∘E_K)ᵀ``, ``a′ = softmax(s + δs)``, key term ``(a′ − a) V``
+  (formed without cancellation as ``a·expm1(δs − δlse)``);
+* values: value term ``a (M∘E_V)``.
+
+The damage of a (layer, kv head, K|V, format) is the squared norm of that term, averaged over
+the queries and summed over the query heads that read the kv head, divided by the layer's mean
+squared output norm ``mean ‖o‖²`` times its number of query heads: a *relative* squared
+attention-output error. The predicted damage of a whole config is the sum over layers, kv heads,
+keys and values. Summing assumes the heads' and the two sides' errors add (the cross term is
+second order and left out); :func:`predict` evaluates any config with the same definition, so
+it can be ranked against measured next-token KL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kverr.config import CacheConfig
+from kverr.errors import CaptureError
+from kverr.quant.formats import QuantFormat
+from kverr.quant.store import reconstruct
+
+from .candidates import OuterOption
+
+log = logging.getLogger(__name__)
+
+OBJECTIVE_NAME = "rel_attn_out_sq"
+OBJECTIVE_DOC = (
+    "sum over layers, kv heads and K|V of mean_q ||term||^2 / (n_q_heads * mean_q ||o||^2), "
+    "term = key term (a'-a)V for K errors, value term a E_V for V errors (kverr.error.decompose "
+    "definitions), sampled queries over the capture, sinks and per-query window masked"
+)
+
+
+def query_positions(n_tokens: int, queries: int) -> np.ndarray:
+    """``queries`` distinct positions spread evenly over ``[n_tokens // 8, n_tokens)``."""
+    lo = n_tokens // 8
+    n = max(1, min(int(queries), n_tokens - lo))
+    return np.unique(np.linspace(lo, n_tokens - 1, n).round().astype(np.int64))
+
+
+@dataclass
+class LayerPrep:
+    """Everything of one layer the objective reuses across candidates.
+
+    Attributes
+    ----------
+    q : Tensor ``[q_head, n, D]``  sampled (post-RoPE) queries, times the logit scale.
+    k, v : Tensor ``[kv_head, T, D]``  clean keys (post-RoPE) and values.
+    k_pre : Tensor or None ``[kv_head, T, D]``  pre-RoPE keys.
+    a : Tensor ``[q_head, n, T]``  clean attention weights (0 where masked).
+    o : Tensor ``[q_head, n, D]``  clean outputs; causal ``[n, T]`` 1 where a query sees a key.
+    norm : float  ``n_q_heads * mean ||o||^2``.
+    """
+
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_pre: torch.Tensor | None
+    a: torch.Tensor
+    o: torch.Tensor
+    causal: torch.Tensor
+    pos: torch.Tensor
+    kv_map: torch.Tensor
+    norm: float
+    positions: np.ndarray
+    rope: Any
+
+
+def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: int,
+                  positions=None, rope=None) -> LayerPrep:
+    """Clean attention of the sampled queries of one layer.
+
+    ``q [q_head, T, D]``, ``k, v, k_pre [kv_head, T, D]`` (numpy or torch).
+    """
+    q = torch.as_tensor(np.asarray(q), dtype=torch.float32)
+    k = torch.as_tensor(np.asarray(k), dtype=torch.float32)
+    v = torch.as_tensor(np.asarray(v), dtype=torch.float32)
+    kp = None if k_pre is None else torch.as_tensor(np.asarray(k_pre), dtype=torch.float32)
+    T = k.shape[1]
+    pos = torch.as_tensor(query_positions(T, queries))
+    kv_map = torch.as_tensor(np.asarray(kv_map), dtype=torch.long)
+    qs = q[:, pos] * float(scale)
+    s = torch.einsum("hnd,htd->hnt", qs, k[kv_map])
+    causal = torch.arange(T)[None, :] <= pos[:, None]  # [n, T]
+    s = s.masked_fill(~causal, -math.inf)
+    a = torch.softmax(s, dim=-1)
+    o = torch.einsum("hnt,htd->hnd", a, v[kv_map])
+    norm = float((o * o).sum(-1).mean()) * q.shape[0]
+    return LayerPrep(layer, qs, k, v, kp, a, o, causal.to(torch.float32), pos, kv_map,
+                     norm if norm > 0 else 1.0,
+                     np.arange(T) if positions is None else np.asarray(positions), rope)
+
+
+def _window_mask(prep: LayerPrep, window: int) -> torch.Tensor:
+    """``[n, T]`` float: 1 where a query sees a token older than its ``window`` recent ones."""
+    T = prep.k.shape[1]
+    return (torch.arange(T)[None, :] <= prep.pos[:, None] - window).to(torch.float32)
+
+
+def key_error(prep: LayerPrep, fmt_cfg: CacheConfig) -> torch.Tensor:
+    """``E_K [kv_head, T, D]`` (post-RoPE) of a config whose sinks and window are 0."""
+    if fmt_cfg.key_pre_rope:
+        if prep.k_pre is None:
+            raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
+        from kverr.rope import apply_rope
+
+        k_hat = apply_rope(reconstruct(prep.k_pre, fmt_cfg, layer=prep.layer, which="k"),
+                           prep.positions, prep.rope)
+    else:
+        k_hat = reconstruct(prep.k, fmt_cfg, layer=prep.layer, which="k")
+    return k_hat.to(torch.float32) - prep.k
+
+
+def value_error(prep: LayerPrep, fmt_cfg: CacheConfig) -> torch.Tensor:
+    return reconstruct(prep.v, fmt_cfg, layer=prep.layer, which="v").to(torch.float32) - prep.v
+
+
+def _per_kv_head(prep: LayerPrep, err2: torch.Tensor, n_kv: int) -> np.ndarray:
+    """``err2 [q_head, n]`` -> relative damage per kv head ``[n_kv]`` (float64)."""
+    per_q = err2.to(torch.float64).mean(-1)
+    out = torch.zeros(n_kv, dtype=torch.float64).index_add_(0, prep.kv_map, per_q)
+    return (out / prep.norm).numpy()
+
+
+def key_damage(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
+    """Relative key-term damage ``[option, kv_head]`` of the key error ``e_k [kv_head, T, D]``.
+
+    With ``u = a·expm1(δs)`` over the quantized keys (mask ``M``) and ``Z = 1 + Σ M·u``, the
+    changed weights are ``a′ = (a + M·u)/Z``, so the key term is
+    ``(a′ − a)V = (Σ M·u·v − o·(Z − 1)) / Z``: no difference of two nearly equal weights is
+    formed, and the sink columns of a mask are a small correction of the unmasked sums.
+    """
+    n_kv = e_k.shape[0]
+    ds = torch.bmm(prep.q, e_k[prep.kv_map].transpose(1, 2)) * prep.causal
+    u = prep.a * torch.expm1(ds)
+    if not bool(torch.isfinite(u).all()):  # enormous logit errors: the stable softmax path
+        u = prep.a * torch.expm1(ds - torch.logsumexp(torch.log(prep.a) + ds, -1, keepdim=True))
+        u = torch.nan_to_num(u, nan=0.0)
+    vq = prep.v[prep.kv_map]
+    out = np.empty((len(options), n_kv))
+    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    done: dict[tuple[int, int], np.ndarray] = {}
+    for i, opt in enumerate(options):
+        key = (opt.sinks, opt.window)
+        if key not in done:
+            if opt.window not in full:
+                uw = u if opt.window == 0 else u * _window_mask(prep, opt.window)
+                full[opt.window] = (torch.bmm(uw, vq), uw.sum(-1, keepdim=True))
+            uv, us = full[opt.window]
+            S = min(opt.sinks, u.shape[-1])
+            if S:
+                uw = u[..., :S] if opt.window == 0 else (u * _window_mask(prep, opt.window))[..., :S]
+                uv = uv - torch.bmm(uw, vq[:, :S])
+                us = us - uw.sum(-1, keepdim=True)
+            term = (uv - prep.o * us) / (1.0 + us)
+            done[key] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
+        out[i] = done[key]
+    return out
+
+
+def value_damage(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
+    """Relative value-term damage ``[option, kv_head]`` of ``e_v [kv_head, T, D]``."""
+    n_kv = e_v.shape[0]
+    ev = e_v[prep.kv_map]
+    out = np.empty((len(options), n_kv))
+    full: dict[int, torch.Tensor] = {}
+    done: dict[tuple[int, int], np.ndarray] = {}
+    for i, opt in enumerate(options):
+        key = (opt.sinks, opt.window)
+        if key not in done:
+            aw = prep.a if opt.window == 0 else prep.a * _window_mask(prep, opt.window)
+            if opt.window not in full:
+                full[opt.window] = torch.bmm(aw, ev)
+            term = full[opt.window]
+            S = min(opt.sinks, aw.shape[-1])
+            if S:
+                term = term - torch.bmm(aw[..., :S], ev[:, :S])
+            done[key] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
+        out[i] = done[key]
+    return out
+
+
+def _errors_both(prep: LayerPrep, fmt: QuantFormat, pre: bool, page_size: int,
+                 window_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(E_K, E_V)`` of one format, from one oracle call on keys and values stacked on the head
+    axis (every candidate's scale groups lie within one head, so this equals two calls)."""
+    n_kv = prep.k.shape[0]
+    cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
+    kin = prep.k_pre if pre else prep.k
+    if pre and kin is None:
+        raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
+    both = reconstruct(torch.cat([kin, prep.v]), cfg, layer=prep.layer, which="k").to(torch.float32)
+    k_hat, v_hat = both[:n_kv], both[n_kv:]
+    if pre:
+        from kverr.rope import apply_rope
+
+        k_hat = apply_rope(k_hat, prep.positions, prep.rope).to(torch.float32)
+    return k_hat - prep.k, v_hat - prep.v
+
+
+def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
+                options: Sequence[OuterOption], *, page_size: int = 64,
+                window_dtype: str = "fp16") -> tuple[np.ndarray, np.ndarray]:
+    """Damage tables of one layer: ``K [option, cand_k, kv_head]``, ``V [option, cand_v, kv_head]``."""
+    n_kv = prep.k.shape[0]
+    dk = np.empty((len(options), len(cands_k), n_kv))
+    dv = np.empty((len(options), len(cands_v), n_kv))
+    pres = sorted({o.key_pre_rope for o in options})
+    groups = {pre: [i for i, o in enumerate(options) if o.key_pre_rope == pre] for pre in pres}
+    v_index = {f: j for j, f in enumerate(cands_v)}
+    done_v: set[int] = set()
+    for j, f in enumerate(cands_k):
+        for pre in pres:
+            idx = groups[pre]
+            e_k, e_v = _errors_both(prep, f, pre, page_size, window_dtype)
+            dk[idx, j] = key_damage(prep, e_k, [options[i] for i in idx])
+            jv = v_index.get(f)
+            if jv is not None and jv not in done_v and not pre:
+                dv[:, jv] = value_damage(prep, e_v, options)
+                done_v.add(jv)
+    for f, jv in v_index.items():
+        if jv not in done_v:
+            e_v = value_error(prep, CacheConfig(k=f, v=f, page_size=page_size, window_dtype=window_dtype))
+            dv[:, jv] = value_damage(prep, e_v, options)
+    return dk, dv
+
+
+def _layer_arrays(capture: Any, layer: int, need_pre: bool):
+    from kverr.dims import KV_HEAD_OF_Q, LAYER
+
+    sel = capture.sel({LAYER: layer})
+    q = np.asarray(sel["q"].values, dtype=np.float32)
+    k = np.asarray(sel["k"].values, dtype=np.float32)
+    v = np.asarray(sel["v"].values, dtype=np.float32)
+    kp = np.asarray(sel["k_pre"].values, dtype=np.float32) if need_pre else None
+    if "attn_scale" in capture.coords:
+        scale = float(capture["attn_scale"].sel({LAYER: layer}).values)
+    else:
+        scale = 1.0 / math.sqrt(k.shape[-1])
+    kv_map = np.asarray(capture[KV_HEAD_OF_Q].values)
+    return q, k, v, kp, scale, kv_map
+
+
+def capture_positions_rope(capture: Any):
+    import json
+
+    positions = np.asarray(capture["position"].values) if "position" in capture else None
+    rope = capture.attrs.get("rope")
+    if isinstance(rope, str):
+        rope = json.loads(rope)
+    return positions, rope
+
+
+def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
+            layers: Sequence[int] | None = None) -> dict[str, Any]:
+    """Predicted damage of any config on a capture (the calibration objective).
+
+    Returns ``{"total": float, "k": [layer] array, "v": [layer] array, "layers": [...]}``;
+    sinks and window act through the per-query mask, formats through the oracle.
+    """
+    from kverr.dims import LAYER
+
+    positions, rope = capture_positions_rope(capture)
+    layers = [int(x) for x in capture[LAYER].values] if layers is None else list(layers)
+    opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
+    base = config.with_(window=0, sinks=0, provenance={})
+    dk, dv = [], []
+    for layer in layers:
+        q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, config.key_pre_rope)
+        prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale,
+                             queries=queries, positions=positions, rope=rope)
+        dk.append(float(key_damage(prep, key_error(prep, base), [opt]).sum()))
+        dv.append(float(value_damage(prep, value_error(prep, base), [opt]).sum()))
+    return {"total": float(sum(dk) + sum(dv)), "k": np.array(dk), "v": np.array(dv), "layers": layers}

@@ -1,0 +1,85 @@
+"""Figures of calibration: the frontier, chosen bits per layer x head, predicted vs measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def frontier_figure(frontier: Any, marks: dict[str, float] | None = None, points: Any = None):
+    """Predicted damage against effective bits, one line per outer option (Pareto union bold)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sns.lineplot(data=frontier, x="effective_bits", y="predicted", hue="option", drawstyle="steps-post",
+                 ax=ax, marker=".", markersize=3)
+    for name, b in (marks or {}).items():
+        ax.axvline(b, color="grey", ls=":", lw=1)
+        ax.annotate(name, (b, ax.get_ylim()[1]), fontsize=8, rotation=90, va="top")
+    if points is not None:
+        sns.scatterplot(data=points, x="effective_bits", y="predicted", style="scheme", ax=ax, color="k", s=40)
+    ax.set_yscale("log")
+    ax.set_xlabel("effective bits per element (metadata, sinks, window, pages included)")
+    ax.set_ylabel("predicted damage (relative attention-output error²)")
+    ax.set_title("Calibration frontier")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_frontier(frontier: Any, path: str | Path, marks: dict[str, float] | None = None, points: Any = None) -> Path:
+    return _save(frontier_figure(frontier, marks, points), path)
+
+
+def bits_heatmaps(choices: Any, title: str = ""):
+    """Chosen bits per layer x kv head, keys and values side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, axes = plt.subplots(1, 2, figsize=(7, 8), sharey=True)
+    for ax, w in zip(axes, ("k", "v")):
+        t = choices[choices.which == w].pivot(index="layer", columns="kv_head", values="bits")
+        sns.heatmap(t, annot=True, fmt="d", cbar=False, ax=ax, cmap="viridis", vmin=2, vmax=16)
+        ax.set_title(f"{'keys' if w == 'k' else 'values'}: bits")
+    fig.suptitle(title or "chosen bits per layer and kv head")
+    fig.tight_layout()
+    return fig
+
+
+def predicted_vs_measured(table: Any, x: str = "predicted", y: str = "mean_kl"):
+    """Scatter of predicted damage against measured KL (log-log), one marker per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    sns.scatterplot(data=table, x=x, y=y, hue="scheme", ax=ax, s=60, legend=False)
+    for _, r in table.iterrows():
+        ax.annotate(r["scheme"], (r[x], r[y]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted damage on the calibration capture")
+    ax.set_ylabel("measured mean next-token KL (held-out text)")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,403 @@
+"""Calibration: score every candidate per (layer, kv head, K|V) on a capture, then solve the
+knapsack under a budget in effective bits, per outer option, and build the config.
+
+Effective bits are those :func:`kverr.memory.account` reports for the whole config at
+``context`` tokens (batch 1): payload, scales, zero points, page rounding, alignment, sinks and
+window included. They depend on the context length, which is recorded in the provenance.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kverr.config import CacheConfig, Override
+from kverr.errors import CaptureError, ConfigError
+from kverr.quant.formats import QuantFormat
+
+from .candidates import OuterOption, check_candidates, default_candidates, head_bytes
+from .knapsack import Frontier, solve
+from .objective import (
+    OBJECTIVE_DOC,
+    OBJECTIVE_NAME,
+    _layer_arrays,
+    capture_positions_rope,
+    prepare_layer,
+    score_layer,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPTIONS = (OuterOption(sinks=0), OuterOption(sinks=4))
+
+
+@dataclass
+class Scores:
+    """Damage tables: ``k [option, layer, cand, kv_head]`` and ``v`` likewise (float64)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    layers: list[int]
+    cands_k: tuple[QuantFormat, ...]
+    cands_v: tuple[QuantFormat, ...]
+    options: tuple[OuterOption, ...]
+    queries: int
+
+
+@dataclass
+class Calibration:
+    """Result of :func:`calibrate`.
+
+    Attributes
+    ----------
+    config : CacheConfig
+        The chosen config (provenance filled in).
+    frontier : pandas.DataFrame
+        The Pareto frontier over all outer options: ``option, effective_bits, bytes,
+        predicted`` (+ ``window, sinks, key_pre_rope``), by increasing bits.
+    choices : pandas.DataFrame
+        One row per (layer, kv_head, which) of the chosen config: format label, bits, bytes,
+        predicted damage.
+    scores : Scores
+        The full damage tables.
+    """
+
+    config: CacheConfig
+    frontier: Any
+    choices: Any
+    scores: Scores
+    frontiers: dict[OuterOption, Frontier] = field(default_factory=dict)
+    context: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
+        """The best config within another budget (no new scoring)."""
+        return _build(self, budget_bits, name)
+
+
+# --------------------------------------------------------------------------------------------
+# scoring (parallel over layers)
+# --------------------------------------------------------------------------------------------
+
+
+def _score_one(args) -> tuple[int, np.ndarray, np.ndarray]:
+    capture, layer, cands_k, cands_v, options, queries, page_size, window_dtype, threads = args
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    if isinstance(capture, (str, Path)):
+        from kverr.io import open_capture
+
+        capture = open_capture(capture)
+    need_pre = any(o.key_pre_rope for o in options)
+    q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
+    positions, rope = capture_positions_rope(capture)
+    prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
+                         positions=positions, rope=rope)
+    dk, dv = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
+    return layer, dk, dv
+
+
+def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
+          options: Sequence[OuterOption], queries: int = 64, page_size: int = 64,
+          window_dtype: str = "fp16", workers: int = 1, progress: bool = False,
+          capture_path: str | os.PathLike | None = None) -> Scores:
+    """Damage of every candidate for every (option, layer, kv head), K and V."""
+    from tqdm.auto import tqdm
+
+    from kverr.dims import LAYER
+
+    layers = [int(x) for x in capture[LAYER].values]
+    n_kv = capture.sizes["kv_head"]
+    dk = np.empty((len(options), len(layers), len(cands_k), n_kv))
+    dv = np.empty((len(options), len(layers), len(cands_v), n_kv))
+    src = capture_path if (capture_path is not None and workers > 1) else capture
+    jobs = [(src, l, tuple(cands_k), tuple(cands_v), tuple(options), queries, page_size,
+             window_dtype, 1 if workers > 1 else 0) for l in layers]
+    bar = tqdm(total=len(layers), desc="calibrate: score layers", unit="layer", disable=not progress)
+    pos = {l: i for i, l in enumerate(layers)}
+    if workers > 1 and len(layers) > 1:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+            for layer, a, b in ex.map(_score_one, jobs):
+                dk[:, pos[layer]], dv[:, pos[layer]] = a, b
+                bar.update()
+    else:
+        for job in jobs:
+            layer, a, b = _score_one(job)
+            dk[:, pos[layer]], dv[:, pos[layer]] = a, b
+            bar.update()
+    bar.close()
+    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries))
+
+
+# --------------------------------------------------------------------------------------------
+# search
+# --------------------------------------------------------------------------------------------
+
+
+def _groups(scores: Scores, opt_i: int, n_kv: int):
+    """Groups in a fixed order: for each layer, for each kv head, K then V."""
+    keys, dmg = [], []
+    for li, layer in enumerate(scores.layers):
+        for h in range(n_kv):
+            keys.append((layer, h, "k"))
+            dmg.append(scores.k[opt_i, li, :, h])
+            keys.append((layer, h, "v"))
+            dmg.append(scores.v[opt_i, li, :, h])
+    return keys, dmg
+
+
+def _costs(cands, opt, head_dim, context, page_size, window_dtype, align) -> np.ndarray:
+    return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align) for f in cands],
+                    dtype=np.int64)
+
+
+def bits_of(nbytes: int, n_layers: int, n_kv: int, head_dim: int, context: int) -> float:
+    return 8.0 * nbytes / (2 * n_layers * n_kv * head_dim * context)
+
+
+def calibrate(
+    capture: Any,
+    budget_bits: float,
+    *,
+    context: int | None = None,
+    options: Sequence[OuterOption] = DEFAULT_OPTIONS,
+    cands_k: Sequence[QuantFormat] | None = None,
+    cands_v: Sequence[QuantFormat] | None = None,
+    queries: int = 64,
+    page_size: int = 64,
+    window_dtype: str = "fp16",
+    align: int = 16,
+    max_bits: float = 8.0,
+    workers: int = 1,
+    progress: bool = False,
+    capture_path: str | os.PathLike | None = None,
+    name: str | None = None,
+    scores: Scores | None = None,
+) -> Calibration:
+    """Choose a format per (layer, kv head, K|V) minimising the predicted damage within a budget.
+
+    Parameters
+    ----------
+    capture : xarray.Dataset
+        A capture of *every* layer of the model (:func:`kverr.io.open_capture`).
+    budget_bits : float
+        Effective bits per cached element, metadata, sinks and window included, at ``context``.
+    context : int, optional
+        Tokens at which effective bits are counted (default: the capture's length).
+    options : sequence of OuterOption
+        Model-wide sinks / window / pre-RoPE keys to try; the best under the budget wins.
+    cands_k, cands_v : sequence of QuantFormat, optional
+        Candidates (default :func:`default_candidates`).
+    queries : int
+        Sampled query positions per layer for the objective.
+    max_bits : float
+        The frontier is computed up to ``max(max_bits, budget_bits)`` effective bits.
+    workers : int
+        Processes scoring layers in parallel (needs ``capture_path``).
+    scores : Scores, optional
+        Reuse earlier damage tables (same candidates and options).
+    """
+    import time
+
+    import pandas as pd
+
+    t0 = time.perf_counter()
+    _check_capture(capture)
+    n_layers_model = int(capture.attrs.get("model_n_layers", capture.sizes["layer"]))
+    layers = [int(x) for x in capture["layer"].values]
+    if layers != list(range(n_layers_model)):
+        raise CaptureError(
+            f"calibration needs every layer of the model; the capture has layers {layers} of "
+            f"{n_layers_model} (recapture with --layers all)"
+        )
+    n_kv, head_dim, n_tok = capture.sizes["kv_head"], capture.sizes["channel"], capture.sizes["token"]
+    context = int(context or n_tok)
+    if context < 1:
+        raise ConfigError(f"context={context} must be a positive number of tokens")
+    if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
+        raise ConfigError(f"budget_bits={budget_bits!r} must be a positive number of bits")
+    options = tuple(options)
+    if not options or len(set(options)) != len(options):
+        raise ConfigError("give at least one outer option, without duplicates")
+    if any(o.key_pre_rope for o in options) and "k_pre" not in capture:
+        raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
+    cands_k = tuple(cands_k or default_candidates(head_dim))
+    cands_v = tuple(cands_v or default_candidates(head_dim))
+    check_candidates(cands_k, head_dim, page_size, "key")
+    check_candidates(cands_v, head_dim, page_size, "value")
+    for o in options:
+        CacheConfig(k=cands_k[0], v=cands_v[0], window=o.window, sinks=o.sinks,
+                    key_pre_rope=o.key_pre_rope, page_size=page_size).check_model(
+            n_layers_model, n_kv, head_dim, max_context=context)
+    # Infeasible budgets are refused before any scoring work.
+    cheapest = min(
+        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align))) for c in (cands_k, cands_v))
+        * n_layers_model * n_kv for o in options
+    )
+    cheapest_bits = bits_of(cheapest, n_layers_model, n_kv, head_dim, context)
+    budget_bytes = math.floor(budget_bits * 2 * n_layers_model * n_kv * head_dim * context / 8 + 1e-9)
+    if budget_bytes < cheapest:
+        raise ConfigError(
+            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens: the "
+            f"cheapest possible config costs {cheapest_bits:.4f} effective bits ({cheapest} bytes)"
+        )
+    if scores is None:
+        scores = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=queries,
+                       page_size=page_size, window_dtype=window_dtype, workers=workers,
+                       progress=progress, capture_path=capture_path)
+    t1 = time.perf_counter()
+    max_bytes = math.ceil(max(max_bits, budget_bits) * 2 * n_layers_model * n_kv * head_dim * context / 8)
+    frontiers: dict[OuterOption, Frontier] = {}
+    rows = []
+    for oi, opt in enumerate(options):
+        keys, dmg = _groups(scores, oi, n_kv)
+        ck = _costs(cands_k, opt, head_dim, context, page_size, window_dtype, align)
+        cv = _costs(cands_v, opt, head_dim, context, page_size, window_dtype, align)
+        costs = [ck if w == "k" else cv for (_, _, w) in keys]
+        fr = solve(costs, dmg, max_cost=max_bytes)
+        frontiers[opt] = fr
+        for i in range(len(fr.cost)):
+            rows.append(dict(option=opt.label(), window=opt.window, sinks=opt.sinks,
+                             key_pre_rope=opt.key_pre_rope, bytes=int(fr.cost[i]),
+                             effective_bits=bits_of(int(fr.cost[i]), n_layers_model, n_kv, head_dim, context),
+                             predicted=float(fr.damage[i]), index=i))
+    allf = pd.DataFrame(rows).sort_values(["bytes", "predicted"], kind="stable").reset_index(drop=True)
+    pareto = allf[allf["predicted"] < allf["predicted"].cummin().shift(fill_value=np.inf)]
+    t2 = time.perf_counter()
+    cal = Calibration(
+        config=None, frontier=pareto.reset_index(drop=True), choices=None, scores=scores,  # type: ignore[arg-type]
+        frontiers=frontiers, context=context,
+        seconds={"score": t1 - t0, "search": t2 - t1},
+    )
+    cal._meta = dict(n_layers=n_layers_model, n_kv=n_kv, head_dim=head_dim, page_size=page_size,
+                     window_dtype=window_dtype, align=align, capture=_capture_provenance(capture))
+    cal.config = _build(cal, budget_bits, name)
+    return cal
+
+
+def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfig:
+    import pandas as pd
+
+    m = cal._meta
+    n_layers, n_kv, D = m["n_layers"], m["n_kv"], m["head_dim"]
+    budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * D * cal.context / 8 + 1e-9)
+    fr_all = cal.frontier
+    ok = fr_all[fr_all["bytes"] <= budget_bytes]
+    if ok.empty:
+        cheapest = int(fr_all["bytes"].min())
+        raise ConfigError(
+            f"budget of {budget_bits:g} effective bits is infeasible at {cal.context} tokens: the "
+            f"cheapest possible config costs {bits_of(cheapest, n_layers, n_kv, D, cal.context):.4f} "
+            f"effective bits ({cheapest} bytes)"
+        )
+    row = ok.iloc[-1]
+    opt = next(o for o in cal.frontiers if o.label() == row["option"])
+    oi = list(cal.frontiers).index(opt)
+    fr = cal.frontiers[opt]
+    pick = fr.choices[int(row["index"])]
+    keys, _ = _groups(cal.scores, oi, n_kv)
+    sc = cal.scores
+    chosen: dict[tuple[int, int, str], QuantFormat] = {}
+    recs = []
+    for (layer, h, w), j in zip(keys, pick):
+        cands = sc.cands_k if w == "k" else sc.cands_v
+        f = cands[int(j)]
+        chosen[(layer, h, w)] = f
+        li = sc.layers.index(layer)
+        d = (sc.k if w == "k" else sc.v)[oi, li, int(j), h]
+        b = head_bytes(f, opt, D, cal.context, m["page_size"], m["window_dtype"], m["align"])
+        recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.bits,
+                         granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
+                         bytes=b, predicted=float(d)))
+    choices = pd.DataFrame(recs)
+    default = {w: Counter(f for (_, _, ww), f in sorted(chosen.items(), key=lambda kv: kv[0]) if ww == w)
+               for w in ("k", "v")}
+    dk = max(default["k"].items(), key=lambda kv: kv[1])[0]
+    dv = max(default["v"].items(), key=lambda kv: kv[1])[0]
+    heads = {}
+    for layer in range(n_layers):
+        for h in range(n_kv):
+            fk, fv = chosen[(layer, h, "k")], chosen[(layer, h, "v")]
+            ov = Override(k=None if fk == dk else fk, v=None if fv == dv else fv)
+            if ov.k is not None or ov.v is not None:
+                heads[(layer, h)] = ov
+    bits = bits_of(int(row["bytes"]), n_layers, n_kv, D, cal.context)
+    prov = {
+        "tool": "kverr calibrate",
+        "capture": m["capture"],
+        "budget_bits": float(budget_bits),
+        "effective_bits": bits,
+        "bytes": int(row["bytes"]),
+        "context_tokens": cal.context,
+        "batch": 1,
+        "objective": OBJECTIVE_NAME,
+        "objective_definition": OBJECTIVE_DOC,
+        "predicted_damage": float(row["predicted"]),
+        "predicted_k": float(choices.loc[choices.which == "k", "predicted"].sum()),
+        "predicted_v": float(choices.loc[choices.which == "v", "predicted"].sum()),
+        "queries_per_layer": sc.queries,
+        "outer_option": opt.label(),
+        "outer_options_tried": [o.label() for o in sc.options],
+        "candidates_k": len(sc.cands_k),
+        "candidates_v": len(sc.cands_v),
+        "knapsack": {"unit_bytes": fr.unit, "exact": fr.exact},
+    }
+    cfg = CacheConfig(
+        k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope,
+        page_size=m["page_size"], window_dtype=m["window_dtype"], align=m["align"], heads=heads,
+        name=name or f"calibrated-{budget_bits:g}b", provenance=prov,
+    )
+    cal.choices = choices
+    return cfg
+
+
+def _check_capture(capture: Any) -> None:
+    import xarray as xr
+
+    if not isinstance(capture, xr.Dataset):
+        raise CaptureError(f"capture must be an xarray.Dataset, got {type(capture).__name__}")
+    for n in ("q", "k", "v"):
+        if n not in capture.data_vars:
+            raise CaptureError(f"the capture lacks the variable {n!r}")
+    if "kv_head_of_q" not in capture.coords:
+        raise CaptureError("the capture lacks the coordinate 'kv_head_of_q'")
+    if "sliding_window" in capture.coords and np.any(np.asarray(capture["sliding_window"].values) > 0):
+        raise CaptureError("the capture has sliding-window layers; calibration supports full causal attention")
+
+
+def _capture_provenance(capture: Any) -> dict[str, Any]:
+    a = capture.attrs
+    return {
+        "model_id": str(a.get("model_id", "")),
+        "weights_sha256": str(a.get("weights_sha256", "")),
+        "text_source": str(a.get("text_source", "")),
+        "text_sha256": str(a.get("text_sha256", "")),
+        "token_offset": int(a.get("token_offset", 0)),
+        "tokens": int(capture.sizes["token"]),
+        "created_utc": str(a.get("created_utc", "")),
+    }
+
+
+def check_model_matches(config: CacheConfig, weights_sha256: str, model_id: str = "") -> None:
+    """Refuse a calibrated config whose capture came from another model."""
+    cap = dict(config.provenance).get("capture") or {}
+    want = cap.get("weights_sha256")
+    if want and want != weights_sha256:
+        raise ConfigError(
+            f"config {config.name!r} was calibrated on a capture of {cap.get('model_id')!r} "
+            f"(weights sha256 {want[:12]}...), not of the model evaluated ({model_id!r}, "
+            f"{weights_sha256[:12]}...); calibrate on a capture of this model"
+        )

@@ -1,0 +1,105 @@
+"""``kverr calibrate``: choose formats per layer, kv head and K|V under a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from kverr.commands._common import positive_int
+from kverr.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma-separated list of numbers") from None
+    if not vals or any(not v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be positive numbers of bits")
+    return vals
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give non-negative integers")
+    return vals
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="choose a format per layer, kv head and K|V under a budget in effective bits",
+        description="Score every candidate format (ints at 2/3/4/8 bits, fp8, fp16; scale "
+        "granularities; absmax or MSE clipping; Hadamard or none) for every layer, kv head, keys "
+        "and values, by the attention damage it causes on a calibration capture (key term and "
+        "value term of kverr's error decomposition, relative to the layer's output), then solve "
+        "the multiple-choice knapsack exactly under the budget (effective bits per element with "
+        "all metadata, sinks and window, at --context tokens). Writes the config with its "
+        "provenance and optionally the whole Pareto frontier.",
+    )
+    p.add_argument("--capture", required=True, type=Path, help="a capture of every layer (kverr capture)")
+    p.add_argument("--budget-bits", required=True, type=_budgets, metavar="B[,B...]",
+                   help="effective bits per element; a list writes one config per budget (use {bits} in --out)")
+    p.add_argument("--out", required=True, help="config JSON to write; '{bits}' is replaced by the budget")
+    p.add_argument("--frontier", type=Path, help="write the Pareto frontier as CSV")
+    p.add_argument("--context", type=positive_int,
+                   help="tokens at which effective bits are counted (default: the capture's length)")
+    p.add_argument("--sinks", type=_ints, default=[0, 4], metavar="S[,S...]",
+                   help="full-precision sink tokens to try (default: 0,4)")
+    p.add_argument("--window", type=_ints, default=[0], metavar="R[,R...]",
+                   help="full-precision recent-token windows to try (default: 0)")
+    p.add_argument("--key-rope", default="post", choices=("post", "pre", "both"),
+                   help="quantize keys after RoPE, before, or try both (default: post)")
+    p.add_argument("--queries", type=positive_int, default=32, help="sampled queries per layer (default: %(default)s)")
+    p.add_argument("--max-bits", type=float, default=8.0, help="frontier up to this many bits (default: %(default)s)")
+    p.add_argument("--workers", type=positive_int, default=2, help="processes scoring layers (default: %(default)s)")
+    p.add_argument("--name", help="config name (default: calibrated-<budget>b)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kverr.calibrate import OuterOption, calibrate
+    from kverr.config import atomic_write_text
+    from kverr.errors import OutputExistsError
+    from kverr.io import open_capture
+
+    budgets = args.budget_bits
+    if len(budgets) > 1 and "{bits}" not in args.out:
+        raise ConfigError("several budgets need '{bits}' in --out, e.g. --out cfg-{bits}b.json")
+    outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
+    for o in outs + ([args.frontier] if args.frontier else []):
+        if o.exists() and not args.overwrite:
+            raise OutputExistsError(f"{o} exists; pass --overwrite to replace it")
+    pres = {"post": [False], "pre": [True], "both": [False, True]}[args.key_rope]
+    options = [OuterOption(window=r, sinks=s, key_pre_rope=p) for p in pres for r in args.window for s in args.sinks]
+    capture = open_capture(args.capture)
+    progress = sys.stderr.isatty() or bool(getattr(args, "verbose", False))
+    cal = None
+    for b, out in zip(budgets, outs):
+        if cal is None:
+            cal = calibrate(capture, b, context=args.context, options=options, queries=args.queries,
+                            max_bits=max(args.max_bits, *budgets), workers=args.workers,
+                            progress=progress, capture_path=args.capture, name=args.name)
+            cfg = cal.config
+        else:
+            cfg = cal.config_at(b, args.name)
+        cfg.save(out)
+        pv = cfg.provenance
+        print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
+              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, predicted damage "
+              f"{pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, V {pv['predicted_v']:.3g})")
+    assert cal is not None
+    if args.frontier:
+        atomic_write_text(args.frontier, cal.frontier.to_csv(index=False))
+        print(f"wrote the frontier ({len(cal.frontier)} points) to {args.frontier}")
+    print(f"scored in {cal.seconds['score']:.1f} s, searched in {cal.seconds['search']:.1f} s")
+    return 0

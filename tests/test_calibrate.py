@@ -1,0 +1,248 @@
+"""Calibration: the knapsack (against brute force), the objective (against kverr.error), the
+search (bytes == kverr.memory, provenance, bad input) and the CLI, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kverr.calibrate import OuterOption, brute_force, calibrate, check_model_matches, predict, solve
+from kverr.calibrate.candidates import default_candidates, head_bytes
+from kverr.calibrate.objective import key_damage, prepare_layer, value_damage
+from kverr.config import CacheConfig
+from kverr.errors import CaptureError, ConfigError
+from kverr.memory import ModelShape, account
+from kverr.quant import PerChannel, PerHead, PerToken, PerTokenGroup, float_format, fp8_format, int_format
+
+# ---------------------------------------------------------------------------------------------
+# knapsack
+# ---------------------------------------------------------------------------------------------
+
+groups_st = st.lists(
+    st.lists(st.tuples(st.integers(0, 12), st.floats(0, 10, allow_nan=False)), min_size=1, max_size=4),
+    min_size=1, max_size=4,
+)
+
+
+def _arrays(groups):
+    return [np.array([c for c, _ in g]) for g in groups], [np.array([d for _, d in g]) for g in groups]
+
+
+@given(groups_st, st.integers(0, 50))
+def test_knapsack_is_optimal_against_brute_force(groups, budget):
+    costs, dmg = _arrays(groups)
+    fr = solve(costs, dmg)
+    assert fr.exact
+    best, _ = brute_force(costs, dmg, budget)
+    if best == np.inf:
+        with pytest.raises(ConfigError, match="cheapest"):
+            fr.best_within(budget)
+        return
+    i = fr.best_within(budget)
+    assert fr.cost[i] <= budget  # budget respected exactly, in true cost
+    assert fr.damage[i] == pytest.approx(best, rel=1e-12, abs=1e-12)
+    # the reported cost and damage are those of the reported choices
+    pick = fr.choices[i]
+    assert sum(int(costs[g][j]) for g, j in enumerate(pick)) == fr.cost[i]
+    assert sum(float(dmg[g][j]) for g, j in enumerate(pick)) == pytest.approx(fr.damage[i], rel=1e-12, abs=1e-12)
+
+
+@given(groups_st)
+def test_frontier_is_monotone_and_deterministic(groups):
+    costs, dmg = _arrays(groups)
+    a, b = solve(costs, dmg), solve(costs, dmg)
+    assert np.all(np.diff(a.cost) > 0) and np.all(np.diff(a.damage) < 0)
+    assert np.array_equal(a.choices, b.choices) and np.array_equal(a.cost, b.cost)
+    assert a.cost[0] == a.min_cost
+
+
+@given(st.integers(0, 10_000))
+def test_rounded_units_never_exceed_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    costs = [rng.integers(100, 5000, 5) for _ in range(6)]
+    dmg = [rng.random(5) for _ in range(6)]
+    fr = solve(costs, dmg, max_states=64)  # forces coarse units
+    budget = int(rng.integers(fr.min_cost, fr.max_cost + 1))
+    i = fr.best_within(budget)
+    assert fr.cost[i] <= budget
+    exact = brute_force(costs, dmg, budget)[0]
+    assert fr.damage[i] >= exact - 1e-12  # never better than optimal
+
+
+def test_knapsack_bad_input():
+    with pytest.raises(ConfigError):
+        solve([], [])
+    with pytest.raises(ConfigError, match="group 0"):
+        solve([np.array([1, 2])], [np.array([1.0])])
+    with pytest.raises(ConfigError, match="finite"):
+        solve([np.array([1])], [np.array([np.nan])])
+
+
+# ---------------------------------------------------------------------------------------------
+# objective
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer(seed=0, Hq=4, H=2, T=96, D=16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(Hq, T, D, generator=g)
+    k = torch.randn(H, T, D, generator=g) * 2
+    v = torch.randn(H, T, D, generator=g)
+    kv_map = np.repeat(np.arange(H), Hq // H)
+    return q, k, v, kv_map
+
+
+@pytest.mark.parametrize("opt", [OuterOption(), OuterOption(sinks=5), OuterOption(sinks=3, window=7)])
+def test_objective_terms_equal_kverr_error_decompose(opt):
+    from kverr.error import decompose
+
+    q, k, v, kv_map = _layer()
+    T, D = k.shape[1], k.shape[2]
+    prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=1 / np.sqrt(D), queries=12)
+    e_k = torch.randn(k.shape, generator=torch.Generator().manual_seed(1)) * 0.05
+    e_v = torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) * 0.05
+    got_k = key_damage(prep, e_k, [opt])[0]
+    got_v = value_damage(prep, e_v, [opt])[0]
+    want_k, want_v = np.zeros(2), np.zeros(2)
+    pos = prep.pos.numpy()
+    for i, p in enumerate(pos):
+        m = torch.zeros(T, 1)
+        m[opt.sinks : max(opt.sinks, p - opt.window + 1)] = 1.0
+        d = decompose(q[:, p : p + 1].double(), k.double(), v.double(), (k + m * e_k).double(),
+                      (v + m * e_v).double(), kv_head_of_q=kv_map, q_positions=[p])
+        kk = (d.key_term ** 2).sum(-1)[:, 0].numpy()  # only K changed -> key term is the total
+        d2 = decompose(q[:, p : p + 1].double(), k.double(), v.double(), k.double(),
+                       (v + m * e_v).double(), kv_head_of_q=kv_map, q_positions=[p])
+        d1 = decompose(q[:, p : p + 1].double(), k.double(), v.double(), (k + m * e_k).double(),
+                       v.double(), kv_head_of_q=kv_map, q_positions=[p])
+        kk = (d1.total ** 2).sum(-1)[:, 0].numpy()
+        vv = (d2.value_term ** 2).sum(-1)[:, 0].numpy()
+        np.add.at(want_k, kv_map, kk / len(pos))
+        np.add.at(want_v, kv_map, vv / len(pos))
+    np.testing.assert_allclose(got_k, want_k / prep.norm, rtol=2e-4, atol=1e-12)
+    np.testing.assert_allclose(got_v, want_v / prep.norm, rtol=2e-4, atol=1e-12)
+
+
+def test_objective_sanity_more_bits_less_damage_and_zero_error_zero_damage():
+    q, k, v, kv_map = _layer(seed=3)
+    prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=0.25, queries=16)
+    z = torch.zeros_like(k)
+    assert np.all(key_damage(prep, z, [OuterOption()]) == 0)
+    assert np.all(value_damage(prep, z, [OuterOption()]) == 0)
+    from kverr.calibrate.objective import _errors_both
+
+    dmg = {}
+    for bits in (2, 4, 8):
+        ek, ev = _errors_both(prep, int_format(bits, PerToken()), False, 64, "fp16")
+        dmg[bits] = (key_damage(prep, ek, [OuterOption()]).sum(), value_damage(prep, ev, [OuterOption()]).sum())
+    assert dmg[2][0] > dmg[4][0] > dmg[8][0] > 0
+    assert dmg[2][1] > dmg[4][1] > dmg[8][1] > 0
+    # a sink mask can only remove error
+    ek, _ = _errors_both(prep, int_format(2, PerToken()), False, 64, "fp16")
+    a, b = key_damage(prep, ek, [OuterOption(), OuterOption(sinks=40)])
+    assert np.all(b <= a)
+
+
+def test_candidate_set_and_exact_bytes():
+    c = default_candidates(64)
+    assert len(c) >= 64 and len(set(c)) == len(c)
+    kinds = {f.granularity.kind for f in c}
+    assert {"token", "token_group", "channel", "head"} <= kinds
+    assert {f.bits for f in c} >= {2, 3, 4, 8, 16} and any(f.is_fp8 for f in c)
+    assert any(f.rotate == "hadamard" for f in c) and any(f.clip.kind == "mse" for f in c)
+    # per-head bytes add up to the accounting of a layer of mixed heads
+    opt = OuterOption(sinks=4, window=16)
+    fa, fb = int_format(3, PerChannel(32)), fp8_format(PerHead())
+    cfg = CacheConfig(k=fa, v=fb, sinks=4, window=16, heads={(0, 1): __import__("kverr.config").config.Override(k=fb, v=fa)})
+    rep = account(cfg, ModelShape(1, 2, 64), 1000)
+    assert rep.total_bytes == 2 * head_bytes(fa, opt, 64, 1000) + 2 * head_bytes(fb, opt, 64, 1000)
+
+
+# ---------------------------------------------------------------------------------------------
+# the search on a tiny random model's real capture
+# ---------------------------------------------------------------------------------------------
+
+SMALL = (int_format(2, PerToken()), int_format(4, PerTokenGroup(16)), int_format(4, PerChannel(32)),
+         int_format(8, PerToken()), fp8_format(PerHead()), float_format("fp16"))
+
+
+@pytest.fixture(scope="module")
+def tiny_capture(tmp_path_factory):
+    from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
+    from kverr.capture.tiny import make_tiny_model
+    from kverr.io import open_capture
+
+    d = tmp_path_factory.mktemp("cal")
+    loaded = load_model(str(make_tiny_model(d / "m", "llama")))
+    text = load_text("pydoc")
+    ids = tokenize(loaded.tokenizer, text, 160, 0)
+    path = capture_to_zarr(loaded, ids, d / "cap.zarr", text=text)
+    return open_capture(path), path, loaded
+
+
+def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tiny_capture):
+    cap, _, loaded = tiny_capture
+    opts = (OuterOption(), OuterOption(sinks=4))
+    cal = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16)
+    cfg = cal.config
+    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
+    rep = account(cfg, shape, 160)
+    pv = cfg.provenance
+    assert rep.total_bytes == pv["bytes"] and rep.effective_bits == pytest.approx(pv["effective_bits"])
+    assert rep.effective_bits <= 4.0
+    assert pv["capture"]["weights_sha256"] == cap.attrs["weights_sha256"]
+    assert pv["budget_bits"] == 4.0 and pv["objective"] and pv["context_tokens"] == 160
+    # the predicted damage of the written config, recomputed from scratch, is the knapsack's
+    p = predict(cap, cfg, queries=16)
+    assert p["total"] == pytest.approx(pv["predicted_damage"], rel=1e-4)
+    # round trip of the config file, provenance included
+    assert CacheConfig.from_json(cfg.to_json()) == cfg
+    # frontier: monotone, and more budget never predicts more damage
+    fr = cal.frontier
+    assert np.all(np.diff(fr.effective_bits) > 0) and np.all(np.diff(fr.predicted) < 0)
+    hi = cal.config_at(6.0)
+    assert hi.provenance["predicted_damage"] <= pv["predicted_damage"]
+    # deterministic
+    cal2 = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, scores=cal.scores)
+    assert cal2.config == cfg
+
+
+def test_calibrate_bad_input(tiny_capture):
+    cap, _, _ = tiny_capture
+    with pytest.raises(ConfigError, match=r"infeasible.*cheapest possible config costs \d+\.\d+ effective bits"):
+        calibrate(cap, 1.0, context=160, cands_k=SMALL, cands_v=SMALL, queries=8)
+    with pytest.raises(CaptureError, match="every layer"):
+        calibrate(cap.isel(layer=[0]), 4.0, cands_k=SMALL, cands_v=SMALL)
+    with pytest.raises(ConfigError, match="tensor"):
+        calibrate(cap, 4.0, cands_k=(int_format(4, __import__("kverr.quant").quant.PerTensor()),), cands_v=SMALL)
+
+
+def test_config_from_another_model_is_refused(tiny_capture):
+    cap, _, loaded = tiny_capture
+    cal = calibrate(cap, 8.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
+    check_model_matches(cal.config, loaded.weights_sha256)  # same model: fine
+    with pytest.raises(ConfigError, match="calibrated on a capture of"):
+        check_model_matches(cal.config, "0" * 64, "other")
+
+
+def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsys):
+    from kverr.cli import main
+
+    _, path, loaded = tiny_capture
+    out = tmp_path / "cal-{bits}b.json"
+    code = main(["calibrate", "--capture", str(path), "--budget-bits", "3,5", "--out", str(out),
+                 "--frontier", str(tmp_path / "f.csv"), "--queries", "8", "--workers", "1"])
+    o, _ = capsys.readouterr()
+    assert code == 0 and "budget 3 bits" in o and "budget 5 bits" in o
+    c3 = CacheConfig.load(tmp_path / "cal-3b.json")
+    assert c3.provenance["effective_bits"] <= 3.0
+    assert (tmp_path / "f.csv").read_text().startswith("option,")
+    code = main(["calibrate", "--capture", str(path), "--budget-bits", "0.5", "--out", str(tmp_path / "x.json")])
+    _, err = capsys.readouterr()
+    assert code == 2 and "cheapest possible config costs" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
