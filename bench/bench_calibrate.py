@@ -1,0 +1,57 @@
+"""Benchmark: whole-model calibration of the default model over a 4096-token capture.
+
+Usage::
+
+    kverr capture --model default --text pydoc --tokens 4096 --out /tmp/pydoc-4096.zarr
+    python bench/bench_calibrate.py /tmp/pydoc-4096.zarr [--workers 2] [--context 1280]
+
+Prints wall time, CPU time of this process and its workers, the machine's load average (the CI
+machine is shared: wall time under load is not the code's speed), and the chosen configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("capture")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--context", type=int, default=1280)
+    ap.add_argument("--queries", type=int, default=32)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    from kverr.calibrate import calibrate
+    from kverr.io import open_capture
+
+    cap = open_capture(args.capture)
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    cal = calibrate(cap, 4.0, context=args.context, queries=args.queries, workers=args.workers,
+                    capture_path=args.capture)
+    wall = time.perf_counter() - t0
+    ru_self = resource.getrusage(resource.RUSAGE_SELF)
+    ru_kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = ru_self.ru_utime + ru_self.ru_stime + ru_kids.ru_utime + ru_kids.ru_stime
+    print(f"machine: {platform.node()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+          f"load average before {load0[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+    print(f"capture: {cap.sizes['layer']} layers x {cap.sizes['token']} tokens, "
+          f"{len(cal.scores.cands_k)} K and {len(cal.scores.cands_v)} V candidates, "
+          f"{len(cal.scores.options)} outer options, {args.queries} queries/layer, {args.workers} workers")
+    print(f"wall {wall:.1f} s (score {cal.seconds['score']:.1f} s, search {cal.seconds['search']:.1f} s), "
+          f"CPU {cpu:.1f} s")
+    for b in (2.5, 3.0, 4.0, 5.0):
+        c = cal.config_at(b)
+        print(f"  {b:g} bits -> {c.provenance['effective_bits']:.4f} eff. bits at {args.context} tokens, "
+              f"predicted {c.provenance['predicted_damage']:.4g}, option {c.provenance['outer_option']}")
+
+
+if __name__ == "__main__":
+    main()
