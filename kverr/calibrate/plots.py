@@ -83,3 +83,25 @@ def predicted_vs_measured(table: Any, x: str = "predicted", y: str = "mean_kl"):
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def config_choices(config: Any, n_layers: int, n_kv: int):
+    """One row per (layer, kv_head, which) of a config: format label, bits, granularity, rotate."""
+    import pandas as pd
+
+    rows = []
+    for layer in range(n_layers):
+        for h in range(n_kv):
+            for w in ("k", "v"):
+                f = config.format_for(layer, h, w)
+                rows.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), bits=f.bits,
+                                 dtype=f.dtype, granularity=f.granularity.kind, rotate=f.rotate,
+                                 clip=f.clip.kind))
+    return pd.DataFrame(rows)
+
+
+def thin_frontier(frontier: Any, step: float = 0.05):
+    """The best frontier point in every ``step``-bit bin (for plotting and committing)."""
+    f = frontier.copy()
+    f["bin"] = (f["effective_bits"] / step).astype(int)
+    return f.loc[f.groupby("bin")["predicted"].idxmin()].drop(columns="bin").reset_index(drop=True)
