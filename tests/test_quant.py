@@ -23,6 +23,7 @@ from kverr.quant import (
     PerTokenGroup,
     QuantFormat,
     dequantize,
+    fake_quantize,
     fp8_format,
     hadamard,
     int_format,
@@ -343,3 +344,10 @@ def test_asymmetric_grid_of_two_bits_has_four_levels():
     x = torch.tensor([0.0, 1.0, 2.0, 3.0]).reshape(1, 1, 1, 4)
     qt = quantize(x, int_format(2, PerToken(), scale_dtype="fp32"))
     assert torch.equal(qt.dequantize(), x)
+
+
+@given(st.data())
+def test_fake_quantize_is_dequantize_of_quantize_bit_for_bit(draw):
+    x = draw.draw(data())
+    fmt = draw.draw(formats(x.shape[-1], PAGE, floats=True))
+    assert torch.equal(fake_quantize(x, fmt, page_size=PAGE), dequantize(quantize(x, fmt, page_size=PAGE)))

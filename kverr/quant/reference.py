@@ -103,7 +103,8 @@ def floor_cast(v: torch.Tensor, dtype: str, what: str = "zero point") -> torch.T
 
 
 def _check_metadata_finite(r: torch.Tensor, dtype: str, what: str) -> None:
-    if not bool(torch.isfinite(r).all()):
+    # Metadata of finite input can only overflow to Inf (never NaN): one reduction suffices.
+    if bool(torch.isinf(r).any()):
         raise ConfigError(
             f"a {what} overflows scale_dtype={dtype!r} (the data's range is too large for it); "
             "use scale_dtype='fp32'"
@@ -395,6 +396,36 @@ def quantize(
     -------
     QTensor
     """
+    plan = _encode_grouped(x, fmt, page_size, scale, zero)
+    if plan.float_values is not None:
+        return QTensor(plan.float_values, None, None, fmt, plan.shape, page_size)
+    *lead, H, T, D = plan.shape
+    u = _from_groups(plan.codes, plan.block, (plan.codes.shape[0], H, T, D))
+    codes = u if fmt.is_fp8 else pack(u, fmt.bits)
+    s, m = plan.scale, plan.zero
+    return QTensor(
+        codes=codes.reshape(*lead, H, T, codes.shape[-1]),
+        scale=s.reshape(*lead, *s.shape[1:]),
+        zero=None if m is None else m.reshape(*lead, *m.shape[1:]),
+        fmt=fmt,
+        shape=plan.shape,
+        page_size=page_size,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class _Grouped:
+    """Codes and metadata on the grouped layout ``[B, nH, nT, nD, block elements]``."""
+
+    shape: tuple[int, ...]
+    block: tuple[int, int, int]
+    codes: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    float_values: torch.Tensor | None = None  # plain-float formats: the stored values
+
+
+def _encode_grouped(x, fmt, page_size, scale, zero) -> _Grouped:
     if not isinstance(fmt, QuantFormat):
         raise ConfigError(f"fmt must be a QuantFormat, got {type(fmt).__name__}")
     x32 = as_float_tensor(x)
@@ -404,7 +435,7 @@ def quantize(
     *lead, H, T, D = shape
     fmt.check_head_dim(D)
     if fmt.is_float:
-        return QTensor(x32.to(TORCH_DTYPES[fmt.dtype]), None, None, fmt, shape, page_size)
+        return _Grouped(shape, (1, 1, 1), float_values=x32.to(TORCH_DTYPES[fmt.dtype]))
     if fmt.rotate == "hadamard":
         x32 = x32 @ hadamard(D, x32.device)
     x4 = x32.reshape(-1, H, T, D)
@@ -419,17 +450,7 @@ def quantize(
         if zero is not None:
             raise ConfigError("zero was given without scale; pass both or neither")
         s, m = _choose_params(fmt, g, mask)
-    u = _from_groups(_encode(fmt, g, s, m), block, tuple(x4.shape))
-    codes = u if fmt.is_fp8 else pack(u, fmt.bits)
-    out_lead = tuple(lead)
-    return QTensor(
-        codes=codes.reshape(*out_lead, H, T, codes.shape[-1]),
-        scale=s.reshape(*out_lead, *s.shape[1:]),
-        zero=None if m is None else m.reshape(*out_lead, *m.shape[1:]),
-        fmt=fmt,
-        shape=shape,
-        page_size=page_size,
-    )
+    return _Grouped(shape, block, _encode(fmt, g, s, m), s, m)
 
 
 def _static_params(fmt, scale, zero, group_shape, lead):
@@ -482,9 +503,28 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, unrotate: boo
     return x.reshape(qt.shape).to(dtype)
 
 
-def fake_quantize(x: ArrayLike, fmt: QuantFormat, *, page_size: int | None = None) -> torch.Tensor:
-    """``dequantize(quantize(x, fmt))`` as float32 ``[..., H, T, D]``."""
-    return dequantize(quantize(x, fmt, page_size=page_size))
+def fake_quantize(
+    x: ArrayLike,
+    fmt: QuantFormat,
+    *,
+    page_size: int | None = None,
+    scale: ArrayLike | None = None,
+    zero: ArrayLike | None = None,
+) -> torch.Tensor:
+    """``dequantize(quantize(x, fmt))`` as float32 ``[..., H, T, D]``, bit for bit.
+
+    Decodes the codes where they are computed, skipping the packing round trip (which is
+    lossless), so analysis and calibration pay only for the arithmetic.
+    """
+    plan = _encode_grouped(x, fmt, page_size, scale, zero)
+    if plan.float_values is not None:
+        return plan.float_values.to(torch.float32)
+    *lead, H, T, D = plan.shape
+    values = _decode(fmt, plan.codes, plan.scale, plan.zero)
+    out = _from_groups(values, plan.block, (values.shape[0], H, T, D))
+    if fmt.rotate == "hadamard":
+        out = out @ hadamard(D, out.device)
+    return out.reshape(plan.shape)
 
 
 def codes_nbytes(fmt: QuantFormat, D: int) -> int:

@@ -38,6 +38,7 @@ from kverr.quant.reference import (
     block_shape,
     codes_nbytes,
     dequantize,
+    fake_quantize,
     quantize,
 )
 
@@ -63,6 +64,13 @@ def token_regions(T: int, config: CacheConfig, fmt: QuantFormat) -> tuple[int, i
     return start, start + avail - avail % tb
 
 
+def _static_metadata(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> dict:
+    """Static scales (and zeros) taken jointly over the ``B`` sequences of ``x [B, h, n, D]``."""
+    B, h, n, D = x.shape
+    ref = quantize(x.permute(1, 0, 2, 3).reshape(1, h, B * n, D), fmt, page_size=page_size)
+    return {"scale": ref.scale, "zero": ref.zero}
+
+
 def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> QTensor:
     """Quantize ``[B, h, n, D]`` (one head group, the quantized tokens of ``B`` sequences).
 
@@ -70,11 +78,15 @@ def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> QTenso
     static scale would be); the others quantize each sequence on its own.
     """
     if is_static(fmt.granularity) and not fmt.is_float:
-        B, h, n, D = x.shape
-        joint = x.permute(1, 0, 2, 3).reshape(1, h, B * n, D)
-        ref = quantize(joint, fmt, page_size=page_size)
-        return quantize(x, fmt, page_size=page_size, scale=ref.scale, zero=ref.zero)
+        return quantize(x, fmt, page_size=page_size, **_static_metadata(x, fmt, page_size))
     return quantize(x, fmt, page_size=page_size)
+
+
+def fake_quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> torch.Tensor:
+    """``dequantize(quantize_region(x, fmt, page_size))``, bit for bit, without packing."""
+    if is_static(fmt.granularity) and not fmt.is_float:
+        return fake_quantize(x, fmt, page_size=page_size, **_static_metadata(x, fmt, page_size))
+    return fake_quantize(x, fmt, page_size=page_size)
 
 
 def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) -> torch.Tensor:
@@ -110,7 +122,7 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) 
         start, end = token_regions(T, config, fmt)
         if end > start:
             region = x4[:, heads, start:end, :]
-            out[:, heads, start:end, :] = dequantize(quantize_region(region, fmt, config.page_size))
+            out[:, heads, start:end, :] = fake_quantize_region(region, fmt, config.page_size)
     return out.reshape(x32.shape)
 
 
