@@ -192,7 +192,7 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
                                            dot_fp16=True)))
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
         warps = DECODE_WARPS if kname.startswith("decode") else store_warps(cx["BLOCK_R"], D)
-        c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG if kname.startswith("decode") else None)
+        c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG)
         out.append(Resource(kname, label, arch, num_warps=warps, **resource_usage(c)))
         if progress:
             progress(i + 1, len(jobs))

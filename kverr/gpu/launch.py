@@ -16,7 +16,7 @@ def _kernels():
 
 #: Warps of the decode kernel: with 8, no specialisation spills at head dim 64 or 128 (AOT table).
 DECODE_WARPS = 8
-#: Register cap handed to ptxas: with 8 warps it otherwise caps some specialisations at 128
+#: Register cap handed to ptxas (decode and store): with 8 warps it otherwise caps some specialisations at 128
 #: registers and spills to the stack.
 DECODE_MAXNREG = 255
 
@@ -59,7 +59,7 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),
         scale, zero, ss_p, ss_h,
         **store_constexprs(spec, D, jobs.block_r),
-        num_warps=store_warps(jobs.block_r, D),
+        num_warps=store_warps(jobs.block_r, D), maxnreg=DECODE_MAXNREG,
     )
 
 
