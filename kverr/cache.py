@@ -10,8 +10,9 @@ beyond the ``window`` most recent are quantized in whole token blocks of the for
 for per-token scales; ``G`` tokens for KIVI-style per-channel key groups; a page for per-page
 scales), so a token moves into quantized storage when its block fills. :meth:`KverrCache.flush`
 quantizes every whole block regardless of the window (the "quantize the prefill" protocol of
-:mod:`kverr.evaluate`). Tokens passed to an ``update`` attend to their own fresh values, as in a
-serving engine; they are read back from storage from the next step on.
+:mod:`kverr.evaluate`). The prefill (the first update) attends to its own fresh values; every
+later step stores its tokens first and attends to everything as stored, the new tokens included
+-- what a serving engine's decode does, and what the kernel path (:class:`KernelKVCache`) does.
 
 Static granularities (``tensor``, ``head``, ``channel`` over all tokens) take their scales from
 the first chunk they quantize (the prefill) unless ``static_scales`` were given (calibrated), and
@@ -161,15 +162,16 @@ class KverrLayer(CacheLayerMixin):
         if self.config.key_pre_rope:
             cos, sin = self._cos_sin(start, start + n)
             keys_in = undo_rope(key_states.float(), cos, sin)
-        # Old tokens as stored, new tokens fresh: what a serving engine's attention sees.
-        old_k, old_v = self._read("k"), self._read("v")
         self._append("k", keys_in)
         self._append("v", value_states)
         self.cumulative_length += n
         self._flush(respect_window=True)
-        keys = key_states if old_k is None else torch.cat([old_k.to(key_states.dtype), key_states], dim=-2)
-        values = value_states if old_v is None else torch.cat([old_v.to(value_states.dtype), value_states], dim=-2)
-        return keys, values
+        if start == 0:
+            # The prefill attends to its fresh values, as a serving engine's prefill does.
+            return key_states, value_states
+        # Later steps read everything from storage, the new tokens as stored (as vLLM's decode
+        # does after reshape_and_cache, and as the kernel path does).
+        return self._read("k").to(key_states.dtype), self._read("v").to(value_states.dtype)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -318,3 +320,181 @@ class KverrCache(Cache):
         if out is None:
             raise ShapeError(f"layer {layer} holds no tokens yet")
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel path: the same config on the Triton kernels of kverr.gpu
+# ---------------------------------------------------------------------------------------------
+
+_KERNEL_IMPL_PREFIX = "kverr_paged|"
+
+
+def _register_kernel_attention(inner: str) -> str:
+    """Register an attention function that decodes from the paged cache; returns its name.
+
+    Single-token steps of a model that holds a :class:`KernelKVCache` run the fused-dequant
+    decode kernel; everything else (the prefill) runs the model's own attention ``inner`` on the
+    fresh keys and values, as a serving engine does.
+    """
+    import sys
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    name = _KERNEL_IMPL_PREFIX + inner
+
+    def paged_attention(module, query, key, value, attention_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
+        cache = getattr(module, "_kverr_kernel_cache", None)
+        if cache is not None and query.shape[2] == 1 and cache.decoding:
+            out = cache.paged.decode(cache.step, module.layer_idx, query[:, :, 0, :].float(),
+                                     sm_scale=kwargs.get("scaling"))
+            return out[:, None].to(query.dtype), None  # [B, 1, n_q_heads, D]
+        if inner == "eager":
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS[inner]
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    AttentionInterface.register(name, paged_attention)
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    if inner in masks:
+        AttentionMaskInterface.register(name, masks[inner])
+    return name
+
+
+class _KernelLayer(CacheLayerMixin):
+    """One layer of a :class:`KernelKVCache`: stores through the quantize-and-store kernel."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: KernelKVCache, layer_idx: int) -> None:
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.owner._store(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.paged.max_pages * self.owner.paged.P
+
+
+class KernelKVCache(Cache):
+    """A transformers cache that runs a :class:`CacheConfig` on the Triton kernels.
+
+    Keys and values go through the quantize-and-store kernel into the paged cache of
+    :class:`kverr.gpu.PagedKVCache`; every single-token decode step's attention is the
+    fused-dequant decode kernel (installed as the model's attention function while the cache is
+    attached; :meth:`close` restores the model). The prefill attends to its fresh values with the
+    model's own attention. On a CPU the kernels run in the Triton interpreter
+    (``TRITON_INTERPRET=1``), slowly but exactly.
+
+    Use :meth:`for_model`; a batch of equal-length sequences; one prefill, then one token per step.
+    """
+
+    def __init__(self, model: Any, config: CacheConfig, *, batch: int = 1, max_tokens: int = 4096, **kwargs: Any) -> None:
+        from kverr.gpu import PagedKVCache
+
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+        device = next(model.parameters()).device
+        self.config = config
+        self.paged = PagedKVCache(
+            config, n_layers=cfg.num_hidden_layers, n_kv_heads=n_kv, n_q_heads=n_heads, head_dim=head_dim,
+            max_batch=batch, max_tokens=max_tokens, device=device, **kwargs,
+        )
+        self.batch, self.length = batch, 0
+        self.step = None
+        self.decoding = False
+        self._model = model
+        self._modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+        if len(self._modules) != cfg.num_hidden_layers:
+            raise ConfigError(f"found {len(self._modules)} attention modules, expected {cfg.num_hidden_layers}")
+        configs = {id(c): c for c in [model.config, *(m.config for m in self._modules if hasattr(m, "config"))]}
+        self._saved = {key: (c, c._attn_implementation) for key, c in configs.items()}
+        for c, impl in self._saved.values():
+            c._attn_implementation = _register_kernel_attention(impl or "eager")
+        for m in self._modules:
+            m._kverr_kernel_cache = self
+        super().__init__(layers=[_KernelLayer(self, i) for i in range(cfg.num_hidden_layers)])
+
+    @classmethod
+    def for_model(cls, model: Any, config: CacheConfig, **kwargs: Any) -> KernelKVCache:
+        return cls(model, config, **kwargs)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        B, _, n, _ = k.shape
+        if B != self.batch:
+            raise ShapeError(f"this cache holds {self.batch} sequences, got a batch of {B}")
+        if layer == 0:
+            if n > 1 and self.length:
+                raise ConfigError("chunked prefill over the quantized cache is not supported: prefill once, then decode one token per step")
+            self.decoding = self.length > 0
+            self.step = self.paged.plan([n] * B)
+            self.length += n
+        self.paged.store(self.step, layer, k, v)
+        return k, v
+
+    def nbytes(self) -> int:
+        """Bytes the paged cache allocated (pools, full-precision buffers, block table)."""
+        return self.paged.nbytes
+
+    def close(self) -> None:
+        """Restore the model's attention functions and detach the cache."""
+        for c, impl in self._saved.values():
+            c._attn_implementation = impl
+        for m in self._modules:
+            if getattr(m, "_kverr_kernel_cache", None) is self:
+                del m._kverr_kernel_cache
+
+    def __enter__(self) -> KernelKVCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def cache_for(model: Any, config: CacheConfig, *, backend: str = "auto", **kwargs: Any) -> Cache:
+    """The cache that runs ``config`` for ``model``.
+
+    ``backend="auto"`` picks the Triton kernel path (:class:`KernelKVCache`) when the model is on
+    a CUDA device and the kernels support the config, and the CPU reference path
+    (:class:`KverrCache`) otherwise; ``"reference"`` and ``"triton"`` force one. The two agree
+    (tests compare them through a whole model in the Triton interpreter).
+    """
+    if backend not in ("auto", "reference", "triton"):
+        raise ConfigError(f"backend={backend!r} is not allowed; 'auto', 'reference' or 'triton'")
+    if backend == "auto":
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        backend = "triton" if on_cuda and kernels_support(config) else "reference"
+    if backend == "triton":
+        return KernelKVCache.for_model(model, config, **kwargs)
+    return KverrCache.for_model(model, config, **kwargs)
+
+
+def kernels_support(config: CacheConfig) -> bool:
+    """Whether the Triton kernels can run ``config`` (no rotation, clipping search or pre-RoPE keys)."""
+    from kverr.errors import KernelError
+    from kverr.gpu.spec import kernel_spec
+
+    if config.key_pre_rope:
+        return False
+    for _, fmt in config._all_formats():
+        try:
+            kernel_spec(fmt, 64, config.page_size)
+        except (KernelError, ConfigError):
+            return False
+    return True

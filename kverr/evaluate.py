@@ -96,9 +96,9 @@ def _cache_kwarg(model: Any) -> str:
 def make_cache(scheme: Scheme, model: Any) -> Any:
     """A fresh cache object for ``scheme``."""
     if scheme.kind == "kverr":
-        from kverr.cache import KverrCache
+        from kverr.cache import cache_for
 
-        return KverrCache.for_model(model, scheme.config)
+        return cache_for(model, scheme.config)  # the kernel path on a GPU, the reference on a CPU
     from transformers import DynamicCache
 
     if scheme.kind == "reference":

@@ -67,7 +67,7 @@ def test_cache_holds_exactly_what_reconstruct_says_whatever_the_chunking(cfg, T,
     assert cache.nbytes() == t.total - t.page_rounding - t.padding
 
 
-def test_new_tokens_attend_to_their_fresh_values_and_old_ones_to_storage():
+def test_prefill_attends_to_fresh_values_later_steps_to_storage():
     cfg = PRESETS["q4_0"]
     ks = [torch.randn(1, H, 40, 32)]
     vs = [torch.randn(1, H, 40, 32)]
@@ -75,8 +75,9 @@ def test_new_tokens_attend_to_their_fresh_values_and_old_ones_to_storage():
     first_k, _ = cache.update(ks[0][:, :, :30], vs[0][:, :, :30], 0)
     assert torch.equal(first_k, ks[0][:, :, :30])  # the prefill attends to fresh keys
     k, v = cache.update(ks[0][:, :, 30:], vs[0][:, :, 30:], 0)
-    assert torch.equal(k[:, :, 30:], ks[0][:, :, 30:])
-    assert torch.equal(k[:, :, :30], reconstruct(ks[0][:, :, :30], cfg, layer=0, which="k"))
+    # a decode step stores first, then reads everything back, its own tokens included
+    assert torch.equal(k, reconstruct(ks[0], cfg, layer=0, which="k"))
+    assert torch.equal(v, reconstruct(vs[0], cfg, layer=0, which="v"))
 
 
 def test_flush_quantizes_whole_blocks_regardless_of_the_window():
@@ -184,3 +185,34 @@ def test_pre_rope_keys_are_what_gets_quantized(tiny):
     cos, sin = rotary(torch.arange(20))
     expect = apply_rope(reconstruct(undo_rope(k, cos, sin), cfg, layer=0, which="k"), cos, sin)
     assert torch.allclose(cache.read(0, "k")[:, :, :20], expect, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kivi-2", "int8-token"])
+def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
+    """The same config through the Triton kernels (interpreter here) and through KverrCache:
+    the same next-token distributions, through every layer of a real transformers model."""
+    from kverr.cache import KernelKVCache, cache_for
+    from kverr.evaluate import teacher_forced
+
+    cfg = PRESETS[name].with_(window=8)
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(3))
+    ref = teacher_forced(tiny.model, cache_for(tiny.model, cfg), ids, 40, flush=False)
+    attn = tiny.model.config._attn_implementation
+    with KernelKVCache.for_model(tiny.model, cfg, max_tokens=64) as kc:
+        got = teacher_forced(tiny.model, kc, ids, 40, flush=False)
+        assert kc.nbytes() > 0
+    assert tiny.model.config._attn_implementation == attn  # the model is restored
+    assert float((ref - got).abs().max()) < 1e-4
+    quantized = teacher_forced(tiny.model, cache_for(tiny.model, PRESETS["fp16"]), ids, 40, flush=False)
+    assert float((ref - quantized).abs().max()) > 1e-3  # the check can fail: formats differ
+
+
+def test_cache_for_picks_the_reference_path_on_a_cpu(tiny):
+    from kverr.cache import cache_for, kernels_support
+
+    assert isinstance(cache_for(tiny.model, PRESETS["kivi-2"]), KverrCache)
+    assert kernels_support(PRESETS["kivi-2"])
+    assert not kernels_support(PRESETS["kivi-2"].with_(key_pre_rope=True))
+    with pytest.raises(ConfigError, match="backend='gpu' is not allowed"):
+        cache_for(tiny.model, PRESETS["kivi-2"], backend="gpu")
