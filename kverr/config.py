@@ -214,6 +214,17 @@ class CacheConfig:
                 f"of {max_context}; nothing would ever be quantized"
             )
 
+    def select_layers(self, model_layers: list[int]) -> CacheConfig:
+        """The config of a model made of ``model_layers`` only: layer ``i`` of the result is layer
+        ``model_layers[i]`` of this config (e.g. for a capture that holds a subset of layers)."""
+        pos = {int(l): i for i, l in enumerate(model_layers)}
+        if len(pos) != len(model_layers):
+            raise ConfigError(f"model_layers {list(model_layers)} repeats a layer")
+        return self.with_(
+            layers={pos[l]: ov for l, ov in self.layers.items() if l in pos},
+            heads={(pos[l], h): ov for (l, h), ov in self.heads.items() if l in pos},
+        )
+
     # ---- JSON -------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

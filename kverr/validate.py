@@ -244,6 +244,10 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
         Lx, Hx, _, Dx = x.shape
         return x.reshape(Lx, Hx, batch, tokens, Dx).permute(0, 2, 1, 3, 4).contiguous()
 
-    rep = validate_arrays(cfg, split(q), split(k), split(v), kv_map, layers=layers, steps=steps, tol=tol,
-                          device=device, dot_fp16=dot_fp16)
+    # A capture may hold a subset of the model's layers: index the config by the model's layers.
+    model_layers = [int(x) for x in ds["layer"].values]
+    rep = validate_arrays(cfg.select_layers(model_layers), split(q), split(k), split(v), kv_map, layers=layers,
+                          steps=steps, tol=tol, device=device, dot_fp16=dot_fp16)
+    for r in rep.layers:
+        r.layer = model_layers[r.layer]
     return rep

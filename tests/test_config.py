@@ -165,3 +165,14 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         PRESETS["kivi-2"].save(path)
     assert path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+def test_select_layers_maps_a_layer_subset_to_positions():
+    d, o29, o15 = int_format(4, PerToken()), int_format(8, PerToken()), int_format(2, PerToken())
+    cfg = CacheConfig(k=d, v=d, layers={29: Override(k=o29), 3: Override(k=o15)}, heads={(15, 1): Override(v=o15)})
+    sub = cfg.select_layers([0, 15, 29])
+    assert sub.format_for(2, 0, "k") == o29 and sub.format_for(0, 0, "k") == d
+    assert sub.format_for(1, 1, "v") == o15 and sub.format_for(1, 0, "v") == d
+    sub.check_model(3, 3, 64)
+    with pytest.raises(ConfigError, match="repeats a layer"):
+        cfg.select_layers([1, 1])
