@@ -46,7 +46,10 @@ def main() -> None:
           f"{len(cal.scores.cands_k)} K and {len(cal.scores.cands_v)} V candidates, "
           f"{len(cal.scores.options)} outer options, {args.queries} queries/layer, {args.workers} workers")
     print(f"wall {wall:.1f} s (score {cal.seconds['score']:.1f} s, search {cal.seconds['search']:.1f} s), "
-          f"CPU {cpu:.1f} s")
+          f"CPU {cpu:.1f} s (of which scoring layers {cal.scores.cpu_seconds:.1f} s)")
+    # On an idle machine every worker gets a whole core: scoring takes about its CPU / workers.
+    print(f"idle-machine estimate: {cal.scores.cpu_seconds / max(1, args.workers) + (cpu - cal.scores.cpu_seconds):.1f} s "
+          "(scoring CPU / workers + the rest of the CPU, which is serial)")
     for b in (2.5, 3.0, 4.0, 5.0):
         c = cal.config_at(b)
         print(f"  {b:g} bits -> {c.provenance['effective_bits']:.4f} eff. bits at {args.context} tokens, "

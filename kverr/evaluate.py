@@ -225,6 +225,10 @@ def evaluate(
     for s in schemes:
         if s.config is not None:
             s.config.check_model(shape.n_layers, shape.n_kv_heads, shape.head_dim)
+            if (dict(s.config.provenance).get("capture") or {}).get("weights_sha256"):
+                from kverr.calibrate import check_model_matches
+
+                check_model_matches(s.config, loaded.weights_sha256, loaded.model_id)
     for p in prefill:
         if loaded.max_context and p + decode > loaded.max_context:
             raise ConfigError(f"prefill {p} + decode {decode} exceeds the model's context of {loaded.max_context}")

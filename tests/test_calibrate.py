@@ -246,3 +246,53 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
     _, err = capsys.readouterr()
     assert code == 2 and "cheapest possible config costs" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.json").exists()
+
+
+def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):
+    from kverr.capture import load_text
+    from kverr.evaluate import Scheme, evaluate
+
+    cap, _, loaded = tiny_capture
+    cal = calibrate(cap, 8.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
+    prov = dict(cal.config.provenance)
+    prov["capture"] = {**prov["capture"], "weights_sha256": "0" * 64, "model_id": "another/model"}
+    other = cal.config.with_(provenance=prov)
+    text = load_text("pydoc")
+    with pytest.raises(ConfigError, match="calibrated on a capture of 'another/model'"):
+        evaluate(loaded, text, [Scheme("other", "kverr", other)], prefill=(8,), decode=2, offset=0,
+                 progress=False)
+    # The same model's calibrated config and configs without provenance pass the check.
+    df = evaluate(loaded, text, [Scheme("same", "kverr", cal.config),
+                                 Scheme("plain", "kverr", cal.config.with_(provenance={}))],
+                  prefill=(8,), decode=2, offset=0, greedy_steps=0, progress=False)
+    assert set(df["scheme"]) >= {"same", "plain"}
+
+
+def test_batched_scoring_equals_one_candidate_at_a_time_and_the_oracle():
+    """score_layer (one oracle call per format, K/V/pre-RoPE stacked, damage in batches) gives
+    exactly what the one-candidate path through kverr.quant.reconstruct gives."""
+    from kverr.calibrate.objective import key_error, score_layer, value_error
+
+    q, k, v, kv_map = _layer(seed=5)
+    from kverr.rope import apply_rope, default_inv_freq
+
+    rope = {"inv_freq": default_inv_freq(k.shape[-1], 10000.0).tolist()}
+
+    T = k.shape[1]
+    k_pre = k
+    k_post = apply_rope(k_pre, np.arange(T), rope).to(torch.float32)
+    prep = prepare_layer(q, k_post, v, k_pre, layer=0, kv_map=kv_map, scale=0.2, queries=10,
+                         positions=np.arange(T), rope=rope)
+    cands = SMALL[:5]
+    opts = [OuterOption(), OuterOption(sinks=3), OuterOption(window=5, key_pre_rope=True)]
+    dk1, dv1 = score_layer(prep, cands, cands[1:], opts, batch=1)
+    dk3, dv3 = score_layer(prep, cands, cands[1:], opts, batch=3)
+    np.testing.assert_array_equal(dk1, dk3)
+    np.testing.assert_array_equal(dv1, dv3)
+    for j, f in enumerate(cands):
+        for i, o in enumerate(opts):
+            cfg = CacheConfig(k=f, v=f, key_pre_rope=o.key_pre_rope)
+            np.testing.assert_allclose(dk1[i, j], key_damage(prep, key_error(prep, cfg), [o])[0], rtol=1e-5)
+    for j, f in enumerate(cands[1:]):
+        np.testing.assert_allclose(dv1[:, j], value_damage(prep, value_error(prep, CacheConfig(k=f, v=f)), opts),
+                                   rtol=1e-5)

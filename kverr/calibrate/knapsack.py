@@ -128,6 +128,8 @@ def solve(
     best = np.full(n_cells, np.inf)
     best[0] = 0.0
     choice = np.zeros((G, n_cells), dtype=np.uint8 if max(len(k) for k in keep) < 256 else np.int32)
+    cand_buf = np.empty(n_cells)
+    better_buf = np.empty(n_cells, dtype=bool)
     for g in range(G):
         new = np.full(n_cells, np.inf)
         arg = choice[g]
@@ -135,22 +137,19 @@ def solve(
             wj = int(wj)
             if wj >= n_cells:
                 break  # costs are increasing within the pruned group
-            cand = best[: n_cells - wj] + dj
-            tgt = new[wj:]
-            better = cand < tgt
-            tgt[better] = cand[better]
-            arg[wj:][better] = j
+            n = n_cells - wj
+            cand, better, tgt = cand_buf[:n], better_buf[:n], new[wj:]
+            np.add(best[:n], dj, out=cand)
+            np.less(cand, tgt, out=better)  # strict: ties keep the lower candidate index
+            np.copyto(tgt, cand, where=better)
+            np.copyto(arg[wj:], j, where=better, casting="unsafe")
         best = new
     # Frontier: strict improvements of the prefix minimum over cost cells.
-    cells, prev = [], math.inf
-    for c in np.nonzero(np.isfinite(best))[0]:
-        if best[c] < prev:
-            cells.append(int(c))
-            prev = float(best[c])
-    c = np.asarray(cells, dtype=np.int64)
-    choices = np.empty((len(cells), G), dtype=np.int64)
-    cost = np.zeros(len(cells), dtype=np.int64)
-    damage = np.zeros(len(cells), dtype=np.float64)
+    prev = np.concatenate([[np.inf], np.minimum.accumulate(best)[:-1]])
+    c = np.nonzero(best < prev)[0].astype(np.int64)
+    choices = np.empty((len(c), G), dtype=np.int64)
+    cost = np.zeros(len(c), dtype=np.int64)
+    damage = np.zeros(len(c), dtype=np.float64)
     for g in range(G - 1, -1, -1):  # backtrack every frontier cell at once
         j = choice[g, c].astype(np.int64)
         orig = keep[g][j]
@@ -162,12 +161,9 @@ def solve(
         raise RuntimeError("knapsack backtracking did not return to cost 0")
     # Rounding can make true costs non-monotone along the rounded frontier; keep the Pareto set.
     order = np.lexsort((damage, cost))
-    sel, bestd = [], math.inf
-    for i in order:
-        if damage[i] < bestd:
-            sel.append(int(i))
-            bestd = float(damage[i])
-    sel_a = np.asarray(sel, dtype=np.int64)
+    d_sorted = damage[order]
+    prev_d = np.concatenate([[np.inf], np.minimum.accumulate(d_sorted)[:-1]])
+    sel_a = order[d_sorted < prev_d].astype(np.int64)
     return Frontier(cost[sel_a], damage[sel_a], choices[sel_a], int(unit), bool(exact), min_cost,
                     min_cost + full)
 

@@ -135,113 +135,168 @@ def value_error(prep: LayerPrep, fmt_cfg: CacheConfig) -> torch.Tensor:
     return reconstruct(prep.v, fmt_cfg, layer=prep.layer, which="v").to(torch.float32) - prep.v
 
 
-def _per_kv_head(prep: LayerPrep, err2: torch.Tensor, n_kv: int) -> np.ndarray:
-    """``err2 [q_head, n]`` -> relative damage per kv head ``[n_kv]`` (float64)."""
+def _per_kv_head(prep: LayerPrep, err2: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """``err2 [..., q_head, n]`` -> relative damage per kv head ``[..., n_kv]`` (float64)."""
     per_q = err2.to(torch.float64).mean(-1)
-    out = torch.zeros(n_kv, dtype=torch.float64).index_add_(0, prep.kv_map, per_q)
-    return (out / prep.norm).numpy()
+    out = torch.zeros((*per_q.shape[:-1], n_kv), dtype=torch.float64)
+    out.index_add_(per_q.ndim - 1, prep.kv_map, per_q)
+    return out / prep.norm
 
 
-def key_damage(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
-    """Relative key-term damage ``[option, kv_head]`` of the key error ``e_k [kv_head, T, D]``.
+def _option_keys(options: Sequence[OuterOption]) -> list[tuple[int, int]]:
+    """Distinct ``(sinks, window)`` pairs of ``options`` in first-seen order."""
+    return list(dict.fromkeys((o.sinks, o.window) for o in options))
+
+
+def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
+    """Relative key-term damage ``[cand, option, kv_head]`` of key errors ``e_k [cand, kv_head, T, D]``.
 
     With ``u = a·expm1(δs)`` over the quantized keys (mask ``M``) and ``Z = 1 + Σ M·u``, the
     changed weights are ``a′ = (a + M·u)/Z``, so the key term is
     ``(a′ − a)V = (Σ M·u·v − o·(Z − 1)) / Z``: no difference of two nearly equal weights is
-    formed, and the sink columns of a mask are a small correction of the unmasked sums.
+    formed, and the sink columns of a mask are a small correction of the unmasked sums. The
+    query-side products of all candidates of a batch are one matmul (the score error
+    ``δs = c·q E_Kᵀ`` is formed once per candidate and reused by every outer option).
     """
-    n_kv = e_k.shape[0]
-    ds = torch.bmm(prep.q, e_k[prep.kv_map].transpose(1, 2)) * prep.causal
-    u = prep.a * torch.expm1(ds)
-    if not bool(torch.isfinite(u).all()):  # enormous logit errors: the stable softmax path
-        u = prep.a * torch.expm1(ds - torch.logsumexp(torch.log(prep.a) + ds, -1, keepdim=True))
-        u = torch.nan_to_num(u, nan=0.0)
+    C, n_kv = e_k.shape[0], e_k.shape[1]
+    ds = torch.matmul(prep.q, e_k[:, prep.kv_map].transpose(-1, -2))  # [C, Hq, n, T]
+    ds.mul_(prep.causal)
+    u = torch.expm1(ds).mul_(prep.a)
     vq = prep.v[prep.kv_map]
-    out = np.empty((len(options), n_kv))
-    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    done: dict[tuple[int, int], np.ndarray] = {}
-    for i, opt in enumerate(options):
-        key = (opt.sinks, opt.window)
-        if key not in done:
-            if opt.window not in full:
-                uw = u if opt.window == 0 else u * _window_mask(prep, opt.window)
-                full[opt.window] = (torch.bmm(uw, vq), uw.sum(-1, keepdim=True))
-            uv, us = full[opt.window]
-            S = min(opt.sinks, u.shape[-1])
+    keys = _option_keys(options)
+    done: dict[tuple[int, int], torch.Tensor] = {}
+    if bool(torch.isfinite(u).all()):
+        full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for S, R in keys:
+            if R not in full:
+                uw = u if R == 0 else u * _window_mask(prep, R)
+                full[R] = (uw, torch.matmul(uw, vq), uw.sum(-1, keepdim=True))
+            uw, uv, us = full[R]
+            S = min(S, u.shape[-1])
             if S:
-                uw = u[..., :S] if opt.window == 0 else (u * _window_mask(prep, opt.window))[..., :S]
-                uv = uv - torch.bmm(uw, vq[:, :S])
-                us = us - uw.sum(-1, keepdim=True)
+                uv = uv - torch.matmul(uw[..., :S], vq[:, :S])
+                us = us - uw[..., :S].sum(-1, keepdim=True)
             term = (uv - prep.o * us) / (1.0 + us)
-            done[key] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
-        out[i] = done[key]
-    return out
+            done[(S, R)] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
+    else:  # enormous logit errors: a′ − a = a·expm1(δs − log Z) per mask, no overflow
+        log_a = torch.log(prep.a)
+        for S, R in keys:
+            S = min(S, ds.shape[-1])
+            m = prep.causal if R == 0 else _window_mask(prep, R)
+            if S:
+                m = m.clone()
+                m[:, :S] = 0.0
+            dsm = ds * m
+            d = torch.nan_to_num(prep.a * torch.expm1(dsm - torch.logsumexp(log_a + dsm, -1, keepdim=True)))
+            term = torch.matmul(d, vq)
+            done[(S, R)] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
+    T = u.shape[-1]
+    out = torch.stack([done[(min(o.sinks, T), o.window)] for o in options], 1)
+    return out.numpy()
+
+
+def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
+    """Relative value-term damage ``[cand, option, kv_head]`` of ``e_v [cand, kv_head, T, D]``."""
+    n_kv = e_v.shape[1]
+    ev = e_v[:, prep.kv_map]  # [C, Hq, T, D]
+    done: dict[tuple[int, int], torch.Tensor] = {}
+    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for S, R in _option_keys(options):
+        if R not in full:
+            aw = prep.a if R == 0 else prep.a * _window_mask(prep, R)
+            full[R] = (aw, torch.matmul(aw, ev))
+        aw, term = full[R]
+        S = min(S, aw.shape[-1])
+        if S:
+            term = term - torch.matmul(aw[..., :S], ev[..., :S, :])
+        done[(S, R)] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
+    T = prep.a.shape[-1]
+    return torch.stack([done[(min(o.sinks, T), o.window)] for o in options], 1).numpy()
+
+
+def key_damage(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
+    """Relative key-term damage ``[option, kv_head]`` of one key error ``e_k [kv_head, T, D]``
+    (see :func:`key_damage_batch`)."""
+    return key_damage_batch(prep, e_k[None], options)[0]
 
 
 def value_damage(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
     """Relative value-term damage ``[option, kv_head]`` of ``e_v [kv_head, T, D]``."""
-    n_kv = e_v.shape[0]
-    ev = e_v[prep.kv_map]
-    out = np.empty((len(options), n_kv))
-    full: dict[int, torch.Tensor] = {}
-    done: dict[tuple[int, int], np.ndarray] = {}
-    for i, opt in enumerate(options):
-        key = (opt.sinks, opt.window)
-        if key not in done:
-            aw = prep.a if opt.window == 0 else prep.a * _window_mask(prep, opt.window)
-            if opt.window not in full:
-                full[opt.window] = torch.bmm(aw, ev)
-            term = full[opt.window]
-            S = min(opt.sinks, aw.shape[-1])
-            if S:
-                term = term - torch.bmm(aw[..., :S], ev[:, :S])
-            done[key] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
-        out[i] = done[key]
-    return out
+    return value_damage_batch(prep, e_v[None], options)[0]
 
 
 def _errors_both(prep: LayerPrep, fmt: QuantFormat, pre: bool, page_size: int,
                  window_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(E_K, E_V)`` of one format, from one oracle call on keys and values stacked on the head
-    axis (every candidate's scale groups lie within one head, so this equals two calls)."""
+    """``(E_K, E_V)`` of one format (see :func:`_errors`)."""
+    e = _errors(prep, fmt, (pre,), True, page_size, window_dtype)
+    return e[pre], e["v"]
+
+
+def _errors(prep: LayerPrep, fmt: QuantFormat, pres: Sequence[bool], with_v: bool, page_size: int,
+            window_dtype: str) -> dict:
+    """Errors of one format from ONE oracle call: post-RoPE keys, pre-RoPE keys (made
+    post-RoPE after reconstruction) and values stacked on the head axis. Every candidate's
+    scale groups lie within one head, so this equals separate calls, bit for bit.
+
+    Returns ``{False: E_K (post), True: E_K (pre-RoPE path), "v": E_V}`` for the parts asked.
+    """
     n_kv = prep.k.shape[0]
     cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
-    kin = prep.k_pre if pre else prep.k
-    if pre and kin is None:
-        raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
-    both = reconstruct(torch.cat([kin, prep.v]), cfg, layer=prep.layer, which="k").to(torch.float32)
-    k_hat, v_hat = both[:n_kv], both[n_kv:]
-    if pre:
-        from kverr.rope import apply_rope
+    parts: list[tuple[Any, torch.Tensor]] = []
+    for pre in pres:
+        kin = prep.k_pre if pre else prep.k
+        if kin is None:
+            raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
+        parts.append((pre, kin))
+    if with_v:
+        parts.append(("v", prep.v))
+    both = reconstruct(torch.cat([p for _, p in parts]), cfg, layer=prep.layer, which="k")
+    out: dict = {}
+    for i, (name, clean) in enumerate(parts):
+        hat = both[i * n_kv:(i + 1) * n_kv].to(torch.float32)
+        if name is True:
+            from kverr.rope import apply_rope
 
-        k_hat = apply_rope(k_hat, prep.positions, prep.rope).to(torch.float32)
-    return k_hat - prep.k, v_hat - prep.v
+            hat = apply_rope(hat, prep.positions, prep.rope).to(torch.float32)
+            clean = prep.k
+        out[name] = hat - clean
+    return out
+
+
+#: Candidates whose damage is formed in one batch (bounds memory: ~C * q_head * n * T floats).
+BATCH = 8
 
 
 def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
                 options: Sequence[OuterOption], *, page_size: int = 64,
-                window_dtype: str = "fp16") -> tuple[np.ndarray, np.ndarray]:
-    """Damage tables of one layer: ``K [option, cand_k, kv_head]``, ``V [option, cand_v, kv_head]``."""
+                window_dtype: str = "fp16", batch: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
+    """Damage tables of one layer: ``K [option, cand_k, kv_head]``, ``V [option, cand_v, kv_head]``.
+
+    One oracle call per distinct format (keys of every RoPE side and values stacked), then the
+    key and value damage of ``batch`` candidates at a time for every outer option at once.
+    """
     n_kv = prep.k.shape[0]
     dk = np.empty((len(options), len(cands_k), n_kv))
     dv = np.empty((len(options), len(cands_v), n_kv))
     pres = sorted({o.key_pre_rope for o in options})
     groups = {pre: [i for i, o in enumerate(options) if o.key_pre_rope == pre] for pre in pres}
+    k_index = {f: j for j, f in enumerate(cands_k)}
     v_index = {f: j for j, f in enumerate(cands_v)}
-    done_v: set[int] = set()
-    for j, f in enumerate(cands_k):
+    fmts = list(dict.fromkeys([*cands_k, *cands_v]))
+    for b0 in range(0, len(fmts), batch):
+        chunk = fmts[b0:b0 + batch]
+        errs = [_errors(prep, f, pres if f in k_index else (), f in v_index, page_size, window_dtype)
+                for f in chunk]
         for pre in pres:
-            idx = groups[pre]
-            e_k, e_v = _errors_both(prep, f, pre, page_size, window_dtype)
-            dk[idx, j] = key_damage(prep, e_k, [options[i] for i in idx])
-            jv = v_index.get(f)
-            if jv is not None and jv not in done_v and not pre:
-                dv[:, jv] = value_damage(prep, e_v, options)
-                done_v.add(jv)
-    for f, jv in v_index.items():
-        if jv not in done_v:
-            e_v = value_error(prep, CacheConfig(k=f, v=f, page_size=page_size, window_dtype=window_dtype))
-            dv[:, jv] = value_damage(prep, e_v, options)
+            js = [k_index[f] for f in chunk if f in k_index]
+            if js:
+                e = torch.stack([er[pre] for er in errs if pre in er])
+                idx = groups[pre]
+                dk[np.ix_(idx, js)] = key_damage_batch(prep, e, [options[i] for i in idx]).transpose(1, 0, 2)
+        js = [v_index[f] for f in chunk if f in v_index]
+        if js:
+            e = torch.stack([er["v"] for er in errs if "v" in er])
+            dv[:, js] = value_damage_batch(prep, e, options).transpose(1, 0, 2)
     return dk, dv
 
 

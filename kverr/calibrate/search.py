@@ -51,6 +51,7 @@ class Scores:
     cands_v: tuple[QuantFormat, ...]
     options: tuple[OuterOption, ...]
     queries: int
+    cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -89,13 +90,31 @@ class Calibration:
 # --------------------------------------------------------------------------------------------
 
 
-def _score_one(args) -> tuple[int, np.ndarray, np.ndarray]:
-    capture, layer, cands_k, cands_v, options, queries, page_size, window_dtype, threads = args
+_WORKER_CAPTURE: dict[str, Any] = {}
+
+
+def _init_worker(capture_path: str, threads: int) -> None:
+    """Per-process setup: one torch thread and the capture opened once (not once per layer)."""
     import torch
 
+    from kverr.io import open_capture
+
+    torch.set_num_threads(threads)
+    _WORKER_CAPTURE["capture"] = open_capture(capture_path)
+
+
+def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
+    import time
+
+    import torch
+
+    capture, layer, cands_k, cands_v, options, queries, page_size, window_dtype, threads = args
+    t0 = time.process_time()
     if threads:
         torch.set_num_threads(threads)
-    if isinstance(capture, (str, Path)):
+    if capture is None:
+        capture = _WORKER_CAPTURE["capture"]
+    elif isinstance(capture, (str, Path)):
         from kverr.io import open_capture
 
         capture = open_capture(capture)
@@ -105,14 +124,19 @@ def _score_one(args) -> tuple[int, np.ndarray, np.ndarray]:
     prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
                          positions=positions, rope=rope)
     dk, dv = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
-    return layer, dk, dv
+    return layer, dk, dv, time.process_time() - t0
 
 
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
           options: Sequence[OuterOption], queries: int = 64, page_size: int = 64,
           window_dtype: str = "fp16", workers: int = 1, progress: bool = False,
           capture_path: str | os.PathLike | None = None) -> Scores:
-    """Damage of every candidate for every (option, layer, kv head), K and V."""
+    """Damage of every candidate for every (option, layer, kv head), K and V.
+
+    With ``workers > 1`` and a ``capture_path``, layers are scored by that many processes, each
+    opening the capture once and running one torch thread; every layer is computed the same way
+    whichever process takes it, so the tables do not depend on ``workers``.
+    """
     from tqdm.auto import tqdm
 
     from kverr.dims import LAYER
@@ -121,25 +145,36 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     n_kv = capture.sizes["kv_head"]
     dk = np.empty((len(options), len(layers), len(cands_k), n_kv))
     dv = np.empty((len(options), len(layers), len(cands_v), n_kv))
-    src = capture_path if (capture_path is not None and workers > 1) else capture
+    parallel = workers > 1 and len(layers) > 1 and capture_path is not None
+    src = None if parallel else capture
     jobs = [(src, l, tuple(cands_k), tuple(cands_v), tuple(options), queries, page_size,
-             window_dtype, 1 if workers > 1 else 0) for l in layers]
+             window_dtype, 0) for l in layers]
     bar = tqdm(total=len(layers), desc="calibrate: score layers", unit="layer", disable=not progress)
     pos = {l: i for i, l in enumerate(layers)}
-    if workers > 1 and len(layers) > 1:
+    cpu = 0.0
+    if parallel:
         import multiprocessing as mp
 
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-            for layer, a, b in ex.map(_score_one, jobs):
+        with ProcessPoolExecutor(max_workers=min(workers, len(layers)), mp_context=mp.get_context("spawn"),
+                                 initializer=_init_worker, initargs=(str(capture_path), 1)) as ex:
+            # Dearest layers are not known in advance; submit in order, collect as they finish.
+            futs = [ex.submit(_score_one, job) for job in jobs]
+            from concurrent.futures import as_completed
+
+            for fut in as_completed(futs):
+                layer, a, b, c = fut.result()
                 dk[:, pos[layer]], dv[:, pos[layer]] = a, b
+                cpu += c
                 bar.update()
     else:
         for job in jobs:
-            layer, a, b = _score_one(job)
+            layer, a, b, c = _score_one(job)
             dk[:, pos[layer]], dv[:, pos[layer]] = a, b
+            cpu += c
             bar.update()
     bar.close()
-    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries))
+    log.info("scored %d layers: %.1f s CPU in the scoring processes", len(layers), cpu)
+    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), cpu)
 
 
 # --------------------------------------------------------------------------------------------
