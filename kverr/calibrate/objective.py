@@ -148,70 +148,94 @@ def _option_keys(options: Sequence[OuterOption]) -> list[tuple[int, int]]:
     return list(dict.fromkeys((o.sinks, o.window) for o in options))
 
 
+def _head_groups(prep: LayerPrep) -> list[tuple[int, torch.Tensor]]:
+    """``(kv_head, q_heads reading it)`` for every kv head that has query heads."""
+    n_kv = prep.k.shape[0]
+    out = []
+    for h in range(n_kv):
+        qi = torch.nonzero(prep.kv_map == h).flatten()
+        if qi.numel():
+            out.append((h, qi))
+    return out
+
+
+def _grouped(prep: LayerPrep, qi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x [q_head, n, ...]`` of the query heads ``qi`` as one ``[len(qi) * n, ...]`` block."""
+    return x[qi].reshape(-1, *x.shape[2:])
+
+
 def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
     """Relative key-term damage ``[cand, option, kv_head]`` of key errors ``e_k [cand, kv_head, T, D]``.
 
     With ``u = a·expm1(δs)`` over the quantized keys (mask ``M``) and ``Z = 1 + Σ M·u``, the
     changed weights are ``a′ = (a + M·u)/Z``, so the key term is
     ``(a′ − a)V = (Σ M·u·v − o·(Z − 1)) / Z``: no difference of two nearly equal weights is
-    formed, and the sink columns of a mask are a small correction of the unmasked sums. The
-    query-side products of all candidates of a batch are one matmul (the score error
-    ``δs = c·q E_Kᵀ`` is formed once per candidate and reused by every outer option).
+    formed, and the sink columns of a mask are a small correction of the unmasked sums. Work is
+    done per kv head on the block of all query heads reading it (GQA: no copy of a key error per
+    query head), for a batch of candidates at once; ``δs = c·q E_Kᵀ`` is formed once per
+    candidate and reused by every outer option.
     """
-    C, n_kv = e_k.shape[0], e_k.shape[1]
-    ds = torch.matmul(prep.q, e_k[:, prep.kv_map].transpose(-1, -2))  # [C, Hq, n, T]
-    ds.mul_(prep.causal)
-    u = torch.expm1(ds).mul_(prep.a)
-    vq = prep.v[prep.kv_map]
+    C, n_kv, T = e_k.shape[0], e_k.shape[1], e_k.shape[2]
     keys = _option_keys(options)
-    done: dict[tuple[int, int], torch.Tensor] = {}
-    if bool(torch.isfinite(u).all()):
+    res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
+    for h, qi in _head_groups(prep):
+        g = qi.numel()
+        qh, ah, oh = (_grouped(prep, qi, x) for x in (prep.q, prep.a, prep.o))  # [g*n, D|T]
+        causal = prep.causal.repeat(g, 1)
+        vh = prep.v[h]
+        ds = torch.matmul(qh, e_k[:, h].transpose(-1, -2))  # [C, g*n, T]
+        ds.mul_(causal)
+        u = torch.expm1(ds).mul_(ah)
+        stable = not bool(torch.isfinite(u).all())
         full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for S, R in keys:
-            if R not in full:
-                uw = u if R == 0 else u * _window_mask(prep, R)
-                full[R] = (uw, torch.matmul(uw, vq), uw.sum(-1, keepdim=True))
-            uw, uv, us = full[R]
-            S = min(S, u.shape[-1])
-            if S:
-                uv = uv - torch.matmul(uw[..., :S], vq[:, :S])
-                us = us - uw[..., :S].sum(-1, keepdim=True)
-            term = (uv - prep.o * us) / (1.0 + us)
-            done[(S, R)] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
-    else:  # enormous logit errors: a′ − a = a·expm1(δs − log Z) per mask, no overflow
-        log_a = torch.log(prep.a)
-        for S, R in keys:
-            S = min(S, ds.shape[-1])
-            m = prep.causal if R == 0 else _window_mask(prep, R)
-            if S:
-                m = m.clone()
-                m[:, :S] = 0.0
-            dsm = ds * m
-            d = torch.nan_to_num(prep.a * torch.expm1(dsm - torch.logsumexp(log_a + dsm, -1, keepdim=True)))
-            term = torch.matmul(d, vq)
-            done[(S, R)] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
-    T = u.shape[-1]
-    out = torch.stack([done[(min(o.sinks, T), o.window)] for o in options], 1)
+            S_ = min(S, T)
+            wmask = None if R == 0 else _window_mask(prep, R).repeat(g, 1)
+            if not stable:
+                if R not in full:
+                    uw = u if wmask is None else u * wmask
+                    full[R] = (uw, torch.matmul(uw, vh), uw.sum(-1, keepdim=True))
+                uw, uv, us = full[R]
+                if S_:
+                    uv = uv - torch.matmul(uw[..., :S_], vh[:S_])
+                    us = us - uw[..., :S_].sum(-1, keepdim=True)
+                term = (uv - oh * us) / (1.0 + us)
+            else:  # enormous logit errors: a′ − a = a·expm1(δs − log Z) per mask, no overflow
+                m = causal if wmask is None else wmask
+                if S_:
+                    m = m.clone()
+                    m[:, :S_] = 0.0
+                dsm = ds * m
+                lz = torch.logsumexp(torch.log(ah) + dsm, -1, keepdim=True)
+                term = torch.matmul(torch.nan_to_num(ah * torch.expm1(dsm - lz)), vh)
+            err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
+            res[(S, R)][:, h] = err2.mean(-1).sum(-1)
+    out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
     return out.numpy()
 
 
 def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
     """Relative value-term damage ``[cand, option, kv_head]`` of ``e_v [cand, kv_head, T, D]``."""
-    n_kv = e_v.shape[1]
-    ev = e_v[:, prep.kv_map]  # [C, Hq, T, D]
-    done: dict[tuple[int, int], torch.Tensor] = {}
-    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for S, R in _option_keys(options):
-        if R not in full:
-            aw = prep.a if R == 0 else prep.a * _window_mask(prep, R)
-            full[R] = (aw, torch.matmul(aw, ev))
-        aw, term = full[R]
-        S = min(S, aw.shape[-1])
-        if S:
-            term = term - torch.matmul(aw[..., :S], ev[..., :S, :])
-        done[(S, R)] = _per_kv_head(prep, (term * term).sum(-1), n_kv)
-    T = prep.a.shape[-1]
-    return torch.stack([done[(min(o.sinks, T), o.window)] for o in options], 1).numpy()
+    C, n_kv, T = e_v.shape[0], e_v.shape[1], e_v.shape[2]
+    keys = _option_keys(options)
+    res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
+    for h, qi in _head_groups(prep):
+        g = qi.numel()
+        ah = _grouped(prep, qi, prep.a)  # [g*n, T]
+        eh = e_v[:, h]  # [C, T, D]
+        full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for S, R in keys:
+            S_ = min(S, T)
+            if R not in full:
+                aw = ah if R == 0 else ah * _window_mask(prep, R).repeat(g, 1)
+                full[R] = (aw, torch.matmul(aw, eh))  # [C, g*n, D]
+            aw, term = full[R]
+            if S_:
+                term = term - torch.matmul(aw[:, :S_], eh[:, :S_])
+            err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
+            res[(S, R)][:, h] = err2.mean(-1).sum(-1)
+    out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
+    return out.numpy()
 
 
 def key_damage(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
