@@ -53,8 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     import torch
 
+    if not torch.cuda.is_available():
+        # The validation step runs the kernels in the Triton interpreter; the variable must be
+        # set before the kernel modules are first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     summary = run_demo(
         out=args.out, model=args.model, tokens=args.tokens, budget=args.budget, prefill=args.prefill,
