@@ -189,6 +189,7 @@ def evaluate(
     prefill_policy: str = "all",
     greedy_steps: int | None = None,
     progress: bool = True,
+    on_row: Any = None,
 ):
     """Run the protocol; returns a pandas DataFrame, one row per (scheme, prefill, segment).
 
@@ -210,6 +211,9 @@ def evaluate(
         ``"all"`` quantizes everything after prefill; ``"window"`` keeps the config's window.
     greedy_steps
         Greedy steps for the first-divergence metric (default ``decode``; 0 skips it).
+    on_row
+        Called with the list of rows so far after every (scheme, prefill, segment), so that a
+        long run can save what it has measured (the CLI rewrites its per-segment CSV each time).
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -274,6 +278,8 @@ def evaluate(
                 div = first_divergence(ref_greedy, greedy(model, make_cache(s, model), ids[:p], g_steps, flush=flush))
                 row["first_divergence"] = g_steps if div < 0 else div
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             bar.update()
             log.info("%s P=%d seg=%d: mean KL %.4g top-1 %.3f", s.name, p, seg, row["mean_kl"], row["top1"])
     bar.close()

@@ -62,18 +62,25 @@ def run(args: argparse.Namespace) -> int:
             s.config.check_model(n_layers, n_kv, head_dim)
     text = load_text(args.text)
     loaded = load_model(args.model)
+    import pandas as pd
+
+    segments_csv = out.with_name(out.stem + ".segments.csv")
+
+    def save_rows(rows: list[dict]) -> None:
+        # Rows are saved as they are measured: an interrupted run keeps what it had.
+        atomic_write_text(segments_csv, pd.DataFrame(rows).to_csv(index=False))
+
     df = evaluate(
         loaded, text, schemes,
         prefill=args.prefill or [1024], decode=args.decode, segments=args.segments, offset=args.offset,
-        prefill_policy=args.prefill_policy, greedy_steps=args.greedy,
+        prefill_policy=args.prefill_policy, greedy_steps=args.greedy, on_row=save_rows,
     )
     summary = summarize(df)
-    atomic_write_text(out.with_name(out.stem + ".segments.csv"), df.to_csv(index=False))
     atomic_write_text(out, summary.to_csv(index=False))
     plot = plot_kl_vs_bits(summary, out.with_suffix(".png"))
     cols = ["scheme", "prefill", "effective_bits", "mean_kl", "p99_kl", "top1", "ppl", "ppl_fp16"]
     if "first_divergence" in summary:
         cols.append("first_divergence")
     print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print(f"wrote {out}, {out.with_name(out.stem + '.segments.csv')} and {plot}")
+    print(f"wrote {out}, {segments_csv} and {plot}")
     return 0
