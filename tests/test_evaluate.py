@@ -67,7 +67,7 @@ def test_full_precision_scheme_is_lossless_and_quantized_ones_are_not(tiny):
     df = evaluate(lm, _text(), schemes, prefill=[48], decode=12, segments=2, offset=0, progress=False)
     assert len(df) == 6 and set(df["segment"]) == {0, 1}
     fp = df[df.scheme == "fp32"]
-    assert (fp["mean_kl"] == 0).all() and (fp["top1"] == 1).all() and (fp["first_divergence"] == -1).all()
+    assert (fp["mean_kl"] == 0).all() and (fp["top1"] == 1).all() and (fp["first_divergence"] == 12).all()  # never diverged in 12 greedy steps
     k2 = df[df.scheme == "kivi-2"]
     assert (k2["mean_kl"] > 0).all()
     assert (k2["measured_cache_bytes"] > 0).all()
