@@ -296,12 +296,11 @@ class KverrCache(Cache):
     @classmethod
     def for_model(cls, model: Any, config: CacheConfig, **kwargs: Any) -> KverrCache:
         """A cache shaped for a transformers causal LM."""
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        n_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+        from kverr.capture.model import _shape_from_config
+
+        n_layers, _, n_kv, head_dim, _ = _shape_from_config(model.config)
         rotary = model_rotary(model) if config.key_pre_rope else None
-        return cls(config, cfg.num_hidden_layers, n_kv, head_dim, rotary=rotary, **kwargs)
+        return cls(config, n_layers, n_kv, head_dim, rotary=rotary, **kwargs)
 
     def flush(self) -> None:
         """Quantize every whole token block now, ignoring the window (sinks stay full precision)."""
@@ -404,16 +403,14 @@ class KernelKVCache(Cache):
     """
 
     def __init__(self, model: Any, config: CacheConfig, *, batch: int = 1, max_tokens: int = 4096, **kwargs: Any) -> None:
+        from kverr.capture.model import _shape_from_config
         from kverr.gpu import PagedKVCache
 
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        n_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+        n_layers, n_heads, n_kv, head_dim, _ = _shape_from_config(model.config)
         device = next(model.parameters()).device
         self.config = config
         self.paged = PagedKVCache(
-            config, n_layers=cfg.num_hidden_layers, n_kv_heads=n_kv, n_q_heads=n_heads, head_dim=head_dim,
+            config, n_layers=n_layers, n_kv_heads=n_kv, n_q_heads=n_heads, head_dim=head_dim,
             max_batch=batch, max_tokens=max_tokens, device=device, **kwargs,
         )
         self.batch, self.length = batch, 0
@@ -421,15 +418,15 @@ class KernelKVCache(Cache):
         self.decoding = False
         self._model = model
         self._modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
-        if len(self._modules) != cfg.num_hidden_layers:
-            raise ConfigError(f"found {len(self._modules)} attention modules, expected {cfg.num_hidden_layers}")
+        if len(self._modules) != n_layers:
+            raise ConfigError(f"found {len(self._modules)} attention modules, expected {n_layers}")
         configs = {id(c): c for c in [model.config, *(m.config for m in self._modules if hasattr(m, "config"))]}
         self._saved = {key: (c, c._attn_implementation) for key, c in configs.items()}
         for c, impl in self._saved.values():
             c._attn_implementation = _register_kernel_attention(impl or "eager")
         for m in self._modules:
             m._kverr_kernel_cache = self
-        super().__init__(layers=[_KernelLayer(self, i) for i in range(cfg.num_hidden_layers)])
+        super().__init__(layers=[_KernelLayer(self, i) for i in range(n_layers)])
 
     @classmethod
     def for_model(cls, model: Any, config: CacheConfig, **kwargs: Any) -> KernelKVCache:
