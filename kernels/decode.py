@@ -13,11 +13,25 @@ combines the ``NS + 1`` partials of each query head.
 
 Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
 ``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float; ``BITS``; ``BD`` channels
-per scale column; ``BTS`` token rows per scale row; ``STATIC`` scales are ``[h, D // BD]``.
+per scale column; ``BTS`` token rows per scale row; ``STATIC`` scales are ``[h, D // BD]``;
+``ROT`` codes of the Hadamard-rotated head dimension.
+
+Rotated formats cost no per-row work in the main launch: ``q·k = (qH)·(kH)``, so the query tile
+is rotated once for rotated keys, and ``Σ p (vH) = (Σ p v) H``, so the value accumulator is
+rotated back once at the end for rotated values (``H`` is symmetric and orthogonal; online-softmax
+rescaling commutes with it). The tail, which mixes full-precision rows with quantized ones,
+rotates its dequantized rows back instead.
+
+Keys stored before RoPE (``K_PRE``) are rotated to their positions after dequantization, per row:
+``k cos_t + rotate_half(k) sin_t`` with the ``[T, D]`` tables ``COS``/``SIN`` (full rotary
+dimension, transformers' half-rotation convention). A Hadamard rotation cannot then move to the
+query (RoPE sits between), so rotated pre-RoPE keys are rotated back row by row.
 """
 
 import triton
 import triton.language as tl
+
+from kverr_kernels.hadamard import fwht
 
 
 @triton.jit
@@ -88,6 +102,22 @@ def _offsets(t, start, b, BT, sbt_b, P: tl.constexpr, hloc, s_cp, s_ch, s_sp, s_
 
 
 @triton.jit
+def _rope_rows(k, t, nmask, COS, SIN, N: tl.constexpr, D: tl.constexpr):
+    """``k cos_t + rotate_half(k) sin_t`` for the fp32 ``[N, D]`` tile ``k`` at positions ``t``;
+    ``rotate_half([x1, x2]) = [-x2, x1]``, the halves picked out of a ``[N, 2, D/2]`` view."""
+    c = tl.arange(0, D)
+    off = t.to(tl.int64)[:, None] * D + c[None, :]
+    cos = tl.load(COS + off, mask=nmask[:, None], other=0.0)
+    sin = tl.load(SIN + off, mask=nmask[:, None], other=0.0)
+    j = tl.arange(0, 2)[None, :, None]
+    k3 = tl.reshape(k, (N, 2, D // 2))
+    x1 = tl.sum(tl.where(j == 0, k3, 0.0), axis=1)
+    x2 = tl.sum(tl.where(j == 1, k3, 0.0), axis=1)
+    rh = tl.reshape(tl.where(j == 0, -x2[:, None, :], x1[:, None, :]), (N, D))
+    return k * cos + rh * sin
+
+
+@triton.jit
 def _scores(q, k, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
     if USE_DOT:
         if DOT_FP16:
@@ -116,6 +146,7 @@ def paged_decode_kernel(
     KF, skf_b, skf_h, skf_t,  # key full-precision buffer [slots, hK, sinks + cap_k, D]
     VF, svf_b, svf_h, svf_t,
     PO, PM, PL,  # partials [B, Hq, NSP, D], [B, Hq, NSP], [B, Hq, NSP] fp32
+    COS, SIN,  # [max_tokens, D] fp32 RoPE tables of the positions (used when K_PRE)
     qk_scale,  # softmax scale * log2(e)
     SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0,
     HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -124,6 +155,7 @@ def paged_decode_kernel(
     K_STATIC: tl.constexpr, K_CB: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_BD: tl.constexpr, V_BTS: tl.constexpr,
     V_STATIC: tl.constexpr, V_CB: tl.constexpr,
+    K_ROT: tl.constexpr, V_ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, K_PRE: tl.constexpr,
     TAIL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
 ):
     """Grid ``(B, n, NS)`` (main: quantized tokens, split ``pid2``) or ``(B, n, 1)`` (``TAIL``)."""
@@ -146,6 +178,10 @@ def paged_decode_kernel(
     qh = hg * REP + hr
     q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + c[None, :], mask=hmask[:, None], other=0.0)
     q = q.to(tl.float32) * qk_scale
+    # rotated keys: rotate the query once, unless the rows must be un-rotated anyway (tail, RoPE)
+    ROT_Q: tl.constexpr = K_ROT and not TAIL and not K_PRE
+    if ROT_Q:
+        q = fwht(q, BLOCK_H, D, LOG2D, RSCALE)
 
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -176,10 +212,14 @@ def paged_decode_kernel(
         krow, ksrow = _offsets(t, start, b64, BT, sbt_b, P, hk, skc_p, skc_h, sks_p, sks_h,
                                K_CB, NSD_K, K_BTS, K_STATIC, k_pg)
         k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, K_KIND, K_BITS, K_BD, D)
+        if K_ROT and not ROT_Q:
+            k = fwht(k, BLOCK_N, D, LOG2D, RSCALE)
         if TAIL:
             kf = tl.load(KF + b64 * skf_b + hk * skf_h + k_slot[:, None] * skf_t + c[None, :],
                          mask=(nmask & ~k_pg)[:, None], other=0.0).to(tl.float32)
             k = tl.where(k_pg[:, None], k, kf)
+        if K_PRE:
+            k = _rope_rows(k, t, nmask, COS, SIN, BLOCK_N, D)
         s = _scores(q, k, USE_DOT, DOT_FP16)
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -191,12 +231,16 @@ def paged_decode_kernel(
                                V_CB, NSD_V, V_BTS, V_STATIC, v_pg)
         v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, V_KIND, V_BITS, V_BD, D)
         if TAIL:
+            if V_ROT:
+                v = fwht(v, BLOCK_N, D, LOG2D, RSCALE)
             vf = tl.load(VF + b64 * svf_b + hv * svf_h + v_slot[:, None] * svf_t + c[None, :],
                          mask=(nmask & ~v_pg)[:, None], other=0.0).to(tl.float32)
             v = tl.where(v_pg[:, None], v, vf)
         acc = acc * alpha[:, None] + _pv(p, v, USE_DOT, DOT_FP16)
         m_i = m_new
 
+    if V_ROT and not TAIL:
+        acc = fwht(acc, BLOCK_H, D, LOG2D, RSCALE)
     split = SPLIT0 + sp
     prow = (b64 * HQ + qh) * NSP + split
     tl.store(PO + prow[:, None] * D + c[None, :], acc, mask=hmask[:, None])

@@ -11,7 +11,14 @@ oracle, :mod:`kverr.quant.reference`, bit for bit:
 * round-half-to-even is the add-and-subtract of 1.5 * 2**23 (exact for the clamped, small
   values it sees, and free of libdevice so the interpreter runs it too);
 * fp8 bit patterns are produced with integer arithmetic (round-to-nearest-even), so the kernel
-  needs no hardware fp8 conversion and compiles for sm_80 as well as sm_90.
+  needs no hardware fp8 conversion and compiles for sm_80 as well as sm_90;
+* a Hadamard-rotated format rotates the tile with :func:`kernels.hadamard.fwht`, the oracle's
+  butterflies in the oracle's order;
+* an MSE clip (``CLIP_N`` ratios in ``RATIOS``, fp32, largest first) tries every ratio on every
+  block as the oracle does -- the clip range ``[-hi r, hi r]`` or ``mid -+ half r``, the outward
+  scale, the codes, their decoded values -- and keeps the first ratio of least squared error,
+  summed in float64 over the block. The launch turns fp contraction off (``enable_fp_fusion``),
+  so ``u * s + m`` rounds twice, as in the oracle.
 
 Constexpr format codes (shared with :mod:`kernels.decode` and :mod:`kverr.gpu.spec`):
 ``KIND`` 0 = int symmetric, 1 = int asymmetric, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = plain float;
@@ -22,6 +29,8 @@ token group), 1 = one scale over all rows of the job (channel groups of tokens, 
 
 import triton
 import triton.language as tl
+
+from kverr_kernels.hadamard import fwht
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, ties to even.
 _RINT_MAGIC = 12582912.0
@@ -157,6 +166,40 @@ def _params(lo, hi, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
 
 
 @triton.jit
+def _decode(u, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
+    """fp32 values of int32 codes ``u`` (the oracle's ``_decode``: one rounding per multiply and
+    per add)."""
+    if KIND == 0:
+        return (u - (1 << (BITS - 1))).to(tl.float32) * s
+    elif KIND == 1:
+        return u.to(tl.float32) * s + m
+    elif KIND == 2:
+        # e4m3 -> fp16 bit pattern (exponent rebased by 2**-8), exact; times 256 exact
+        h = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+        return (h.to(tl.float32) * 256.0) * s
+    else:
+        h = (u << 8).to(tl.int16).to(tl.float16, bitcast=True)
+        return h.to(tl.float32) * s
+
+
+@triton.jit
+def _sq_err(x3, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
+    """float64 squared reconstruction error of every element (exact squares of fp32 differences)."""
+    d = (_decode(_encode(x3, s, m, KIND, BITS), s, m, KIND, BITS) - x3).to(tl.float64)
+    return d * d
+
+
+@triton.jit
+def _clip_params(lo, hi, r, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
+    """(scale, zero) of the block range shrunk by ratio ``r`` (the oracle's MSE candidates)."""
+    if KIND == 1:
+        mid = (hi + lo) * 0.5
+        half = (hi - lo) * 0.5
+        return _params(mid - half * r, mid + half * r, KIND, BITS, SDT)
+    return _params(-(hi * r), hi * r, KIND, BITS, SDT)
+
+
+@triton.jit
 def quant_store_kernel(
     X, sx_n, sx_h,  # new tokens [N, H, D] (any float dtype)
     FP, sf_b, sf_h, sf_t,  # full-precision buffer [slots, h, sinks + cap, D] of this head group
@@ -165,9 +208,11 @@ def quant_store_kernel(
     SRC_NEW, SRC_SLOT,  # [J, BLOCK_R] int32: row of X, or slot of FP, or -1
     CODES, sc_p, sc_h,  # code pool [pages, h, P, CB] (uint8, or the float dtype)
     SCALE, ZERO, ss_p, ss_h,  # scale pools [pages, h, P // BT_S, NSD] or static [h, NSD]
+    RATIOS,  # [CLIP_N] fp32 clip ratios of an MSE clip, largest first (unused if CLIP_N == 0)
     D: tl.constexpr, CB: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
     GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
+    ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, CLIP_N: tl.constexpr,
 ):
     """One program quantizes the rows of one job (consecutive tokens of one page) for one head.
 
@@ -210,13 +255,18 @@ def quant_store_kernel(
         else:
             tl.store(code_base + c[None, :], x.to(CODES.dtype.element_ty), mask=rmask[:, None])
     else:
-        _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h, SCALE + hl * ss_h, ZERO + hl * ss_h, row0, D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S)
+        if ROT:
+            x = fwht(x, BLOCK_R, D, LOG2D, RSCALE)
+        _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h,
+                    SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS,
+                    D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N)
 
 
 @triton.jit
-def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, static_z, row0,
+def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, static_z, row0, RATIOS,
                 D: tl.constexpr, BLOCK_R: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                SDT: tl.constexpr, GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr):
+                SDT: tl.constexpr, GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
+                CLIP_N: tl.constexpr):
     """Scales, codes and packing of a ``[BLOCK_R, D]`` tile (integer and fp8 formats)."""
 
     NG: tl.constexpr = D // BD
@@ -231,7 +281,18 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
         else:
             lo = tl.min(x3, axis=2)
             hi = tl.max(x3, axis=2)
-        s, m = _params(lo, hi, KIND, BITS, SDT)
+        if CLIP_N > 0:
+            s, m = _clip_params(lo, hi, tl.load(RATIOS), KIND, BITS, SDT)
+            err = tl.sum(_sq_err(x3, s[:, :, None], m[:, :, None], KIND, BITS), axis=2)
+            for i in range(1, CLIP_N):
+                s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), KIND, BITS, SDT)
+                e_i = tl.sum(_sq_err(x3, s_i[:, :, None], m_i[:, :, None], KIND, BITS), axis=2)
+                better = e_i < err  # strict: ties keep the larger ratio
+                err = tl.where(better, e_i, err)
+                s = tl.where(better, s_i, s)
+                m = tl.where(better, m_i, m)
+        else:
+            s, m = _params(lo, hi, KIND, BITS, SDT)
         u3 = _encode(x3, s[:, :, None], m[:, :, None], KIND, BITS)
         soff = rows[:, None] * NG + g[None, :]
         tl.store(scale_base + soff, s, mask=rmask[:, None])
@@ -247,7 +308,20 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
             else:
                 lo = tl.min(tl.min(tl.where(r3, x3, float("inf")), axis=2), axis=0)
                 hi = tl.max(tl.max(tl.where(r3, x3, float("-inf")), axis=2), axis=0)
-            s, m = _params(lo, hi, KIND, BITS, SDT)
+            if CLIP_N > 0:
+                s, m = _clip_params(lo, hi, tl.load(RATIOS), KIND, BITS, SDT)
+                err = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s[None, :, None], m[None, :, None], KIND, BITS), 0.0),
+                                    axis=2), axis=0)
+                for i in range(1, CLIP_N):
+                    s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), KIND, BITS, SDT)
+                    e_i = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s_i[None, :, None], m_i[None, :, None], KIND, BITS),
+                                                 0.0), axis=2), axis=0)
+                    better = e_i < err
+                    err = tl.where(better, e_i, err)
+                    s = tl.where(better, s_i, s)
+                    m = tl.where(better, m_i, m)
+            else:
+                s, m = _params(lo, hi, KIND, BITS, SDT)
             soff = (row0 // BT_S) * NG + g
             tl.store(scale_base + soff, s)
             if KIND == 1:

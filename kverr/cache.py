@@ -483,7 +483,8 @@ def cache_for(model: Any, config: CacheConfig, *, backend: str = "auto", **kwarg
 
 
 def kernels_support(config: CacheConfig) -> bool:
-    """Whether the Triton kernels can run ``config`` (no rotation, clipping search or pre-RoPE keys)."""
+    """Whether the Triton kernels can run ``config`` (not: percentile clips with dynamic scales,
+    pre-RoPE keys)."""
     from kverr.errors import KernelError
     from kverr.gpu.spec import kernel_spec
 

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from kverr.config import CacheConfig, Override
+from kverr.errors import KernelError
 from kverr.gpu import PagedKVCache, calibrate_static_scales
-from kverr.quant import PerChannel, PerHead, PerPage, PerToken, PerTokenGroup, float_format, fp8_format, int_format, reconstruct
+from kverr.quant import (
+    MSEClip, PerChannel, PerHead, PerPage, PerToken, PerTokenGroup, float_format, fp8_format, int_format, reconstruct,
+)
 from kverr.validate import reference_decode, rel_rms, validate_arrays
 
 D, P = 32, 16
@@ -113,3 +116,59 @@ def test_validate_arrays_agrees_and_reports():
     assert "rel RMS" in rep.to_table()
     strict = validate_arrays(cfg, q, k, v, [0, 0, 1, 1], steps=1, tol=0.0, num_splits=2, block_n=16)
     assert not strict.ok
+
+
+def test_decode_hadamard_rotated_and_mse_clipped_formats():
+    """Rotated keys (channel groups of 8 tokens) and rotated values (per token) with MSE clips:
+    the main launch rotates the query and un-rotates the value accumulator, the tail (whose rows
+    mix codes and the full-precision window, the two token blocks differing either way) un-rotates its
+    rows.
+    Layer 1 mixes a rotated and an unrotated head group in one launch pair."""
+    mse = MSEClip(grid=5, min_ratio=0.6)
+    cfg = CacheConfig(
+        k=int_format(2, PerChannel(8), rotate="hadamard", clip=mse),
+        v=int_format(4, PerTokenGroup(16), rotate="hadamard", clip=mse),
+        page_size=P, window=5, sinks=2,
+        layers={1: Override(k=fp8_format(PerToken(), rotate="hadamard"), v=int_format(3, PerChannel(8), symmetric=True))},
+        heads={(1, 1): Override(k=int_format(4, PerToken(), clip=mse), v=int_format(8, PerPage(), rotate="hadamard"))},
+    )
+    worst, step = run_decode(cfg, [63, 1, 40, 18], L=2)
+    assert step.num_splits == 3
+    assert worst <= 1e-3
+
+
+@pytest.mark.parametrize("kf", [int_format(4, PerToken()), int_format(2, PerChannel(8), rotate="hadamard",
+                                                                      clip=MSEClip(grid=5, min_ratio=0.6))],
+                         ids=["int4a-tok", "int2a-ch8-had-mse"])
+def test_decode_pre_rope_keys(kf):
+    """Keys stored before RoPE: the kernel rotates each key row (paged codes, sinks and window) to
+    its position; the reference applies RoPE to what the oracle reconstructs of the pre-RoPE keys."""
+    from kverr.rope import default_inv_freq, rope_cos_sin
+    from kverr.cache import apply_rope
+
+    cfg = CacheConfig(k=kf, v=int_format(4, PerTokenGroup(16)), page_size=P, window=5, sinks=2, key_pre_rope=True)
+    lens, H, Hq = [63, 1, 40], 2, 4
+    B, T = len(lens), max(lens)
+    q, k_pre, v = _data(1, B, Hq, H, T, 7)
+    cos, sin = rope_cos_sin(torch.arange(T), default_inv_freq(D, 10000.0))
+    with pytest.raises(KernelError, match="rope="):
+        PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T, device="cpu")
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                         device="cpu", rope=(cos, sin), num_pages=16)
+    first = [n - 1 for n in lens]
+    for counts, off in ((first, [0] * B), ([1] * B, first)):
+        step = cache.plan(counts, num_splits=3)
+        cache.store(step, 0, torch.cat([k_pre[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]),
+                    torch.cat([v[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]))
+    qd = torch.stack([q[0, b, :, n - 1] for b, n in enumerate(lens)])
+    out = torch.full((B, Hq, D), float("nan"))
+    cache.decode(step, 0, qd, out=out)
+    kv_map = [h // (Hq // H) for h in range(Hq)]
+    for b, n in enumerate(lens):
+        kk = apply_rope(k_pre[0, b, :, :n], cos[:n], sin[:n])
+        kh = apply_rope(reconstruct(k_pre[0, b, :, :n], cfg, layer=0, which="k"), cos[:n], sin[:n])
+        vv = v[0, b, :, :n]
+        ref, clean, _ = reference_decode(qd[b], kk, vv, kh, reconstruct(vv, cfg, layer=0, which="v"), kv_map)
+        assert rel_rms(out[b], ref) <= 1e-3
+        if n > cfg.sinks + cfg.window + 8:  # some keys are quantized: the format's error is visible
+            assert rel_rms(ref, clean) > 1e-3

@@ -17,6 +17,7 @@ from kverr.gpu import PagedKVCache, calibrate_static_scales
 from kverr.quant.formats import TORCH_DTYPES
 from kverr.quant import (
     MSEClip,
+    Percentile,
     PerChannel,
     PerHead,
     PerPage,
@@ -128,6 +129,14 @@ PAIRS = [
     ("int4a/page", int_format(4, PerPage()), "fp8e4m3/tok", fp8_format(PerToken())),
     ("fp8e5m2/tg8/fp16", fp8_format(PerTokenGroup(8), variant="e5m2", scale_dtype="fp16"), "int8s/ch16", int_format(8, PerChannel(16), symmetric=True)),
     ("fp16", float_format("fp16"), "bf16", float_format("bf16")),
+    # Hadamard rotation and MSE clip search, on every scale layout the store kernel computes
+    ("int4a/tg16/had/mse", int_format(4, PerTokenGroup(16), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6)),
+     "int2a/ch8/mse", int_format(2, PerChannel(8), clip=MSEClip(grid=4, min_ratio=0.5))),
+    ("int3s/tok/had", int_format(3, PerToken(), symmetric=True, rotate="hadamard"),
+     "fp8e4m3/tg8/had/mse", fp8_format(PerTokenGroup(8), rotate="hadamard", clip=MSEClip(grid=3, min_ratio=0.7))),
+    ("int8a/page/mse", int_format(8, PerPage(), clip=MSEClip(grid=4)),
+     "int4s/ch4/had/bf16/mse", int_format(4, PerChannel(4), symmetric=True, scale_dtype="bf16", rotate="hadamard",
+                                          clip=MSEClip(grid=6, min_ratio=0.3))),
 ]
 
 
@@ -147,6 +156,39 @@ def test_store_bit_exact_unequal_batch(kname, kf, vname, vf):
     assert [sum(s[b] for s in schedule) for b in range(3)] == lens
     fill(cache, ks, vs, schedule)
     assert check_exact(cache, cfg, ks, vs) >= 3
+
+
+# MSE clip search on heavy-tailed data, where it moves off the first (absmax) ratio: symmetric
+# per-token, symmetric channel groups, asymmetric pages with rotation, and fp8 (whose relative
+# error keeps ratio 1: the search still runs and must still agree).
+MSE_PAIRS = [
+    (int_format(3, PerToken(), symmetric=True, clip=MSEClip(grid=8, min_ratio=0.3)),
+     int_format(2, PerChannel(16), symmetric=True, clip=MSEClip(grid=8, min_ratio=0.2))),
+    (int_format(4, PerPage(), clip=MSEClip(grid=8, min_ratio=0.2), rotate="hadamard"),
+     fp8_format(PerTokenGroup(8), variant="e5m2", clip=MSEClip(grid=8, min_ratio=0.1))),
+]
+
+
+@pytest.mark.parametrize("kf,vf", MSE_PAIRS, ids=[f"{a.label()}+{b.label()}" for a, b in MSE_PAIRS])
+def test_store_mse_clip_search_bit_exact(kf, vf):
+    import dataclasses
+
+    from kverr.quant import AbsMax
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(2, H, 63, D, generator=g) ** 3).half().float()
+    y = (torch.randn(2, H, 63, D, generator=g) ** 3).half().float()
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=3, sinks=1)
+    for fmt, t in ((kf, x), (vf, y)):
+        if not fmt.is_fp8:  # the search must really choose: some scale differs from absmax's
+            chosen = quantize(t, fmt, page_size=P).scale
+            absmax = quantize(t, dataclasses.replace(fmt, clip=AbsMax()), page_size=P).scale
+            assert bool((chosen != absmax).any()), fmt.label()
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=2, max_tokens=64, device="cpu")
+    sentinel(cache)
+    ks, vs = [[x[0], x[1, :, :40]]], [[y[0], y[1, :, :40]]]
+    fill(cache, ks, vs, [[33, 20], [1, 1], [29, 19]])
+    assert check_exact(cache, cfg, ks, vs) >= 4
 
 
 def test_store_one_shot_equals_token_by_token():
@@ -222,7 +264,7 @@ def test_fp8_rounding_corner_values():
 
 
 def test_unsupported_formats_raise_kernel_error():
-    bad = [int_format(4, PerToken(), clip=MSEClip()), int_format(4, PerToken(), rotate="hadamard")]
+    bad = [int_format(4, PerToken(), clip=Percentile(99.0)), int_format(4, PerChannel(8), clip=Percentile(99.9))]
     for fmt in bad:
         cfg = CacheConfig(k=fmt, v=fmt)
         with pytest.raises(KernelError, match="not implemented"):

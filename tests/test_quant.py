@@ -26,6 +26,8 @@ from kverr.quant import (
     fake_quantize,
     fp8_format,
     hadamard,
+    hadamard_rotate,
+    hadamard_scale,
     int_format,
     pack,
     packed_nbytes,
@@ -47,7 +49,7 @@ def ulp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def rotated(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    return x @ hadamard(x.shape[-1]) if fmt.rotate == "hadamard" else x
+    return hadamard_rotate(x) if fmt.rotate == "hadamard" else x
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +272,33 @@ def test_hadamard_is_orthogonal_and_preserves_attention_products():
     assert torch.allclose((q @ H) @ (k @ H).T, q @ k.T, atol=1e-5)
     with pytest.raises(ShapeError, match="power-of-two"):
         hadamard(48)
+
+
+@given(n=st.sampled_from([1, 2, 4, 16, 32, 64, 128, 256]), rows=st.integers(1, 5), seed=st.integers(0, 2**31),
+       mag=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]))
+def test_fast_hadamard_equals_the_matrix_product(n, rows, seed, mag):
+    """The butterfly rotation is ``x @ H`` up to fp32 rounding: each of the log2(n) stages adds one
+    rounding of at most half an ulp of the running magnitude, bounded by ``sqrt(n) * max|x|``."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=g, dtype=torch.float64) * mag).float()
+    got = hadamard_rotate(x).double()
+    want = x.double() @ hadamard(n).double()
+    stages = max(n.bit_length() - 1, 1)
+    bound = (stages + 1) * EPS32 * math.sqrt(n) * float(x.abs().max()) + 1e-45
+    assert float((got - want).abs().max()) <= bound
+    # self-inverse up to the same rounding, and the scale is the fp32 1/sqrt(n)
+    back = hadamard_rotate(hadamard_rotate(x)).double()
+    assert float((back - x.double()).abs().max()) <= 2 * bound
+    assert hadamard_scale(n) == float(np.float32(1 / math.sqrt(n)))
+
+
+def test_fast_hadamard_is_exact_on_integers_and_rejects_bad_sizes():
+    # small integers: every butterfly is exact, so the result is exactly x @ H (H = +-1/sqrt(n))
+    x = torch.arange(-32, 32, dtype=torch.float32).reshape(2, 32)
+    assert torch.equal(hadamard_rotate(x), ((x.double() @ torch.sign(hadamard(32)).double()).float()
+                                            * hadamard_scale(32)))
+    with pytest.raises(ShapeError, match="power-of-two"):
+        hadamard_rotate(torch.zeros(3, 48))
 
 
 def test_hadamard_rotation_spreads_an_outlier_channel():

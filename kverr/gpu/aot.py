@@ -17,6 +17,7 @@ Command line::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kverr.errors import KernelError
-from kverr.gpu.launch import DECODE_MAXNREG, DECODE_WARPS, decode_block_n, decode_constexprs, store_constexprs, store_warps
+from kverr.gpu.launch import DECODE_MAXNREG, DECODE_WARPS, STORE_OPTIONS, decode_block_n, decode_constexprs, store_constexprs, store_warps
 from kverr.gpu.spec import KernelSpec, kernel_spec
 from kverr.quant.formats import (
     PerChannel,
@@ -78,18 +79,30 @@ def _elements():
     return out
 
 
+def _rotated_mse(f: QuantFormat) -> QuantFormat:
+    """``f`` with a Hadamard rotation and the calibrator's MSE clip (the other constexpr branches)."""
+    from kverr.calibrate.candidates import CALIBRATION_MSE_CLIP
+
+    return dataclasses.replace(f, rotate="hadamard", clip=CALIBRATION_MSE_CLIP)
+
+
 def formats(full: bool, P: int = 64) -> list[QuantFormat]:
-    """The formats the calibrator can emit: every element format x every granularity (``full``),
-    or each element format at per-token scales plus each granularity with int4 (the test set)."""
+    """The formats the calibrator can emit: every element format x every granularity, each also
+    rotated with an MSE clip (``full``); or each element format at per-token scales plus each
+    granularity with int4, and the rotated/MSE branches on each scale layout (the test set)."""
     fmts: list[QuantFormat] = [float_format("fp16")]
     grans = _granularities(P)
     elems = _elements()
     if full:
-        fmts += [e(g) for e in elems for _, g in grans]
+        plain = [e(g) for e in elems for _, g in grans]
+        fmts += plain + [_rotated_mse(f) for f in plain]
     else:
         fmts += [e(PerToken()) for e in elems]
         fmts += [int_format(4, g) for name, g in grans if name != "tok"]
         fmts += [int_format(2, PerChannel(32)), fp8_format(PerTensor())]
+        fmts += [_rotated_mse(f) for f in (int_format(4, PerToken()), int_format(2, PerChannel(32)),
+                                           int_format(3, PerTokenGroup(32), symmetric=True), fp8_format(PerToken()),
+                                           int_format(8, PerPage()), int_format(4, PerHead()))]
     seen, out = set(), []
     for f in fmts:
         if f not in seen:
@@ -110,7 +123,7 @@ def store_signature(spec: KernelSpec) -> dict:
     sig = {"X": "*fp16", "sx_n": "i32", "sx_h": "i32", "FP": "*fp16", "sf_b": "i32", "sf_h": "i32", "sf_t": "i32",
            "HEADS": "*i32", "JOB_PAGE": "*i32", "JOB_ROW0": "*i32", "JOB_NROWS": "*i32", "JOB_B": "*i32",
            "SRC_NEW": "*i32", "SRC_SLOT": "*i32", "CODES": _codes_ptr(spec), "sc_p": "i32", "sc_h": "i32",
-           "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32"}
+           "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32", "RATIOS": "*fp32"}
     return sig
 
 
@@ -124,13 +137,14 @@ def decode_signature(ks: KernelSpec, vs: KernelSpec) -> dict:
     for p in ("K", "V"):
         low = p.lower()
         sig.update({f"{p}F": "*fp16", f"s{low}f_b": "i32", f"s{low}f_h": "i32", f"s{low}f_t": "i32"})
-    sig.update({"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "qk_scale": "fp32"})
+    sig.update({"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "COS": "*fp32", "SIN": "*fp32", "qk_scale": "fp32"})
     for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0"):
         sig[n] = "i32"
     return sig
 
 
-def _compile(fn, sig: dict, constexprs: dict, arch: int, num_warps: int, maxnreg: int | None = None):
+def _compile(fn, sig: dict, constexprs: dict, arch: int, num_warps: int, maxnreg: int | None = None,
+             extra: dict | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -142,6 +156,7 @@ def _compile(fn, sig: dict, constexprs: dict, arch: int, num_warps: int, maxnreg
     opts = {"num_warps": num_warps}
     if maxnreg:
         opts["maxnreg"] = maxnreg
+    opts.update(extra or {})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
@@ -178,21 +193,27 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
         block_r = 16 if s.tb == 1 else s.tb
         jobs.append(("quant_store", s.fmt.label(), quant_store.quant_store_kernel, store_signature(s),
                      store_constexprs(s, D, block_r)))
-    pairs = [(s, s) for s in specs]
+    pairs = [(s, s, False) for s in specs]
     by = {s.fmt.label(): s for s in specs}
     for a, b in (("int2a/ch32/fp16", "int2a/tg32/fp16"), ("int4a/ch32/fp16", "int4a/tg32/fp16"),
+                 ("int2a/ch32/fp16/mse/had", "int4a/tok/fp16/mse/had"), ("int4a/tok/fp16/mse/had", "int4a/tok/fp16"),
                  ("int8a/tok/fp16", "int4a/tok/fp16"), ("fp16", "int4a/tok/fp16")):
         if a in by and b in by:
-            pairs.append((by[a], by[b]))
-    for ks, vs in pairs:
+            pairs.append((by[a], by[b], False))
+    # pre-RoPE keys (RoPE fused after dequantization): every key format in the full sweep, a few here
+    pre = specs if full else [by[n] for n in ("fp16", "int4a/tok/fp16", "int2a/ch32/fp16", "int4a/tok/fp16/mse/had",
+                                              "int2a/ch32/fp16/mse/had", "fp8_e4m3/tok/fp32") if n in by]
+    pairs += [(s, by.get("int4a/tok/fp16", s), True) for s in pre]
+    for ks, vs, kpre in pairs:
         for tail in (False, True):
-            jobs.append(("decode" + ("_tail" if tail else ""), f"K {ks.fmt.label()} V {vs.fmt.label()}",
+            jobs.append(("decode" + ("_tail" if tail else ""),
+                         f"K {ks.fmt.label()}{' pre-RoPE' if kpre else ''} V {vs.fmt.label()}",
                          decode.paged_decode_kernel, decode_signature(ks, vs),
                          decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P, tail=tail,
-                                           dot_fp16=True)))
+                                           dot_fp16=True, key_pre_rope=kpre)))
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
         warps = DECODE_WARPS if kname.startswith("decode") else store_warps(cx["BLOCK_R"], D)
-        c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG)
+        c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG, None if kname.startswith("decode") else STORE_OPTIONS)
         out.append(Resource(kname, label, arch, num_warps=warps, **resource_usage(c)))
         if progress:
             progress(i + 1, len(jobs))

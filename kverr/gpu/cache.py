@@ -20,6 +20,10 @@ Token policy is exactly :func:`kverr.quant.token_regions`: page ``p`` holds quan
 (``window_dtype``): inputs are rounded to it first, so a token quantized straight from the input
 and one quantized from its window copy when its block fills get the same, reference, codes.
 
+With ``config.key_pre_rope`` the cache stores the keys it is given -- pre-RoPE keys -- and the
+decode kernel rotates every key row to its position (``t`` = the token's index in its sequence)
+with the ``rope=(cos, sin)`` tables, ``[max_tokens, D]``, given at construction.
+
 Usage::
 
     cache = PagedKVCache(config, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D,
@@ -73,6 +77,7 @@ class Pool:
     zero: torch.Tensor | None
     fp: torch.Tensor
     cap: int
+    ratios: torch.Tensor  # fp32 MSE clip ratios for the store kernel (one unused 1.0 when absmax)
 
     @property
     def nbytes(self) -> int:
@@ -190,7 +195,8 @@ class PagedKVCache:
     def __init__(self, config, *, n_layers: int, n_kv_heads: int, n_q_heads: int, head_dim: int,
                  max_batch: int, max_tokens: int, device: str | torch.device | None = None,
                  static_scales: dict | None = None, num_pages: int | None = None,
-                 dot_fp16: bool = False, block_n: int | None = None) -> None:
+                 dot_fp16: bool = False, block_n: int | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         from kverr.config import CacheConfig
 
         if not isinstance(config, CacheConfig):
@@ -227,6 +233,20 @@ class PagedKVCache:
         wdt = TORCH_DTYPES[config.window_dtype]
         static_scales = dict(static_scales or {})
         dev = self.device
+        self.key_pre_rope = bool(config.key_pre_rope)
+        self.rope_cos = self.rope_sin = None
+        if self.key_pre_rope:
+            if rope is None:
+                raise KernelError("config.key_pre_rope: pass rope=(cos, sin), the [max_tokens, head_dim] RoPE tables "
+                                  "of positions 0..max_tokens-1 (the decode kernel rotates keys to their positions)")
+            cos, sin = (torch.as_tensor(t) for t in rope)
+            if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < max_tokens or cos.shape[1] != head_dim:
+                raise ShapeError(f"rope tables must both be [>= max_tokens={max_tokens}, head_dim={head_dim}] "
+                                 f"(full rotary dimension), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+            self.rope_cos = cos.float().to(dev).contiguous()
+            self.rope_sin = sin.float().to(dev).contiguous()
+        elif rope is not None:
+            raise ConfigError("rope tables were given but config.key_pre_rope is false (keys are post-RoPE)")
 
         self.pools: list[dict[str, list[Pool]]] = []
         self.launches: list[list[_Launch]] = []
@@ -261,8 +281,9 @@ class PagedKVCache:
                                 zero = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
                     cap = self.W + spec.tb
                     fp = torch.zeros((max_batch, h, self.S + cap, head_dim), dtype=wdt, device=dev)
+                    ratios = torch.tensor(spec.clip_ratios or (1.0,), dtype=torch.float32, device=dev)
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
-                                           codes, scale, zero, fp, cap))
+                                           codes, scale, zero, fp, cap, ratios))
             self.pools.append(per)
             self.launches.append(self._make_launches(per))
         self.block_table = np.zeros((max_batch, self.max_pages), dtype=np.int32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kverr.gpu.spec import KernelSpec
+from kverr.quant.reference import hadamard_scale
 
 
 def _kernels():
@@ -36,9 +37,20 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def rotation_constexprs(D: int) -> dict:
+    """``LOG2D`` and ``RSCALE`` (the fp32 ``1/sqrt(D)``) of :func:`kernels.hadamard.fwht`."""
+    return dict(LOG2D=D.bit_length() - 1, RSCALE=hadamard_scale(D))
+
+
 def store_constexprs(spec: KernelSpec, D: int, block_r: int) -> dict:
     return dict(D=D, CB=spec.cb, BLOCK_R=block_r, KIND=spec.kind, BITS=spec.bits, SDT=spec.sdt,
-                GRAN=spec.gran, BD=spec.bd, BT_S=spec.bts)
+                GRAN=spec.gran, BD=spec.bd, BT_S=spec.bts, ROT=spec.rot, CLIP_N=spec.clip_n,
+                **rotation_constexprs(D))
+
+
+#: The store kernel is launched without fp contraction: ``u * s + m`` in the MSE clip search
+#: must round twice, as the oracle's does (a fused multiply-add would round once).
+STORE_OPTIONS = dict(enable_fp_fusion=False)
 
 
 def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
@@ -57,9 +69,9 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
         pool.heads_t,
         jobs.page, jobs.row0, jobs.nrows, jobs.seq, jobs.src_new, jobs.src_slot,
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),
-        scale, zero, ss_p, ss_h,
+        scale, zero, ss_p, ss_h, pool.ratios,
         **store_constexprs(spec, D, jobs.block_r),
-        num_warps=store_warps(jobs.block_r, D), maxnreg=DECODE_MAXNREG,
+        num_warps=store_warps(jobs.block_r, D), maxnreg=DECODE_MAXNREG, **STORE_OPTIONS,
     )
 
 
@@ -77,11 +89,12 @@ def _fmt_args(pool):
 
 
 def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, rep: int, block_n: int,
-                      P: int, tail: bool, dot_fp16: bool) -> dict:
+                      P: int, tail: bool, dot_fp16: bool, key_pre_rope: bool = False) -> dict:
     return dict(
         HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep)), BLOCK_N=block_n, P=P,
         K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb,
         V_KIND=vspec.kind, V_BITS=vspec.bits, V_BD=vspec.bd, V_BTS=vspec.bts, V_STATIC=vspec.static, V_CB=vspec.cb,
+        K_ROT=kspec.rot, V_ROT=vspec.rot, **rotation_constexprs(D), K_PRE=key_pre_rope,
         TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16,
     )
 
@@ -100,11 +113,13 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         kf, kf.stride(0), kf.stride(1), kf.stride(2),
         vf, vf.stride(0), vf.stride(1), vf.stride(2),
         step.partial_o, step.partial_m, step.partial_l,
+        cache.rope_cos if cache.key_pre_rope else step.partial_o,
+        cache.rope_sin if cache.key_pre_rope else step.partial_o,
         sm_scale * 1.4426950408889634,
         cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
         ns if tail else 0,
         **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=decode_block_n(kp.spec, vp.spec, cache.block_n),
-                            P=cache.P, tail=tail, dot_fp16=cache.dot_fp16),
+                            P=cache.P, tail=tail, dot_fp16=cache.dot_fp16, key_pre_rope=cache.key_pre_rope),
         num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
     )
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kverr.errors import KernelError
 from kverr.quant.formats import (
     TORCH_DTYPES,
     AbsMax,
+    MSEClip,
     PerChannel,
     PerHead,
     PerPage,
@@ -52,6 +54,13 @@ class KernelSpec:
         Tokens that must arrive together before they are quantized (see ``token_block``).
     cb
         Stored elements per token row (bytes of codes; ``D`` for plain floats).
+    static
+        Scales are given (calibrated), not computed by the store kernel.
+    rot
+        Codes hold the Hadamard-rotated head dimension (the store kernel rotates; the decode
+        kernel rotates the query and un-rotates the value accumulator instead of every row).
+    clip_ratios
+        fp32 clip ratios of an MSE clip, largest first (empty for absmax).
     """
 
     kind: int
@@ -64,6 +73,12 @@ class KernelSpec:
     cb: int
     static: bool
     fmt: QuantFormat
+    rot: bool = False
+    clip_ratios: tuple[float, ...] = ()
+
+    @property
+    def clip_n(self) -> int:
+        return len(self.clip_ratios)
 
     def scale_cols(self, D: int) -> int:
         return D // self.bd
@@ -94,17 +109,16 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
     check_head_dim(D)
     if fmt.is_float:
         return KernelSpec(KIND_FLOAT, 16, 0, GRAN_ROW, D, 1, 1, D, False, fmt)
-    if fmt.rotate != "none":
-        raise KernelError(
-            f"{fmt.label()}: rotate={fmt.rotate!r} is not implemented by the kernels yet "
-            "(use rotate='none', or the reference path)"
-        )
-    if not isinstance(fmt.clip, AbsMax):
-        raise KernelError(
-            f"{fmt.label()}: clip={fmt.clip.kind!r} is not implemented by the kernels; they compute "
-            "absmax scales (use clip absmax, or static scales calibrated with the reference)"
-        )
     g = fmt.granularity
+    ratios: tuple[float, ...] = ()
+    if isinstance(fmt.clip, MSEClip):
+        if not is_static(g):  # static scales are given: the clip was applied when calibrating them
+            ratios = tuple(float(np.float32(r)) for r in fmt.clip.ratios())
+    elif not isinstance(fmt.clip, AbsMax) and not is_static(g):
+        raise KernelError(
+            f"{fmt.label()}: clip={fmt.clip.kind!r} is not implemented by the kernels (a percentile "
+            "needs a sort per block); use clip absmax or mse, or static scales calibrated with the reference"
+        )
     if fmt.is_fp8:
         kind = KIND_FP8_E4M3 if fmt.dtype == "fp8_e4m3" else KIND_FP8_E5M2
     else:
@@ -133,4 +147,5 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
             f"{fmt.label()}: a token block of {tb} tokens is not a power of two; the store kernel "
             "reduces a whole block in one tile"
         )
-    return KernelSpec(kind, fmt.bits, SDT[fmt.scale_dtype], gran, bd, bts, tb, codes_nbytes(fmt, D), static, fmt)
+    return KernelSpec(kind, fmt.bits, SDT[fmt.scale_dtype], gran, bd, bts, tb, codes_nbytes(fmt, D), static, fmt,
+                      rot=fmt.rotate == "hadamard", clip_ratios=ratios)

@@ -30,6 +30,8 @@ from kverr.quant.reference import (
     dequantize,
     fake_quantize,
     hadamard,
+    hadamard_rotate,
+    hadamard_scale,
     quantize,
     scale_shape,
 )
@@ -37,7 +39,7 @@ from kverr.quant.reference import (
 __all__ = [
     "AbsMax", "Clip", "Granularity", "MSEClip", "Percentile", "PerChannel", "PerHead", "PerPage",
     "PerTensor", "PerToken", "PerTokenGroup", "QuantFormat", "QTensor", "block_shape",
-    "codes_nbytes", "dequantize", "fake_quantize", "float_format", "fp8_format", "hadamard",
+    "codes_nbytes", "dequantize", "fake_quantize", "float_format", "fp8_format", "hadamard", "hadamard_rotate", "hadamard_scale",
     "int_format", "is_static", "pack", "packed_nbytes", "quantize", "scale_shape", "token_block",
     "unpack",
 ]

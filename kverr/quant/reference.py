@@ -21,6 +21,13 @@ covers the clipped range: inside it, ``|x - x_hat| <= s / 2`` for integer
 codes. ``rint`` is round-half-to-even; divisions are IEEE fp32. A block whose scale is zero
 (all-zero, or constant for asymmetric) divides by one instead, stores ``s = 0`` and reconstructs
 exactly ``m`` (or zero).
+
+The Hadamard rotation is the fast Walsh-Hadamard transform in a fixed butterfly order
+(:func:`hadamard_rotate`), not a matrix product, whose summation order would be the BLAS's: the
+kernels repeat the same fp32 additions and get the same rotated values, hence the same codes.
+The MSE clip search compares per-block squared errors summed in float64 (each fp32 difference
+squares exactly), so a different summation order cannot flip the choice short of a tie to
+about 1e-16.
 """
 
 from __future__ import annotations
@@ -128,6 +135,33 @@ def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     if n < 1 or n & (n - 1):
         raise ShapeError(f"a Hadamard rotation needs a power-of-two size, got {n}")
     return _hadamard_cpu(n).to(device)
+
+
+def hadamard_scale(n: int) -> float:
+    """The fp32 normalisation ``1/sqrt(n)`` that :func:`hadamard_rotate` applies last."""
+    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ hadamard(D)`` along the last axis, as the fast Walsh-Hadamard transform.
+
+    Butterfly stages ``h = 1, 2, 4, ..., D/2``: within every block of ``2h`` channels, channel
+    ``i`` and ``i + h`` become ``a + b`` and ``a - b`` (fp32, round-to-nearest); then one fp32
+    multiply by :func:`hadamard_scale`. The order of the additions is part of the definition:
+    the Triton kernels perform exactly these operations. Self-inverse up to rounding.
+    """
+    D = x.shape[-1]
+    if D < 1 or D & (D - 1):
+        raise ShapeError(f"a Hadamard rotation needs a power-of-two size, got {D}")
+    lead = x.shape[:-1]
+    y = x.to(torch.float32)
+    h = 1
+    while h < D:
+        y4 = y.reshape(*lead, D // (2 * h), 2, h)
+        a, b = y4[..., 0, :], y4[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, D)
+        h *= 2
+    return y * hadamard_scale(D)
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +326,8 @@ def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None)
             s, m = _params(fmt, -hi * r, hi * r)
         else:
             s, m = _params(fmt, mid - half * r, mid + half * r)
-        sq = (_decode(fmt, _encode(fmt, g, s, m), s, m) - g) ** 2
+        # float64 squares of fp32 differences are exact; the sums are order-insensitive to ~1e-16
+        sq = (_decode(fmt, _encode(fmt, g, s, m), s, m) - g).double() ** 2
         err = (sq if mask is None else sq.masked_fill(~mask, 0.0)).sum(-1)
         if best_err is None:
             best_s, best_m, best_err = s, m, err
@@ -437,7 +472,7 @@ def _encode_grouped(x, fmt, page_size, scale, zero) -> _Grouped:
     if fmt.is_float:
         return _Grouped(shape, (1, 1, 1), float_values=x32.to(TORCH_DTYPES[fmt.dtype]))
     if fmt.rotate == "hadamard":
-        x32 = x32 @ hadamard(D, x32.device)
+        x32 = hadamard_rotate(x32)
     x4 = x32.reshape(-1, H, T, D)
     block = block_shape(fmt, H, T, D, page_size)
     g = _to_groups(x4, block)
@@ -499,7 +534,7 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, unrotate: boo
     m = None if qt.zero is None else qt.zero.reshape(B, *qt.zero.shape[len(lead):])
     x = _from_groups(_decode(fmt, _to_groups(u, block), s, m), block, (B, H, T, D))
     if fmt.rotate == "hadamard" and unrotate:
-        x = x @ hadamard(D, x.device)
+        x = hadamard_rotate(x)
     return x.reshape(qt.shape).to(dtype)
 
 
@@ -523,7 +558,7 @@ def fake_quantize(
     values = _decode(fmt, plan.codes, plan.scale, plan.zero)
     out = _from_groups(values, plan.block, (values.shape[0], H, T, D))
     if fmt.rotate == "hadamard":
-        out = out @ hadamard(D, out.device)
+        out = hadamard_rotate(out)
     return out.reshape(plan.shape)
 
 
