@@ -409,6 +409,12 @@ class KernelKVCache(Cache):
         n_layers, n_heads, n_kv, head_dim, _ = _shape_from_config(model.config)
         device = next(model.parameters()).device
         self.config = config
+        self._cos = self._sin = None
+        if config.key_pre_rope:
+            # the cache stores keys before RoPE, as KverrCache does: undo the model's rotation on the
+            # way in; the decode kernel applies it again per key row from the same tables
+            self._cos, self._sin = model_rotary(model)(torch.arange(max_tokens, device=device))
+            kwargs["rope"] = (self._cos, self._sin)
         self.paged = PagedKVCache(
             config, n_layers=n_layers, n_kv_heads=n_kv, n_q_heads=n_heads, head_dim=head_dim,
             max_batch=batch, max_tokens=max_tokens, device=device, **kwargs,
@@ -442,7 +448,11 @@ class KernelKVCache(Cache):
             self.decoding = self.length > 0
             self.step = self.paged.plan([n] * B)
             self.length += n
-        self.paged.store(self.step, layer, k, v)
+        k_in = k
+        if self._cos is not None:
+            t0 = self.length - n
+            k_in = undo_rope(k.float(), self._cos[t0:self.length], self._sin[t0:self.length])
+        self.paged.store(self.step, layer, k_in, v)
         return k, v
 
     def nbytes(self) -> int:
@@ -483,13 +493,10 @@ def cache_for(model: Any, config: CacheConfig, *, backend: str = "auto", **kwarg
 
 
 def kernels_support(config: CacheConfig) -> bool:
-    """Whether the Triton kernels can run ``config`` (not: percentile clips with dynamic scales,
-    pre-RoPE keys)."""
+    """Whether the Triton kernels can run ``config`` (all but percentile clips with dynamic scales)."""
     from kverr.errors import KernelError
     from kverr.gpu.spec import kernel_spec
 
-    if config.key_pre_rope:
-        return False
     for _, fmt in config._all_formats():
         try:
             kernel_spec(fmt, 64, config.page_size)

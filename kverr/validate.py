@@ -122,11 +122,17 @@ def _labels(config, layer: int, H: int, which: str) -> str:
 
 def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_head_of_q, *, layers=None,
                     steps: int = 2, tol: float = 1e-3, device=None, dot_fp16: bool = False,
-                    num_splits: int | None = None, block_n: int | None = None) -> ValidationReport:
+                    num_splits: int | None = None, block_n: int | None = None,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> ValidationReport:
     """Validate on arrays: ``q`` ``[L, B, q_head, T, D]``, ``k``/``v`` ``[L, B, kv_head, T, D]``.
 
     Every sequence has ``T`` tokens: ``T - steps`` arrive in one prefill, then one per step; the
     decode output of each step is compared (the query is that step's token).
+
+    With ``config.key_pre_rope``, ``k`` holds pre-RoPE keys and ``rope = (cos, sin)`` the
+    ``[T, D]`` tables of positions ``0..T-1`` in each sequence: the kernel path stores pre-RoPE
+    keys and rotates them in the decode kernel; the reference rotates the clean keys and what
+    the oracle reconstructs of them with the same tables.
     """
     from kverr.gpu import PagedKVCache, calibrate_static_scales
     from kverr.gpu.cache import interpreting
@@ -138,8 +144,10 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         raise ShapeError(f"k and v must be [L, B, kv_head, T, D] = {(L, B, H, T, D)}, got {tuple(k.shape)}, {tuple(v.shape)}")
     if not 1 <= steps < T:
         raise ShapeError(f"steps={steps} must be in [1, {T - 1}] for {T} tokens")
-    if config.key_pre_rope:
-        raise KernelError("key_pre_rope configs need RoPE fused into the decode kernel, which is not implemented")
+    if config.key_pre_rope and rope is None:
+        raise KernelError("config.key_pre_rope: pass rope=(cos, sin), the [T, D] RoPE tables, and pre-RoPE keys")
+    if rope is not None and not config.key_pre_rope:
+        raise KernelError("rope tables were given but config.key_pre_rope is false")
     kv_map = [int(i) for i in kv_head_of_q]
     rep = Hq // H
     if kv_map != [h // rep for h in range(Hq)]:
@@ -156,7 +164,18 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     # static scales are calibrated on the whole batch at its final length, as reconstruct() does
     static = calibrate_static_scales(config, [k[l] for l in range(L)], [v[l] for l in range(L)]) if has_static else None
     cache = PagedKVCache(config, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
-                         device=dev, static_scales=static, dot_fp16=dot_fp16, block_n=block_n)
+                         device=dev, static_scales=static, dot_fp16=dot_fp16, block_n=block_n,
+                         rope=None if rope is None else (rope[0].to(dev), rope[1].to(dev)))
+    if rope is not None:
+        from kverr.cache import apply_rope
+
+        cos, sin = (t.float().cpu() for t in rope)
+
+        def post(x):  # [..., t, D] pre-RoPE -> post-RoPE at positions 0..t-1
+            return apply_rope(x.float(), cos[: x.shape[-2]], sin[: x.shape[-2]])
+    else:
+        def post(x):
+            return x
     report = ValidationReport(config.name or "config", T, B, steps, tol, str(dev), interpreting())
     worst = {l: dict(mis=0, rel=0.0, mx=0.0, where="", qerr=0.0) for l in layers}
     schedule = [T - steps] + [1] * steps
@@ -174,14 +193,16 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             continue  # the reference's static scales are those of the final length
         for l in layers:
             out = cache.decode(step, l, q[l, :, :, t - 1].to(dev)).float().cpu()
-            k_hat = reconstruct(k[l, :, :, :t], config, layer=l, which="k")
+            k_stored = reconstruct(k[l, :, :, :t], config, layer=l, which="k")
+            k_hat = post(k_stored)
             v_hat = reconstruct(v[l, :, :, :t], config, layer=l, which="v")
             w = worst[l]
             for b in range(B):
-                for which, hat in (("k", k_hat), ("v", v_hat)):
+                for which, hat in (("k", k_stored), ("v", v_hat)):
                     got = cache.read(l, which, b)
                     w["mis"] += int((got != hat[b]).sum())
-                ref, clean, _ = reference_decode(q[l, b, :, t - 1], k[l, b, :, :t], v[l, b, :, :t], k_hat[b], v_hat[b], kv_map)
+                ref, clean, _ = reference_decode(q[l, b, :, t - 1], post(k[l, b, :, :t]), v[l, b, :, :t], k_hat[b], v_hat[b],
+                                                 kv_map)
                 r = rel_rms(out[b], ref)
                 diff = (out[b].double() - ref).abs()
                 if r >= w["rel"]:
@@ -235,8 +256,11 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
         bad = [l for l in layers if not 0 <= l < ds.sizes["layer"]]
         if bad:
             raise CaptureError(f"layers {bad} are not in the capture (it has {ds.sizes['layer']})")
+    key_var = "k_pre" if cfg.key_pre_rope else "k"
+    if key_var not in ds:
+        raise CaptureError(f"the capture has no {key_var!r} variable, which a key_pre_rope config needs")
     q = torch.from_numpy(np.asarray(ds["q"].isel(sel).values, dtype=np.float32))
-    k = torch.from_numpy(np.asarray(ds["k"].isel(sel).values, dtype=np.float32))
+    k = torch.from_numpy(np.asarray(ds[key_var].isel(sel).values, dtype=np.float32))
     v = torch.from_numpy(np.asarray(ds["v"].isel(sel).values, dtype=np.float32))
     kv_map = np.asarray(ds["kv_head_of_q"].values)
 
@@ -244,10 +268,42 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
         Lx, Hx, _, Dx = x.shape
         return x.reshape(Lx, Hx, batch, tokens, Dx).permute(0, 2, 1, 3, 4).contiguous()
 
+    q, rope = split(q), None
+    if cfg.key_pre_rope:
+        q, rope = _local_positions(ds, q, tokens, batch)
     # A capture may hold a subset of the model's layers: index the config by the model's layers.
     model_layers = [int(x) for x in ds["layer"].values]
-    rep = validate_arrays(cfg.select_layers(model_layers), split(q), split(k), split(v), kv_map, layers=layers,
-                          steps=steps, tol=tol, device=device, dot_fp16=dot_fp16)
+    rep = validate_arrays(cfg.select_layers(model_layers), q, split(k), split(v), kv_map, layers=layers,
+                          steps=steps, tol=tol, device=device, dot_fp16=dot_fp16, rope=rope)
     for r in rep.layers:
         r.layer = model_layers[r.layer]
     return rep
+
+
+def _local_positions(ds, q: torch.Tensor, tokens: int, batch: int):
+    """RoPE tables of positions ``0..tokens-1`` and the captured queries moved to them.
+
+    The kernel path rotates the pre-RoPE keys of each sequence to positions ``0, 1, ...``; the
+    captured queries were rotated to their absolute positions ``p0_b + t``. Attention scores
+    depend on position differences only, so each sequence's queries are turned back by ``p0_b``
+    (a pure rotation, without ``attention_scaling``) and keys and queries stay consistent.
+    """
+    from kverr.cache import apply_rope
+    from kverr.rope import parse_rope, rope_cos_sin
+
+    if "rope" not in ds.attrs:
+        raise CaptureError("a key_pre_rope config needs the capture's RoPE parameters (attrs['rope'])")
+    inv_freq, scaling = parse_rope(ds.attrs["rope"])
+    D = q.shape[-1]
+    if 2 * inv_freq.numel() != D:
+        raise KernelError(f"partial rotary embeddings ({2 * inv_freq.numel()} of {D} channels) are not fused into the "
+                          "decode kernel; validate this config on the reference path")
+    n = tokens * batch
+    pos = np.asarray(ds["position"].values[:n]) if "position" in ds.coords or "position" in ds else np.arange(n)
+    p0 = pos.reshape(batch, tokens)[:, :1]
+    if not (pos.reshape(batch, tokens) - p0 == np.arange(tokens)).all():
+        raise CaptureError("the captured positions are not consecutive within each validation sequence")
+    cos, sin = rope_cos_sin(np.arange(tokens), inv_freq, scaling)
+    back_cos, back_sin = rope_cos_sin(-p0[:, 0], inv_freq, 1.0)  # [batch, D]
+    q = torch.stack([apply_rope(q[:, b], back_cos[b], back_sin[b]) for b in range(batch)], dim=1)
+    return q.contiguous(), (cos, sin)

@@ -187,15 +187,24 @@ def test_pre_rope_keys_are_what_gets_quantized(tiny):
     assert torch.allclose(cache.read(0, "k")[:, :, :20], expect, atol=1e-6)
 
 
+def _rotated_pre_rope():
+    from kverr.quant import MSEClip, PerChannel, PerTokenGroup, int_format
+
+    mse = MSEClip(grid=5, min_ratio=0.6)
+    return CacheConfig(k=int_format(4, PerChannel(16), rotate="hadamard", clip=mse),
+                       v=int_format(4, PerTokenGroup(16), rotate="hadamard", clip=mse), sinks=2, key_pre_rope=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kivi-2", "int8-token"])
+@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "rotated-mse-pre-rope"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
-    the same next-token distributions, through every layer of a real transformers model."""
+    the same next-token distributions, through every layer of a real transformers model
+    (including Hadamard-rotated, MSE-clipped formats on keys stored before RoPE)."""
     from kverr.cache import KernelKVCache, cache_for
     from kverr.evaluate import teacher_forced
 
-    cfg = PRESETS[name].with_(window=8)
+    cfg = (_rotated_pre_rope() if name == "rotated-mse-pre-rope" else PRESETS[name]).with_(window=8)
     ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(3))
     ref = teacher_forced(tiny.model, cache_for(tiny.model, cfg), ids, 40, flush=False)
     attn = tiny.model.config._attn_implementation
@@ -213,6 +222,9 @@ def test_cache_for_picks_the_reference_path_on_a_cpu(tiny):
 
     assert isinstance(cache_for(tiny.model, PRESETS["kivi-2"]), KverrCache)
     assert kernels_support(PRESETS["kivi-2"])
-    assert not kernels_support(PRESETS["kivi-2"].with_(key_pre_rope=True))
+    assert kernels_support(_rotated_pre_rope())
+    from kverr.quant import Percentile, PerToken, int_format
+
+    assert not kernels_support(PRESETS["kivi-2"].with_(k=int_format(4, PerToken(), clip=Percentile(99.0))))
     with pytest.raises(ConfigError, match="backend='gpu' is not allowed"):
         cache_for(tiny.model, PRESETS["kivi-2"], backend="gpu")

@@ -33,12 +33,28 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
     assert rep["layers"][0]["mismatched"] == 0 and rep["layers"][0]["rel_rms"] < 1e-3
 
 
+@needs_capture
+@pytest.mark.parametrize("name", ["calibrated-4b", "calibrated-prerope-3b"])
+def test_validate_calibrated_configs_agree(capsys, name):
+    """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
+    and keys stored before RoPE -- run on the kernel path and agree with the reference."""
+    pytest.importorskip("zarr")
+    path = CAPTURE.parent / "configs" / f"{name}.json"
+    text = path.read_text()
+    assert '"hadamard"' in text and '"mse"' in text  # the branches this test is for
+    code = main(["validate", str(path), "--capture", str(CAPTURE), "--tokens", "120", "--batch", "2",
+                 "--layers", "0,2", "--steps", "1", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 0 and rep["ok"], rep
+    assert all(r["mismatched"] == 0 and r["rel_rms"] <= 1e-3 and r["quant_rel_error"] > 1e-3 for r in rep["layers"])
+
+
 def test_validate_errors_are_one_line(capsys, tmp_path):
     code = main(["validate", "kivi-2", "--capture", str(tmp_path / "missing.zarr")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "no capture" in err
-    cfg = tmp_path / "had.json"
-    cfg.write_text(json.dumps({"version": 1, "k": {"dtype": "int", "bits": 4, "rotate": "hadamard"},
+    cfg = tmp_path / "pct.json"
+    cfg.write_text(json.dumps({"version": 1, "k": {"dtype": "int", "bits": 4, "clip": {"kind": "percentile", "percentile": 99.0}},
                                "v": {"dtype": "fp16"}}))
     if CAPTURE.exists():
         pytest.importorskip("zarr")
