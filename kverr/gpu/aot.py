@@ -201,8 +201,10 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
         if a in by and b in by:
             pairs.append((by[a], by[b], False))
     # pre-RoPE keys (RoPE fused after dequantization): every key format in the full sweep, a few here
-    pre = specs if full else [by[n] for n in ("fp16", "int4a/tok/fp16", "int2a/ch32/fp16", "int4a/tok/fp16/mse/had",
-                                              "int2a/ch32/fp16/mse/had", "fp8_e4m3/tok/fp32") if n in by]
+    # (RoPE sits after dequantization, whatever the format: a few key formats of each kind suffice)
+    pre = [by[n] for n in ("fp16", "int4a/tok/fp16", "int2a/ch32/fp16", "int4a/tok/fp16/mse/had", "int3a/tok/fp16",
+                           "int2a/ch32/fp16/mse/had", "fp8_e4m3/tok/fp32", "int8a/page/fp16/mse/had",
+                           "int3s/tg32/fp16/mse/had", "int3a/ch32/fp16/mse/had", "int4a/head/fp16/mse/had") if n in by]
     pairs += [(s, by.get("int4a/tok/fp16", s), True) for s in pre]
     for ks, vs, kpre in pairs:
         for tail in (False, True):
