@@ -19,13 +19,17 @@ PY
 timeout 120 python - <<'PY' || echo "device check FAILED"
 import torch
 from kverr.config import CacheConfig
-from kverr.quant import int_format, PerChannel, PerTokenGroup
+from kverr.quant import int_format, MSEClip, PerChannel, PerTokenGroup
 from kverr.validate import validate_arrays
 torch.manual_seed(0)
 L, B, Hq, H, T, D = 2, 3, 32, 8, 300, 128
 q = torch.randn(L, B, Hq, T, D) * 2; k = torch.randn(L, B, H, T, D).half().float(); v = torch.randn(L, B, H, T, D).half().float()
 for name, cfg in {"kivi-2": CacheConfig(k=int_format(2, PerChannel(32)), v=int_format(2, PerTokenGroup(32)), window=20, sinks=4),
-                  "int8": CacheConfig(k=int_format(8, PerTokenGroup(64)), v=int_format(8, PerTokenGroup(64)))}.items():
+                  "int8": CacheConfig(k=int_format(8, PerTokenGroup(64)), v=int_format(8, PerTokenGroup(64))),
+                  # Hadamard rotation + MSE clip search: bit-exact codes on the device too (no fp contraction)
+                  "rot-mse": CacheConfig(k=int_format(4, PerChannel(32), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6)),
+                                         v=int_format(3, PerTokenGroup(32), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6)),
+                                         window=20, sinks=4)}.items():
     rep = validate_arrays(cfg, q, k, v, [h // 4 for h in range(Hq)], steps=3, device="cuda")
     print(name, "AGREE" if rep.ok else "DISAGREE", max(r.rel_rms for r in rep.layers), sum(r.mismatched for r in rep.layers))
 PY
