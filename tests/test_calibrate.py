@@ -198,8 +198,10 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
     assert pv["capture"]["weights_sha256"] == cap.attrs["weights_sha256"]
     assert pv["budget_bits"] == 4.0 and pv["objective"] and pv["context_tokens"] == 160
     # the predicted damage of the written config, recomputed from scratch, is the knapsack's
-    p = predict(cap, cfg, queries=16)
+    p = predict(cap, cfg, queries=16, weights=cal.sensitivity.weights)
     assert p["total"] == pytest.approx(pv["predicted_damage"], rel=1e-4)
+    assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
+    assert pv["objective"] == "predicted_kl" and len(pv["sensitivity"]["weights"]) == loaded.n_layers
     # round trip of the config file, provenance included
     assert CacheConfig.from_json(cfg.to_json()) == cfg
     # frontier: monotone, and more budget never predicts more damage
@@ -296,3 +298,134 @@ def test_batched_scoring_equals_one_candidate_at_a_time_and_the_oracle():
     for j, f in enumerate(cands[1:]):
         np.testing.assert_allclose(dv1[:, j], value_damage(prep, value_error(prep, CacheConfig(k=f, v=f)), opts),
                                    rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# measured layer sensitivity (the "kl" objective)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sensitivity_runner_reproduces_the_model(tiny_capture):
+    """The layer-by-layer runner (clean pass, then layers l.. on the suffix over a cache of the
+    prefix) gives the model's own logits; a run from any layer restores the cache."""
+    from kverr.calibrate.sensitivity import _Runner
+
+    cap, _, loaded = tiny_capture
+    ids = torch.as_tensor(np.asarray(cap["token_id"].values[:100], dtype=np.int64))
+    P = 70
+    with torch.no_grad():
+        full = torch.log_softmax(loaded.model(ids[None], use_cache=False).logits[0, P:].double(), -1)
+        r = _Runner(loaded.model, ids, P)
+        hs: list = []
+        h = r.clean(hs)
+        sel = torch.arange(100 - P)
+        torch.testing.assert_close(r.logp(h, sel)[0], full, atol=1e-5, rtol=0)
+        r.fill_prefix(2)
+        for start in (0, 1, loaded.n_layers - 1):
+            hb = r.run(hs[start].expand(2, -1, -1), start)
+            torch.testing.assert_close(r.logp(hb, sel)[1], full, atol=1e-5, rtol=0)
+            assert all(lay.keys.shape[-2] == P for lay in r.cache.layers)
+
+
+def test_sensitivity_equals_a_direct_noise_injection(tiny_capture):
+    """w_l and KL_l(eps) equal a from-scratch run of the whole model with the same noise added to
+    layer l's o_proj input; the two eps are in the quadratic regime at small eps."""
+    from kverr.calibrate.sensitivity import measure_sensitivity
+
+    cap, _, loaded = tiny_capture
+    ids = torch.as_tensor(np.asarray(cap["token_id"].values[:120], dtype=np.int64))
+    noisy, eps = 40, (1e-2, 2e-2)
+    s = measure_sensitivity(loaded, ids, noisy=noisy, eps=eps, kl_positions=1000, seed=3)
+    P = 120 - noisy
+    layers = loaded.model.model.layers
+    with torch.no_grad():
+        msq = {}
+        hk = [lay.self_attn.o_proj.register_forward_pre_hook(
+            lambda _m, a, i=i: msq.__setitem__(i, float((a[0][:, P:].double() ** 2).sum(-1).mean())))
+            for i, lay in enumerate(layers)]
+        ref = torch.log_softmax(loaded.model(ids[None], use_cache=False).logits[0, P:].double(), -1)
+        for h in hk:
+            h.remove()
+        for i in range(loaded.n_layers):
+            op = layers[i].self_attn.o_proj
+            z = torch.randn((noisy, op.in_features), generator=torch.Generator().manual_seed(3 * 1_000_003 + i))
+            z = z * np.sqrt(msq[i] / op.in_features)
+            for j, e in enumerate(eps):
+                def add(_m, a, e=e, z=z):
+                    x = a[0].clone()
+                    x[:, P:] += e * z
+                    return (x,)
+                h = op.register_forward_pre_hook(add)
+                lp = torch.log_softmax(loaded.model(ids[None], use_cache=False).logits[0, P:].double(), -1)
+                h.remove()
+                kl = float((ref.exp() * (ref - lp)).sum(-1).clamp(min=0).mean())
+                assert s.kl[i, j] == pytest.approx(kl, rel=2e-3)
+    np.testing.assert_allclose(s.weights, s.kl[:, 0] / eps[0] ** 2)
+    np.testing.assert_allclose(s.quadratic_ratio, 1.0, atol=0.05)
+    assert s.kl_positions == noisy and s.noisy == noisy and s.tokens == 120
+    assert type(s).from_dict(json.loads(json.dumps(s.to_dict()))).to_dict() == s.to_dict()
+
+
+def test_kl_objective_with_equal_weights_is_the_rel_objective(tiny_capture):
+    """Weights multiply each layer's relative damage: equal weights choose exactly the configs of
+    the unweighted objective; a weight concentrated on one layer moves bytes to that layer."""
+    from kverr.calibrate import Sensitivity
+
+    cap, _, loaded = tiny_capture
+    L = loaded.n_layers
+    opts = (OuterOption(),)
+    rel = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8, objective="rel")
+    assert rel.config.provenance["objective"] == "rel_attn_out_sq" and "sensitivity" not in rel.config.provenance
+
+    def sens(w):
+        w = np.asarray(w, dtype=np.float64)
+        return Sensitivity(weights=w, kl=np.stack([w, 4 * w], 1) * 1e-4, eps=(0.01, 0.02), tokens=160, noisy=32,
+                           kl_positions=32)
+
+    eq = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+                   scores=rel.scores, sensitivity=sens([2.0] * L))
+    assert eq.config.heads == rel.config.heads and (eq.config.k, eq.config.v) == (rel.config.k, rel.config.v)
+    assert eq.config.provenance["predicted_damage"] == pytest.approx(2 * rel.config.provenance["predicted_damage"])
+    bytes_of = lambda cal, layer: int(cal.choices.loc[cal.choices.layer == layer, "bytes"].sum())  # noqa: E731
+    for hot in range(L):
+        w = [1e-3] * L
+        w[hot] = 1.0
+        c = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+                      scores=rel.scores, sensitivity=sens(w))
+        assert bytes_of(c, hot) >= bytes_of(rel, hot)
+        assert c.config.provenance["sensitivity"]["weights"][hot] == 1.0
+    with pytest.raises(ConfigError, match="objective"):
+        calibrate(cap, 4.0, context=160, cands_k=SMALL, cands_v=SMALL, objective="mse")
+    with pytest.raises(ConfigError, match="layer weights"):
+        calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, scores=rel.scores,
+                  sensitivity=sens([1.0] * (L + 1)))
+
+
+def test_kl_objective_refuses_another_model(tiny_capture, tmp_path):
+    from kverr.capture import load_model
+    from kverr.capture.tiny import make_tiny_model
+
+    cap, _, loaded = tiny_capture
+    other = load_model(str(make_tiny_model(tmp_path / "o", "llama", seed=1)))
+    with pytest.raises(CaptureError, match="not with the model given"):
+        calibrate(cap, 4.0, context=160, cands_k=SMALL, cands_v=SMALL, model=other)
+    with pytest.raises(CaptureError, match="token_id"):
+        calibrate(cap.drop_vars("token_id"), 4.0, context=160, cands_k=SMALL, cands_v=SMALL)
+    # a capture whose model cannot be found by its recorded name
+    bad = cap.assign_attrs(model_id=str(tmp_path / "nowhere"))
+    with pytest.raises(CaptureError, match="neither the default model nor a local"):
+        calibrate(bad, 4.0, context=160, cands_k=SMALL, cands_v=SMALL)
+
+
+def test_cli_calibrate_objectives(tiny_capture, tmp_path, capsys):
+    from kverr.cli import main
+
+    _, path, _ = tiny_capture
+    for obj in ("kl", "rel"):
+        out = tmp_path / f"{obj}.json"
+        assert main(["calibrate", "--capture", str(path), "--budget-bits", "4", "--out", str(out),
+                     "--queries", "8", "--workers", "1", "--objective", obj]) == 0
+        o, _ = capsys.readouterr()
+        pv = CacheConfig.load(out).provenance
+        assert pv["objective"] == {"kl": "predicted_kl", "rel": "rel_attn_out_sq"}[obj]
+        assert ("layer sensitivity on 160 tokens" in o) == (obj == "kl") and ("sensitivity" in pv) == (obj == "kl")

@@ -2,6 +2,7 @@
 
 * :mod:`.candidates` -- the candidate formats and model-wide outer options, exact bytes per head;
 * :mod:`.objective` -- predicted damage from the error decomposition on a capture;
+* :mod:`.sensitivity` -- measured per-layer sensitivity (next-token KL per relative error);
 * :mod:`.knapsack` -- exact multiple-choice knapsack, whole Pareto frontier in one pass;
 * :mod:`.search` -- :func:`calibrate` ties them together and writes provenance;
 * :mod:`.export` -- vLLM and transformers exports (and what they cannot express).
@@ -9,11 +10,13 @@
 
 from .candidates import OuterOption, default_candidates, head_bytes
 from .knapsack import Frontier, brute_force, solve
-from .objective import OBJECTIVE_DOC, OBJECTIVE_NAME, predict
+from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVE_KL_NAME, OBJECTIVE_NAME, OBJECTIVES, predict
+from .sensitivity import Sensitivity, measure_sensitivity, sensitivity_for_capture
 from .search import DEFAULT_OPTIONS, Calibration, Scores, calibrate, check_model_matches, score
 
 __all__ = [
-    "Calibration", "DEFAULT_OPTIONS", "Frontier", "OBJECTIVE_DOC", "OBJECTIVE_NAME", "OuterOption",
-    "Scores", "brute_force", "calibrate", "check_model_matches", "default_candidates",
+    "Calibration", "DEFAULT_OPTIONS", "Frontier", "OBJECTIVES", "OBJECTIVE_DOC", "OBJECTIVE_KL_DOC",
+    "OBJECTIVE_KL_NAME", "OBJECTIVE_NAME", "OuterOption", "Scores", "Sensitivity", "measure_sensitivity",
+    "sensitivity_for_capture", "brute_force", "calibrate", "check_model_matches", "default_candidates",
     "head_bytes", "predict", "score", "solve",
 ]

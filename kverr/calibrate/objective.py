@@ -1,6 +1,16 @@
-"""The calibration objective: predicted attention damage of a format, per (layer, kv head, K|V).
+"""The calibration objective: predicted damage of a format, per (layer, kv head, K|V).
 
-Definition (documented in the README). For every layer we sample ``n`` query positions
+Two objectives share one measurement of attention damage (documented in the README):
+
+* ``predicted_kl`` (the default, ``--objective kl``): predicted next-token KL in nats,
+  ``Σ_l w_l · r_l``, where ``r_l`` is layer ``l``'s relative squared attention-output error
+  below and ``w_l`` its *measured* sensitivity (:mod:`.sensitivity`: the model's next-token KL
+  per unit of relative squared error, from noise injected into that layer's ``o_proj`` input on
+  the calibration text). A layer whose errors the rest of the network amplifies gets its bits
+  first.
+* ``rel_attn_out_sq`` (``--objective rel``): ``Σ_l r_l``, every layer with the same weight.
+
+The relative squared error ``r_l``. For every layer we sample ``n`` query positions
 ``p_1 < ... < p_n`` spread over the calibration capture (the first eighth is skipped so each
 query sees a long context) and form, for each query head, the clean scores ``s = c·q Kᵀ``
 (causal), the weights ``a = softmax(s)`` and the output ``o = a V``. A candidate format
@@ -16,10 +26,11 @@ window) a query at ``p`` sees the error only on its quantized keys, ``S <= t <= 
 The damage of a (layer, kv head, K|V, format) is the squared norm of that term, averaged over
 the queries and summed over the query heads that read the kv head, divided by the layer's mean
 squared output norm ``mean ‖o‖²`` times its number of query heads: a *relative* squared
-attention-output error. The predicted damage of a whole config is the sum over layers, kv heads,
-keys and values. Summing assumes the heads' and the two sides' errors add (the cross term is
-second order and left out); :func:`predict` evaluates any config with the same definition, so
-it can be ranked against measured next-token KL.
+attention-output error (of the concatenated heads, the ``o_proj`` input). ``r_l`` sums it over
+the layer's kv heads, keys and values. Summing assumes the heads' and the two sides' errors add
+(the cross term is second order and left out) and, for ``predicted_kl``, that a quantization
+error costs what an isotropic error of the same relative size does; :func:`predict` evaluates
+any config with the same definition, so it can be ranked against measured next-token KL.
 """
 
 from __future__ import annotations
@@ -48,6 +59,14 @@ OBJECTIVE_DOC = (
     "term = key term (a'-a)V for K errors, value term a E_V for V errors (kverr.error.decompose "
     "definitions), sampled queries over the capture, sinks and per-query window masked"
 )
+OBJECTIVE_KL_NAME = "predicted_kl"
+OBJECTIVE_KL_DOC = (
+    "predicted next-token KL in nats: sum over layers l of w_l * r_l, r_l = the layer's "
+    "rel_attn_out_sq (" + OBJECTIVE_DOC + "), w_l = measured next-token KL per unit relative "
+    "squared error of the layer's o_proj input (noise injection, see 'sensitivity')"
+)
+#: ``--objective`` value -> provenance name.
+OBJECTIVES = {"kl": OBJECTIVE_KL_NAME, "rel": OBJECTIVE_NAME}
 
 
 def query_positions(n_tokens: int, queries: int) -> np.ndarray:
@@ -351,11 +370,14 @@ def capture_positions_rope(capture: Any):
 
 
 def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
-            layers: Sequence[int] | None = None) -> dict[str, Any]:
+            layers: Sequence[int] | None = None, weights: Sequence[float] | None = None) -> dict[str, Any]:
     """Predicted damage of any config on a capture (the calibration objective).
 
-    Returns ``{"total": float, "k": [layer] array, "v": [layer] array, "layers": [...]}``;
-    sinks and window act through the per-query mask, formats through the oracle.
+    Returns ``{"total": float, "k": [layer] array, "v": [layer] array, "layers": [...],
+    "relative": float}``; sinks and window act through the per-query mask, formats through the
+    oracle. ``relative`` is the unweighted sum (``rel_attn_out_sq``); with per-layer
+    ``weights`` (a :class:`~.sensitivity.Sensitivity`'s ``weights``, indexed by layer), ``k``,
+    ``v`` and ``total`` are weighted (``predicted_kl``, nats), else ``total == relative``.
     """
     from kverr.dims import LAYER
 
@@ -370,4 +392,9 @@ def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
                              queries=queries, positions=positions, rope=rope)
         dk.append(float(key_damage(prep, key_error(prep, base), [opt]).sum()))
         dv.append(float(value_damage(prep, value_error(prep, base), [opt]).sum()))
-    return {"total": float(sum(dk) + sum(dv)), "k": np.array(dk), "v": np.array(dv), "layers": layers}
+    rel = float(sum(dk) + sum(dv))
+    dk, dv = np.array(dk), np.array(dv)
+    if weights is not None:
+        w = np.asarray(weights, dtype=np.float64)[layers]
+        dk, dv = dk * w, dv * w
+    return {"total": float(dk.sum() + dv.sum()), "k": dk, "v": dv, "layers": layers, "relative": rel}

@@ -28,7 +28,8 @@ from .candidates import OuterOption, check_candidates, default_candidates, head_
 from .knapsack import Frontier, solve
 from .objective import (
     OBJECTIVE_DOC,
-    OBJECTIVE_NAME,
+    OBJECTIVE_KL_DOC,
+    OBJECTIVES,
     _layer_arrays,
     capture_positions_rope,
     prepare_layer,
@@ -64,7 +65,8 @@ class Calibration:
         The chosen config (provenance filled in).
     frontier : pandas.DataFrame
         The Pareto frontier over all outer options: ``option, effective_bits, bytes,
-        predicted`` (+ ``window, sinks, key_pre_rope``), by increasing bits.
+        predicted`` (+ ``window, sinks, key_pre_rope``), by increasing bits; ``predicted`` is in
+        the objective's units (nats of next-token KL for ``objective="kl"``).
     choices : pandas.DataFrame
         One row per (layer, kv_head, which) of the chosen config: format label, bits, bytes,
         predicted damage.
@@ -79,6 +81,8 @@ class Calibration:
     frontiers: dict[OuterOption, Frontier] = field(default_factory=dict)
     context: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    objective: str = "kl"
+    sensitivity: Any = None
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config within another budget (no new scoring)."""
@@ -130,12 +134,13 @@ def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
           options: Sequence[OuterOption], queries: int = 64, page_size: int = 64,
           window_dtype: str = "fp16", workers: int = 1, progress: bool = False,
-          capture_path: str | os.PathLike | None = None) -> Scores:
+          capture_path: str | os.PathLike | None = None, meanwhile=None) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
 
     With ``workers > 1`` and a ``capture_path``, layers are scored by that many processes, each
     opening the capture once and running one torch thread; every layer is computed the same way
-    whichever process takes it, so the tables do not depend on ``workers``.
+    whichever process takes it, so the tables do not depend on ``workers``. ``meanwhile``, a
+    callable, runs in this process while the workers score (before scoring when serial).
     """
     from tqdm.auto import tqdm
 
@@ -161,12 +166,17 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
             futs = [ex.submit(_score_one, job) for job in jobs]
             from concurrent.futures import as_completed
 
+            if meanwhile is not None:
+                meanwhile()
+
             for fut in as_completed(futs):
                 layer, a, b, c = fut.result()
                 dk[:, pos[layer]], dv[:, pos[layer]] = a, b
                 cpu += c
                 bar.update()
     else:
+        if meanwhile is not None:
+            meanwhile()
         for job in jobs:
             layer, a, b, c = _score_one(job)
             dk[:, pos[layer]], dv[:, pos[layer]] = a, b
@@ -182,15 +192,17 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
 # --------------------------------------------------------------------------------------------
 
 
-def _groups(scores: Scores, opt_i: int, n_kv: int):
-    """Groups in a fixed order: for each layer, for each kv head, K then V."""
+def _groups(scores: Scores, opt_i: int, n_kv: int, weights: np.ndarray | None = None):
+    """Groups in a fixed order: for each layer, for each kv head, K then V; damage times the
+    layer's weight when ``weights [layer]`` are given."""
     keys, dmg = [], []
     for li, layer in enumerate(scores.layers):
+        w = 1.0 if weights is None else float(weights[layer])
         for h in range(n_kv):
             keys.append((layer, h, "k"))
-            dmg.append(scores.k[opt_i, li, :, h])
+            dmg.append(scores.k[opt_i, li, :, h] * w)
             keys.append((layer, h, "v"))
-            dmg.append(scores.v[opt_i, li, :, h])
+            dmg.append(scores.v[opt_i, li, :, h] * w)
     return keys, dmg
 
 
@@ -221,6 +233,10 @@ def calibrate(
     capture_path: str | os.PathLike | None = None,
     name: str | None = None,
     scores: Scores | None = None,
+    objective: str = "kl",
+    sensitivity: Any = None,
+    model: Any = None,
+    sensitivity_tokens: int | None = None,
 ) -> Calibration:
     """Choose a format per (layer, kv head, K|V) minimising the predicted damage within a budget.
 
@@ -244,6 +260,13 @@ def calibrate(
         Processes scoring layers in parallel (needs ``capture_path``).
     scores : Scores, optional
         Reuse earlier damage tables (same candidates and options).
+    objective : {"kl", "rel"}
+        ``"kl"``: predicted next-token KL, each layer's relative error weighted by its measured
+        sensitivity (:mod:`.sensitivity`); ``"rel"``: relative errors summed with equal weights.
+    sensitivity : Sensitivity, optional
+        Reuse a measured sensitivity (``"kl"`` only); otherwise it is measured with the
+        capture's model (or ``model``: a spec or a LoadedModel, which must be the capture's),
+        on the capture's first ``sensitivity_tokens`` tokens, while the workers score.
     """
     import time
 
@@ -269,6 +292,10 @@ def calibrate(
         raise ConfigError("give at least one outer option, without duplicates")
     if any(o.key_pre_rope for o in options) and "k_pre" not in capture:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective={objective!r} is not known; use one of {sorted(OBJECTIVES)}")
+    if objective == "rel" and sensitivity is not None:
+        raise ConfigError("a sensitivity was given but objective='rel' does not use one")
     cands_k = tuple(cands_k or default_candidates(head_dim))
     cands_v = tuple(cands_v or default_candidates(head_dim))
     check_candidates(cands_k, head_dim, page_size, "key")
@@ -289,16 +316,39 @@ def calibrate(
             f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens: the "
             f"cheapest possible config costs {cheapest_bits:.4f} effective bits ({cheapest} bytes)"
         )
+    sens_box: dict[str, Any] = {"s": sensitivity}
+
+    def _measure() -> None:
+        from .sensitivity import DEFAULT_TOKENS, sensitivity_for_capture
+
+        ts = time.perf_counter()
+        sens_box["s"] = sensitivity_for_capture(capture, model=model, tokens=sensitivity_tokens or DEFAULT_TOKENS,
+                                                threads=1, progress=progress)
+        sens_box["t"] = time.perf_counter() - ts
+
+    need_sens = objective == "kl" and sensitivity is None
+    if need_sens:
+        from .sensitivity import check_capture_model
+
+        model = check_capture_model(capture, model)  # load once; refuse before any scoring work
     if scores is None:
         scores = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=queries,
                        page_size=page_size, window_dtype=window_dtype, workers=workers,
-                       progress=progress, capture_path=capture_path)
+                       progress=progress, capture_path=capture_path, meanwhile=_measure if need_sens else None)
+    elif need_sens:
+        _measure()
+    sensitivity = sens_box["s"]
+    weights = None
+    if objective == "kl":
+        weights = np.asarray(sensitivity.weights, dtype=np.float64)
+        if weights.shape != (n_layers_model,) or not np.all(np.isfinite(weights)) or np.any(weights < 0):
+            raise ConfigError(f"the sensitivity must hold {n_layers_model} finite non-negative layer weights")
     t1 = time.perf_counter()
     max_bytes = math.ceil(max(max_bits, budget_bits) * 2 * n_layers_model * n_kv * head_dim * context / 8)
     frontiers: dict[OuterOption, Frontier] = {}
     rows = []
     for oi, opt in enumerate(options):
-        keys, dmg = _groups(scores, oi, n_kv)
+        keys, dmg = _groups(scores, oi, n_kv, weights)
         ck = _costs(cands_k, opt, head_dim, context, page_size, window_dtype, align)
         cv = _costs(cands_v, opt, head_dim, context, page_size, window_dtype, align)
         costs = [ck if w == "k" else cv for (_, _, w) in keys]
@@ -315,8 +365,10 @@ def calibrate(
     cal = Calibration(
         config=None, frontier=pareto.reset_index(drop=True), choices=None, scores=scores,  # type: ignore[arg-type]
         frontiers=frontiers, context=context,
-        seconds={"score": t1 - t0, "search": t2 - t1},
+        seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0)},
+        objective=objective, sensitivity=sensitivity,
     )
+    cal._weights = weights
     cal._meta = dict(n_layers=n_layers_model, n_kv=n_kv, head_dim=head_dim, page_size=page_size,
                      window_dtype=window_dtype, align=align, capture=_capture_provenance(capture))
     cal.config = _build(cal, budget_bits, name)
@@ -343,6 +395,7 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
     oi = list(cal.frontiers).index(opt)
     fr = cal.frontiers[opt]
     pick = fr.choices[int(row["index"])]
+    weights = getattr(cal, "_weights", None)
     keys, _ = _groups(cal.scores, oi, n_kv)
     sc = cal.scores
     chosen: dict[tuple[int, int, str], QuantFormat] = {}
@@ -352,11 +405,12 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
         f = cands[int(j)]
         chosen[(layer, h, w)] = f
         li = sc.layers.index(layer)
-        d = (sc.k if w == "k" else sc.v)[oi, li, int(j), h]
+        rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
+        d = rel * (1.0 if weights is None else float(weights[layer]))
         b = head_bytes(f, opt, D, cal.context, m["page_size"], m["window_dtype"], m["align"])
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
-                         bytes=b, predicted=float(d)))
+                         bytes=b, predicted=float(d), relative=rel))
     choices = pd.DataFrame(recs)
     default = {w: Counter(f for (_, _, ww), f in sorted(chosen.items(), key=lambda kv: kv[0]) if ww == w)
                for w in ("k", "v")}
@@ -378,9 +432,10 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
         "bytes": int(row["bytes"]),
         "context_tokens": cal.context,
         "batch": 1,
-        "objective": OBJECTIVE_NAME,
-        "objective_definition": OBJECTIVE_DOC,
+        "objective": OBJECTIVES[cal.objective],
+        "objective_definition": OBJECTIVE_KL_DOC if cal.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),
+        "predicted_relative": float(choices["relative"].sum()),
         "predicted_k": float(choices.loc[choices.which == "k", "predicted"].sum()),
         "predicted_v": float(choices.loc[choices.which == "v", "predicted"].sum()),
         "queries_per_layer": sc.queries,
@@ -390,6 +445,8 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
         "candidates_v": len(sc.cands_v),
         "knapsack": {"unit_bytes": fr.unit, "exact": fr.exact},
     }
+    if cal.objective == "kl":
+        prov["sensitivity"] = cal.sensitivity.to_dict()
     cfg = CacheConfig(
         k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope,
         page_size=m["page_size"], window_dtype=m["window_dtype"], align=m["align"], heads=heads,

@@ -61,12 +61,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queries", type=positive_int, default=32, help="sampled queries per layer (default: %(default)s)")
     p.add_argument("--max-bits", type=float, default=8.0, help="frontier up to this many bits (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="processes scoring layers (default: %(default)s)")
+    p.add_argument("--objective", default="kl", choices=("kl", "rel"),
+                   help="kl (default): predicted next-token KL, each layer's relative attention-output "
+                   "error weighted by its sensitivity, measured with the capture's model by noise "
+                   "injection; rel: relative errors summed with equal layer weights")
+    p.add_argument("--model", help="the capture's model (default: the one the capture names; it is "
+                   "refused unless its weights are the capture's)")
+    p.add_argument("--sensitivity-tokens", type=positive_int, default=640,
+                   help="calibration tokens the sensitivity is measured on (default: %(default)s)")
     p.add_argument("--name", help="config name (default: calibrated-<budget>b)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from kverr.calibrate import OuterOption, calibrate
     from kverr.config import atomic_write_text
     from kverr.errors import OutputExistsError
@@ -88,14 +98,23 @@ def run(args: argparse.Namespace) -> int:
         if cal is None:
             cal = calibrate(capture, b, context=args.context, options=options, queries=args.queries,
                             max_bits=max(args.max_bits, *budgets), workers=args.workers,
-                            progress=progress, capture_path=args.capture, name=args.name)
+                            progress=progress, capture_path=args.capture, name=args.name,
+                            objective=args.objective, model=args.model,
+                            sensitivity_tokens=args.sensitivity_tokens)
             cfg = cal.config
+            if cal.sensitivity is not None:
+                sv = cal.sensitivity
+                r = sv.quadratic_ratio
+                print(f"layer sensitivity on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
+                      f"w = {sv.weights.min():.3g} .. {sv.weights.max():.3g} nats per unit relative squared "
+                      f"error (layer {int(sv.weights.argmax())} highest); quadratic check "
+                      f"KL(eps2)/KL(eps1)*(eps1/eps2)^2 = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
         else:
             cfg = cal.config_at(b, args.name)
         cfg.save(out)
         pv = cfg.provenance
         print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
-              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, predicted damage "
+              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, predicted {pv['objective']} "
               f"{pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, V {pv['predicted_v']:.3g})")
     assert cal is not None
     if args.frontier:

@@ -116,7 +116,7 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     # 3. calibrate
     context = prefill + decode
     cal = calibrate(capture, budget, context=context, queries=queries, workers=workers,
-                    capture_path=cap_path, progress=progress)
+                    capture_path=cap_path, progress=progress, model=loaded)
     cfg = cal.config
     check_model_matches(cfg, loaded.weights_sha256, loaded.model_id)
     cfg_path = cfg.save(out / f"calibrated-{budget:g}b.json")
@@ -144,7 +144,8 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     pred = {}
     for s in sch:
         if s.config is not None:
-            pred[s.name] = predict(capture, s.config, queries=queries)["total"]
+            pred[s.name] = predict(capture, s.config, queries=queries,
+                                   weights=cal.sensitivity.weights)["total"]
     summ["predicted"] = summ["scheme"].map(pred)
     atomic_write_text(out / "evaluate.segments.csv", df.to_csv(index=False))
     atomic_write_text(out / "evaluate.csv", summ.to_csv(index=False))
