@@ -134,7 +134,11 @@ def test_objective_sanity_more_bits_less_damage_and_zero_error_zero_damage():
     z = torch.zeros_like(k)
     assert np.all(key_damage(prep, z, [OuterOption()]) == 0)
     assert np.all(value_damage(prep, z, [OuterOption()]) == 0)
-    from kverr.calibrate.objective import _errors_both
+    from kverr.calibrate.objective import key_error, value_error
+
+    def _errors_both(prep, f, _pre, _page, _wd):
+        cfg = CacheConfig(k=f, v=f)
+        return key_error(prep, cfg), value_error(prep, cfg)
 
     dmg = {}
     for bits in (2, 4, 8):
@@ -429,3 +433,42 @@ def test_cli_calibrate_objectives(tiny_capture, tmp_path, capsys):
         pv = CacheConfig.load(out).provenance
         assert pv["objective"] == {"kl": "predicted_kl", "rel": "rel_attn_out_sq"}[obj]
         assert ("layer sensitivity on 160 tokens" in o) == (obj == "kl") and ("sensitivity" in pv) == (obj == "kl")
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared reconstruction used by scoring: the oracle, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+@given(st.integers(0, 6), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_fwht_is_the_oracles_hadamard_rotation_bit_for_bit(log_d, rows, seed):
+    from kverr.calibrate.fastrecon import fwht
+    from kverr.quant.reference import hadamard_rotate
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((rows, 3, 2 ** log_d), generator=g) * torch.exp(torch.randn((rows, 3, 1), generator=g) * 3)
+    x0 = x.clone()
+    assert torch.equal(fwht(x), hadamard_rotate(x))
+    assert torch.equal(x, x0)  # the input is not written
+
+
+@pytest.mark.parametrize("layer,T", [(0, 437), (29, 512)])
+def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer, T):
+    """Real keys and values (the bundled capture, layer 0 or 29), every default candidate plus
+    static, percentile and symmetric formats, a length that leaves partial token blocks."""
+    from kverr.calibrate.fastrecon import SharedReconstruct
+    from kverr.io import open_capture
+    from kverr.quant import Percentile
+    from kverr.quant.store import reconstruct
+
+    cap = open_capture("data/smollm2-pydoc-512.zarr")
+    extra = (int_format(4, PerChannel(32), clip=Percentile(99.0)), int_format(4, PerHead(), symmetric=True),
+             int_format(3, PerTokenGroup(16), symmetric=True, clip=__import__("kverr.calibrate.candidates").calibrate
+                        .candidates.CALIBRATION_MSE_CLIP), float_format("bf16"))
+    sel = cap.sel(layer=layer)
+    x = torch.cat([torch.as_tensor(sel["k"].values[:, :T]), torch.as_tensor(sel["v"].values[:, :T])])
+    shared = SharedReconstruct(x)
+    for f in (*default_candidates(64), *extra):
+        want = reconstruct(x, CacheConfig(k=f, v=f), layer=0, which="k")
+        got = shared(f)
+        assert got.dtype == torch.float32 and torch.equal(got, want), f.label()

@@ -268,44 +268,6 @@ def value_damage(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOpti
     return value_damage_batch(prep, e_v[None], options)[0]
 
 
-def _errors_both(prep: LayerPrep, fmt: QuantFormat, pre: bool, page_size: int,
-                 window_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(E_K, E_V)`` of one format (see :func:`_errors`)."""
-    e = _errors(prep, fmt, (pre,), True, page_size, window_dtype)
-    return e[pre], e["v"]
-
-
-def _errors(prep: LayerPrep, fmt: QuantFormat, pres: Sequence[bool], with_v: bool, page_size: int,
-            window_dtype: str) -> dict:
-    """Errors of one format from ONE oracle call: post-RoPE keys, pre-RoPE keys (made
-    post-RoPE after reconstruction) and values stacked on the head axis. Every candidate's
-    scale groups lie within one head, so this equals separate calls, bit for bit.
-
-    Returns ``{False: E_K (post), True: E_K (pre-RoPE path), "v": E_V}`` for the parts asked.
-    """
-    n_kv = prep.k.shape[0]
-    cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
-    parts: list[tuple[Any, torch.Tensor]] = []
-    for pre in pres:
-        kin = prep.k_pre if pre else prep.k
-        if kin is None:
-            raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
-        parts.append((pre, kin))
-    if with_v:
-        parts.append(("v", prep.v))
-    both = reconstruct(torch.cat([p for _, p in parts]), cfg, layer=prep.layer, which="k")
-    out: dict = {}
-    for i, (name, clean) in enumerate(parts):
-        hat = both[i * n_kv:(i + 1) * n_kv].to(torch.float32)
-        if name is True:
-            from kverr.rope import apply_rope
-
-            hat = apply_rope(hat, prep.positions, prep.rope).to(torch.float32)
-            clean = prep.k
-        out[name] = hat - clean
-    return out
-
-
 #: Candidates whose damage is formed in one batch (bounds memory: ~C * q_head * n * T floats).
 BATCH = 8
 
@@ -315,9 +277,13 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
                 window_dtype: str = "fp16", batch: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
     """Damage tables of one layer: ``K [option, cand_k, kv_head]``, ``V [option, cand_v, kv_head]``.
 
-    One oracle call per distinct format (keys of every RoPE side and values stacked), then the
-    key and value damage of ``batch`` candidates at a time for every outer option at once.
+    The keys of every RoPE side and the values are stacked on the head axis and reconstructed
+    under every distinct format by :class:`~.fastrecon.SharedReconstruct` (the oracle's
+    ``reconstruct``, bit for bit, with the format-independent work done once), then the key and
+    value damage of ``batch`` candidates at a time for every outer option at once.
     """
+    from .fastrecon import SharedReconstruct
+
     n_kv = prep.k.shape[0]
     dk = np.empty((len(options), len(cands_k), n_kv))
     dv = np.empty((len(options), len(cands_v), n_kv))
@@ -326,10 +292,33 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     k_index = {f: j for j, f in enumerate(cands_k)}
     v_index = {f: j for j, f in enumerate(cands_v)}
     fmts = list(dict.fromkeys([*cands_k, *cands_v]))
+    parts: list[tuple[Any, torch.Tensor]] = []
+    for pre in pres:
+        kin = prep.k_pre if pre else prep.k
+        if kin is None:
+            raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
+        parts.append((pre, kin))
+    parts.append(("v", prep.v))
+    shared = SharedReconstruct(torch.cat([p for _, p in parts]), page_size=page_size, window_dtype=window_dtype)
+
+    def errors(f: QuantFormat) -> dict:
+        both = shared(f)
+        out: dict = {}
+        for i, (name, clean) in enumerate(parts):
+            if (name == "v" and f not in v_index) or (name != "v" and f not in k_index):
+                continue
+            hat = both[i * n_kv:(i + 1) * n_kv]
+            if name is True:
+                from kverr.rope import apply_rope
+
+                hat = apply_rope(hat, prep.positions, prep.rope).to(torch.float32)
+                clean = prep.k
+            out[name] = hat - clean
+        return out
+
     for b0 in range(0, len(fmts), batch):
         chunk = fmts[b0:b0 + batch]
-        errs = [_errors(prep, f, pres if f in k_index else (), f in v_index, page_size, window_dtype)
-                for f in chunk]
+        errs = [errors(f) for f in chunk]
         for pre in pres:
             js = [k_index[f] for f in chunk if f in k_index]
             if js:
