@@ -88,6 +88,10 @@ class _Group:
     heads: list[int]
     sinks: torch.Tensor | None = None  # [B, h, s, D] window_dtype
     chunks: list[QTensor] = field(default_factory=list)  # quantized, in token order
+    # dequantize(chunk) of chunks[i], kept because a stored chunk never changes: a decode step
+    # then reads the cache without dequantizing all of it again (a compute cache, not storage:
+    # not counted by nbytes)
+    decoded: list[torch.Tensor] = field(default_factory=list)
     pending: torch.Tensor | None = None  # [B, h, p, D] window_dtype
     static_scale: torch.Tensor | None = None
     static_zero: torch.Tensor | None = None
@@ -242,7 +246,9 @@ class KverrLayer(CacheLayerMixin):
             parts = []
             if g.sinks is not None:
                 parts.append(g.sinks.float())
-            parts += [dequantize(c) for c in g.chunks]
+            for i in range(len(g.decoded), len(g.chunks)):
+                g.decoded.append(dequantize(g.chunks[i]))
+            parts += g.decoded
             if g.pending is not None and g.pending.shape[2]:
                 parts.append(g.pending.float())
             x = torch.cat(parts, dim=2)
