@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--context", type=int, default=1280)
     ap.add_argument("--queries", type=int, default=32)
+    ap.add_argument("--objective", default="kl", choices=("kl", "rel"))
     args = ap.parse_args()
     import torch
 
@@ -35,7 +36,7 @@ def main() -> None:
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     cal = calibrate(cap, 4.0, context=args.context, queries=args.queries, workers=args.workers,
-                    capture_path=args.capture)
+                    capture_path=args.capture, objective=args.objective)
     wall = time.perf_counter() - t0
     ru_self = resource.getrusage(resource.RUSAGE_SELF)
     ru_kids = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -45,6 +46,8 @@ def main() -> None:
     print(f"capture: {cap.sizes['layer']} layers x {cap.sizes['token']} tokens, "
           f"{len(cal.scores.cands_k)} K and {len(cal.scores.cands_v)} V candidates, "
           f"{len(cal.scores.options)} outer options, {args.queries} queries/layer, {args.workers} workers")
+    print(f"objective {args.objective}; model load {cal.seconds.get('model_load', 0.0):.1f} s (before scoring), "
+          f"layer sensitivity {cal.seconds.get('sensitivity', 0.0):.1f} s (main process, while the workers score)")
     print(f"wall {wall:.1f} s (score {cal.seconds['score']:.1f} s, search {cal.seconds['search']:.1f} s), "
           f"CPU {cpu:.1f} s (of which scoring layers {cal.scores.cpu_seconds:.1f} s)")
     # On an idle machine every worker gets a whole core: scoring takes about its CPU / workers.

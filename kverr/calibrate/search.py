@@ -330,7 +330,9 @@ def calibrate(
     if need_sens:
         from .sensitivity import check_capture_model
 
+        tl = time.perf_counter()
         model = check_capture_model(capture, model)  # load once; refuse before any scoring work
+        sens_box["load"] = time.perf_counter() - tl
     if scores is None:
         scores = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=queries,
                        page_size=page_size, window_dtype=window_dtype, workers=workers,
@@ -365,7 +367,8 @@ def calibrate(
     cal = Calibration(
         config=None, frontier=pareto.reset_index(drop=True), choices=None, scores=scores,  # type: ignore[arg-type]
         frontiers=frontiers, context=context,
-        seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0)},
+        seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0),
+                 "model_load": sens_box.get("load", 0.0)},
         objective=objective, sensitivity=sensitivity,
     )
     cal._weights = weights

@@ -107,7 +107,6 @@ class Sensitivity:
             "weights": [float(x) for x in self.weights],
             "kl": [[float(x) for x in row] for row in self.kl],
             "quadratic_ratio": [float(x) for x in self.quadratic_ratio],
-            "seconds": round(float(self.seconds), 2),
         }
 
     @classmethod
