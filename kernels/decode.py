@@ -137,7 +137,8 @@ def _pv(p, v, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
 
 @triton.jit
 def paged_decode_kernel(
-    Q, sq_b, sq_h,  # [B, Hq, D] queries (post-RoPE)
+    Q, sq_b, sq_h,  # [rows, Hq, D] queries (post-RoPE); row QSTART[b] + m is query m of sequence b
+    QSTART, QN,  # [B] int32: first query row and number of queries of each sequence
     SEQ_LENS,  # [B] int32 tokens in each sequence (including this step's)
     BT, sbt_b,  # [B, max_pages] int32 block table
     HEADS, KMAP, VMAP,  # [n] int32: global kv head, its index in the K group and in the V group
@@ -157,12 +158,22 @@ def paged_decode_kernel(
     V_STATIC: tl.constexpr, V_CB: tl.constexpr,
     K_ROT: tl.constexpr, V_ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, K_PRE: tl.constexpr,
     TAIL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
+    QM: tl.constexpr, QB: tl.constexpr,
 ):
-    """Grid ``(B, n, NS)`` (main: quantized tokens, split ``pid2``) or ``(B, n, 1)`` (``TAIL``)."""
-    b = tl.program_id(0)
+    """Grid ``(B * QB, n, NS)`` (main: quantized tokens, split ``pid2``) or ``(B * QB, n, 1)`` (``TAIL``).
+
+    Program ``pid0 = b * QB + j`` serves queries ``j*QM .. j*QM + QM - 1`` of sequence ``b``: the
+    tile rows are (query, query head) pairs, ``QM * REP`` of them. Decode is ``QM = QB = 1``
+    (the last token); a prefill chunk of ``n`` queries at positions ``T - n .. T - 1`` uses
+    ``QM > 1`` and a causal mask (query at ``p`` sees tokens ``t <= p``).
+    """
+    b = tl.program_id(0) // QB
+    qblk = tl.program_id(0) % QB
     hi = tl.program_id(1)
     sp = tl.program_id(2)
     T = tl.load(SEQ_LENS + b)
+    qs = tl.load(QSTART + b)
+    nq = tl.load(QN + b)
     hg = tl.load(HEADS + hi)
     hk = tl.load(KMAP + hi).to(tl.int64)
     hv = tl.load(VMAP + hi).to(tl.int64)
@@ -174,9 +185,12 @@ def paged_decode_kernel(
 
     c = tl.arange(0, D)
     hr = tl.arange(0, BLOCK_H)
-    hmask = hr < REP
-    qh = hg * REP + hr
-    q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + c[None, :], mask=hmask[:, None], other=0.0)
+    qm = qblk * QM + hr // REP  # query index within the sequence's chunk
+    hmask = (hr < QM * REP) & (qm < nq)
+    qh = hg * REP + hr % REP
+    qrow = (qs + qm).to(tl.int64)
+    pos = T - nq + qm  # the query's position
+    q = tl.load(Q + qrow[:, None] * sq_b + qh[:, None] * sq_h + c[None, :], mask=hmask[:, None], other=0.0)
     q = q.to(tl.float32) * qk_scale
     # rotated keys: rotate the query once, unless the rows must be un-rotated anyway (tail, RoPE)
     ROT_Q: tl.constexpr = K_ROT and not TAIL and not K_PRE
@@ -196,6 +210,8 @@ def paged_decode_kernel(
     else:
         lo = start + sp * CHUNK
         hi_ = tl.minimum(lo + CHUNK, e0)
+        if QM > 1:  # no query of this block sees past its last position
+            hi_ = tl.minimum(hi_, T - nq + tl.minimum(qblk * QM + QM, nq))
     for v0 in range(lo, hi_, BLOCK_N):
         vi = v0 + tl.arange(0, BLOCK_N)
         nmask = vi < hi_
@@ -221,10 +237,18 @@ def paged_decode_kernel(
         if K_PRE:
             k = _rope_rows(k, t, nmask, COS, SIN, BLOCK_N, D)
         s = _scores(q, k, USE_DOT, DOT_FP16)
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if QM > 1:
+            s = tl.where(nmask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+            # a row may have seen no token yet: keep its running max finite for the exponentials
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+        else:
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         vrow, vsrow = _offsets(t, start, b64, BT, sbt_b, P, hv, svc_p, svc_h, svs_p, svs_h,
@@ -242,7 +266,7 @@ def paged_decode_kernel(
     if V_ROT and not TAIL:
         acc = fwht(acc, BLOCK_H, D, LOG2D, RSCALE)
     split = SPLIT0 + sp
-    prow = (b64 * HQ + qh) * NSP + split
+    prow = (qrow * HQ + qh) * NSP + split
     tl.store(PO + prow[:, None] * D + c[None, :], acc, mask=hmask[:, None])
     tl.store(PM + prow, m_i, mask=hmask)
     tl.store(PL + prow, l_i, mask=hmask)
@@ -251,7 +275,7 @@ def paged_decode_kernel(
 @triton.jit
 def merge_kernel(PO, PM, PL, OUT, so_b, so_h, NSP, HQ: tl.constexpr, D: tl.constexpr,
                  BLOCK_S: tl.constexpr):
-    """Combine the ``NSP`` partials of query head ``pid1`` of sequence ``pid0``. Grid ``(B, Hq)``."""
+    """Combine the ``NSP`` partials of query head ``pid1`` of query row ``pid0``. Grid ``(rows, Hq)``."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sidx = tl.arange(0, BLOCK_S)

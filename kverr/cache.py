@@ -350,10 +350,14 @@ def _register_kernel_attention(inner: str) -> str:
 
     def paged_attention(module, query, key, value, attention_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
         cache = getattr(module, "_kverr_kernel_cache", None)
-        if cache is not None and query.shape[2] == 1 and cache.decoding:
-            out = cache.paged.decode(cache.step, module.layer_idx, query[:, :, 0, :].float(),
-                                     sm_scale=kwargs.get("scaling"))
-            return out[:, None].to(query.dtype), None  # [B, 1, n_q_heads, D]
+        if cache is not None and cache.decoding:
+            if query.shape[2] == 1:
+                out = cache.paged.decode(cache.step, module.layer_idx, query[:, :, 0, :].float(),
+                                         sm_scale=kwargs.get("scaling"))
+                return out[:, None].to(query.dtype), None  # [B, 1, n_q_heads, D]
+            # a later chunk of several tokens: causal attention over the cache as stored
+            out = cache.paged.prefill(cache.step, module.layer_idx, query.float(), sm_scale=kwargs.get("scaling"))
+            return out.transpose(1, 2).to(query.dtype), None  # [B, n, n_q_heads, D]
         if inner == "eager":
             fn = sys.modules[type(module).__module__].eager_attention_forward
         else:
@@ -405,7 +409,10 @@ class KernelKVCache(Cache):
     model's own attention. On a CPU the kernels run in the Triton interpreter
     (``TRITON_INTERPRET=1``), slowly but exactly.
 
-    Use :meth:`for_model`; a batch of equal-length sequences; one prefill, then one token per step.
+    Use :meth:`for_model`; a batch of equal-length sequences. The first forward pass (the prefill)
+    attends with the model's own attention; every later one -- single tokens with the decode
+    kernel, chunks of several tokens with the chunked-prefill kernel -- attends to the cache as
+    stored (sinks and window in full precision, the rest dequantized), as :class:`KverrCache` does.
     """
 
     def __init__(self, model: Any, config: CacheConfig, *, batch: int = 1, max_tokens: int = 4096, **kwargs: Any) -> None:
@@ -449,8 +456,6 @@ class KernelKVCache(Cache):
         if B != self.batch:
             raise ShapeError(f"this cache holds {self.batch} sequences, got a batch of {B}")
         if layer == 0:
-            if n > 1 and self.length:
-                raise ConfigError("chunked prefill over the quantized cache is not supported: prefill once, then decode one token per step")
             self.decoding = self.length > 0
             self.step = self.paged.plan([n] * B)
             self.length += n

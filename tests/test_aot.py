@@ -18,10 +18,11 @@ def _check(rows, arch, strict=True):
     assert rows, "nothing compiled"
     assert {r.arch for r in rows} == {arch}
     stores = [r for r in rows if r.kernel == "quant_store"]
-    decodes = [r for r in rows if r.kernel.startswith("decode")]
+    decodes = [r for r in rows if r.kernel.startswith(("decode", "prefill"))]
     assert len(stores) == len(formats(False)) and len(decodes) >= 2 * len(formats(False))
+    assert any(r.kernel.startswith("prefill") for r in rows) and any("pre-RoPE" in r.spec for r in rows)
     spilling = [r for r in decodes if (r.spills if strict else r.local > 0)]
-    assert not spilling, "decode spills:\n" + table(spilling)
+    assert not spilling, "decode/prefill spills:\n" + table(spilling)
     assert all(r.registers <= 255 for r in rows)
 
 

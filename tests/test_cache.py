@@ -228,3 +228,32 @@ def test_cache_for_picks_the_reference_path_on_a_cpu(tiny):
     assert not kernels_support(PRESETS["kivi-2"].with_(k=int_format(4, PerToken(), clip=Percentile(99.0))))
     with pytest.raises(ConfigError, match="backend='gpu' is not allowed"):
         cache_for(tiny.model, PRESETS["kivi-2"], backend="gpu")
+
+
+def _chunked_logprobs(model, cache, ids, chunks):
+    from kverr.evaluate import _cache_kwarg
+
+    out, t, kw = [], 0, _cache_kwarg(model)
+    with torch.no_grad():
+        for n in chunks:
+            logits = model(input_ids=ids[None, t:t + n], use_cache=True, **{kw: cache}).logits[0]
+            out.append(torch.log_softmax(logits.float(), -1))
+            t += n
+    return torch.cat(out)
+
+
+@pytest.mark.slow
+def test_kernel_path_chunked_prefill_agrees_with_the_reference_path(tiny):
+    """Chunks of several tokens after the prefill run the chunked-prefill kernel (causal attention
+    over the cache as stored); single tokens the decode kernel. Same log-probs as KverrCache."""
+    from kverr.cache import KernelKVCache, cache_for
+
+    cfg = PRESETS["kivi-2"].with_(window=6, sinks=2)
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(5))
+    chunks = [20, 9, 1, 17, 1, 12]
+    ref = _chunked_logprobs(tiny.model, cache_for(tiny.model, cfg), ids, chunks)
+    with KernelKVCache.for_model(tiny.model, cfg, max_tokens=64) as kc:
+        got = _chunked_logprobs(tiny.model, kc, ids, chunks)
+    assert float((ref - got).abs().max()) < 1e-4
+    fp16 = _chunked_logprobs(tiny.model, cache_for(tiny.model, PRESETS["fp16"]), ids, chunks)
+    assert float((ref - fp16)[20:].abs().max()) > 1e-3  # the chunks really read quantized tokens

@@ -28,7 +28,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kverr.errors import KernelError
-from kverr.gpu.launch import DECODE_MAXNREG, DECODE_WARPS, STORE_OPTIONS, decode_block_n, decode_constexprs, store_constexprs, store_warps
+from kverr.gpu.launch import (
+    DECODE_MAXNREG,
+    DECODE_WARPS,
+    STORE_OPTIONS,
+    decode_block_n,
+    decode_constexprs,
+    prefill_queries_per_program,
+    store_constexprs,
+    store_warps,
+)
 from kverr.gpu.spec import KernelSpec, kernel_spec
 from kverr.quant.formats import (
     PerChannel,
@@ -128,7 +137,7 @@ def store_signature(spec: KernelSpec) -> dict:
 
 
 def decode_signature(ks: KernelSpec, vs: KernelSpec) -> dict:
-    sig = {"Q": "*fp16", "sq_b": "i32", "sq_h": "i32", "SEQ_LENS": "*i32", "BT": "*i32", "sbt_b": "i32",
+    sig = {"Q": "*fp16", "sq_b": "i32", "sq_h": "i32", "QSTART": "*i32", "QN": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "sbt_b": "i32",
            "HEADS": "*i32", "KMAP": "*i32", "VMAP": "*i32"}
     for p, s in (("K", ks), ("V", vs)):
         low = p.lower()
@@ -206,16 +215,23 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
                            "int2a/ch32/fp16/mse/had", "fp8_e4m3/tok/fp32", "int8a/page/fp16/mse/had",
                            "int3s/tg32/fp16/mse/had", "int3a/ch32/fp16/mse/had", "int4a/head/fp16/mse/had") if n in by]
     pairs += [(s, by.get("int4a/tok/fp16", s), True) for s in pre]
-    for ks, vs, kpre in pairs:
+    # chunked prefill (QM queries per program, causal): the same key formats, plus a kivi-like pair
+    qm = prefill_queries_per_program(rep)
+    chunked = [(s, s, False, qm) for s in pre]
+    if "int2a/ch32/fp16" in by and "int2a/tg32/fp16" in by:
+        chunked.append((by["int2a/ch32/fp16"], by["int2a/tg32/fp16"], False, qm))
+    chunked.append((by["int4a/tok/fp16/mse/had"], by["int4a/tok/fp16"], True, qm))
+    for ks, vs, kpre, m in [(a, b, c, 1) for a, b, c in pairs] + chunked:
         for tail in (False, True):
-            jobs.append(("decode" + ("_tail" if tail else ""),
+            jobs.append((("decode" if m == 1 else "prefill") + ("_tail" if tail else ""),
                          f"K {ks.fmt.label()}{' pre-RoPE' if kpre else ''} V {vs.fmt.label()}",
                          decode.paged_decode_kernel, decode_signature(ks, vs),
                          decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P, tail=tail,
-                                           dot_fp16=True, key_pre_rope=kpre)))
+                                            dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1)))
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
-        warps = DECODE_WARPS if kname.startswith("decode") else store_warps(cx["BLOCK_R"], D)
-        c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG, None if kname.startswith("decode") else STORE_OPTIONS)
+        attn = kname.startswith(("decode", "prefill"))
+        warps = DECODE_WARPS if attn else store_warps(cx["BLOCK_R"], D)
+        c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG, None if attn else STORE_OPTIONS)
         out.append(Resource(kname, label, arch, num_warps=warps, **resource_usage(c)))
         if progress:
             progress(i + 1, len(jobs))

@@ -388,6 +388,8 @@ class PagedKVCache:
             partial_o=torch.empty((self.B, self.Hq, nsp, self.D), dtype=torch.float32, device=dev),
             partial_m=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
             partial_l=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
+            extras=dict(decode_rows=torch.arange(self.B, dtype=torch.int32, device=dev),
+                        decode_n=torch.ones(self.B, dtype=torch.int32, device=dev)),
         )
 
     def _jobs(self, tb: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
@@ -517,6 +519,74 @@ class PagedKVCache:
             launch_decode(self, step, ln, q, scale, tail=True)
         launch_merge(step, out, self.Hq, self.D)
         return out
+
+    def prefill(self, step: StepPlan, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunked prefill: attention of this step's new tokens over the cache as stored (causal).
+
+        Query ``m`` of sequence ``b`` (``new_tokens[b]`` of them, at positions
+        ``T_b - new_tokens[b] + m``) attends to every token up to its own position, read as the
+        cache holds it after this step's :meth:`store`: sinks and window in full precision, the
+        rest -- including this chunk's own tokens once they left the window -- dequantized.
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[n_rows, n_q_heads, D]`` post-RoPE queries, the step's new tokens of every sequence
+            in order (as :meth:`store` takes keys), or ``[B, n_q_heads, n, D]`` with equal ``n``.
+        sm_scale : float, optional
+            Logit scale, default ``1/sqrt(D)``.
+        out : torch.Tensor, optional
+            ``[n_rows, n_q_heads, D]`` output buffer.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[n_rows, n_q_heads, D]`` (or ``[B, n_q_heads, n, D]`` for 4-d ``q``).
+        """
+        from kverr.gpu.launch import launch_decode, launch_merge, prefill_queries_per_program
+
+        self._check_layer(layer)
+        four_d = isinstance(q, torch.Tensor) and q.ndim == 4
+        if four_d:
+            n = int(q.shape[2])
+            if q.shape[0] != self.B or q.shape[1] != self.Hq or not (step.new_tokens == n).all():
+                raise ShapeError(f"q of shape {tuple(q.shape)} needs [{self.B}, {self.Hq}, n, {self.D}] with new_tokens == [n] * {self.B}")
+            q = q.permute(0, 2, 1, 3).reshape(-1, self.Hq, self.D)
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != (step.n_rows, self.Hq, self.D):
+            raise ShapeError(f"q must be [{step.n_rows}, {self.Hq}, {self.D}] (this step's new tokens of every "
+                             f"sequence, in order), got {tuple(getattr(q, 'shape', ()))}")
+        if q.device.type != self.device.type:
+            raise KernelError(f"q is on {q.device}, the cache on {self.device}")
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        rows = step.n_rows
+        res = torch.empty_like(q) if out is None else out
+        if rows == 0:
+            return res
+        scale = (1.0 / math.sqrt(self.D)) if sm_scale is None else float(sm_scale)
+        if "prefill" not in step.extras:
+            nsp = step.num_splits + 1
+            n = step.new_tokens
+            qm = prefill_queries_per_program(self.rep)
+            qb = max(1, -(-int(n.max()) // qm))
+            starts = np.concatenate([[0], np.cumsum(n)[:-1]])
+            dev = self.device
+            step.extras["prefill"] = (
+                torch.tensor(starts, dtype=torch.int32, device=dev), torch.tensor(n, dtype=torch.int32, device=dev),
+                (torch.empty((rows, self.Hq, nsp, self.D), dtype=torch.float32, device=dev),
+                 torch.empty((rows, self.Hq, nsp), dtype=torch.float32, device=dev),
+                 torch.empty((rows, self.Hq, nsp), dtype=torch.float32, device=dev)),
+                qm, qb)
+        spec = step.extras["prefill"]
+        for ln in self.launches[layer]:
+            if step.num_splits:
+                launch_decode(self, step, ln, q, scale, tail=False, rows=spec)
+            launch_decode(self, step, ln, q, scale, tail=True, rows=spec)
+        launch_merge(step, res, self.Hq, self.D, partials=spec[2])
+        if four_d:
+            return res.reshape(self.B, -1, self.Hq, self.D).permute(0, 2, 1, 3)
+        return res
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.L:

@@ -89,44 +89,62 @@ def _fmt_args(pool):
 
 
 def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, rep: int, block_n: int,
-                      P: int, tail: bool, dot_fp16: bool, key_pre_rope: bool = False) -> dict:
+                      P: int, tail: bool, dot_fp16: bool, key_pre_rope: bool = False, qm: int = 1,
+                      qb: int = 1) -> dict:
     return dict(
-        HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep)), BLOCK_N=block_n, P=P,
+        HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep * qm)), BLOCK_N=block_n, P=P,
         K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb,
         V_KIND=vspec.kind, V_BITS=vspec.bits, V_BD=vspec.bd, V_BTS=vspec.bts, V_STATIC=vspec.static, V_CB=vspec.cb,
         K_ROT=kspec.rot, V_ROT=vspec.rot, **rotation_constexprs(D), K_PRE=key_pre_rope,
-        TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16,
+        TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16, QM=qm, QB=qb,
     )
 
 
-def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bool) -> None:
+#: Tile rows (query x query head) a prefill program aims for: QM = max(1, PREFILL_ROWS // rep) queries.
+#: 16, the decode tile's height: with 32 rows the rotated pre-RoPE tail spills at head dim 128 (AOT table).
+PREFILL_ROWS = 16
+
+
+def prefill_queries_per_program(rep: int) -> int:
+    return max(1, PREFILL_ROWS // rep)
+
+
+def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bool, rows=None) -> None:
+    """Decode (``rows=None``: one query per sequence, ``q [B, Hq, D]``) or a prefill chunk
+    (``rows = (qstart, qn, partials, qm, qb)``: ``q [rows, Hq, D]`` packed per sequence)."""
     _, dk = _kernels()
     kp, vp = ln.kpool, ln.vpool
     ns = step.num_splits
-    grid = (cache.B, len(ln.heads), 1 if tail else ns)
+    if rows is None:
+        qstart, qn, (po, pm, pl), qm, qb = step.extras["decode_rows"], step.extras["decode_n"], \
+            (step.partial_o, step.partial_m, step.partial_l), 1, 1
+    else:
+        qstart, qn, (po, pm, pl), qm, qb = rows
+    grid = (cache.B * qb, len(ln.heads), 1 if tail else ns)
     kf, vf = kp.fp, vp.fp
     dk.paged_decode_kernel[grid](
-        q, q.stride(0), q.stride(1),
+        q, q.stride(0), q.stride(1), qstart, qn,
         step.seq_lens, cache.block_table_t, cache.block_table_t.stride(0),
         ln.heads_t, ln.kmap, ln.vmap,
         *_fmt_args(kp), *_fmt_args(vp),
         kf, kf.stride(0), kf.stride(1), kf.stride(2),
         vf, vf.stride(0), vf.stride(1), vf.stride(2),
-        step.partial_o, step.partial_m, step.partial_l,
-        cache.rope_cos if cache.key_pre_rope else step.partial_o,
-        cache.rope_sin if cache.key_pre_rope else step.partial_o,
+        po, pm, pl,
+        cache.rope_cos if cache.key_pre_rope else po,
+        cache.rope_sin if cache.key_pre_rope else po,
         sm_scale * 1.4426950408889634,
         cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
         ns if tail else 0,
         **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=decode_block_n(kp.spec, vp.spec, cache.block_n),
-                            P=cache.P, tail=tail, dot_fp16=cache.dot_fp16, key_pre_rope=cache.key_pre_rope),
+                            P=cache.P, tail=tail, dot_fp16=cache.dot_fp16, key_pre_rope=cache.key_pre_rope, qm=qm, qb=qb),
         num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
     )
 
 
-def launch_merge(step, out: torch.Tensor, Hq: int, D: int) -> None:
+def launch_merge(step, out: torch.Tensor, Hq: int, D: int, partials=None) -> None:
     _, dk = _kernels()
     nsp = step.num_splits + 1
-    B = out.shape[0]
-    dk.merge_kernel[(B, Hq)](step.partial_o, step.partial_m, step.partial_l, out, out.stride(0), out.stride(1),
-                             nsp, HQ=Hq, D=D, BLOCK_S=_next_pow2(nsp))
+    po, pm, pl = partials if partials is not None else (step.partial_o, step.partial_m, step.partial_l)
+    rows = out.shape[0]
+    dk.merge_kernel[(rows, Hq)](po, pm, pl, out, out.stride(0), out.stride(1),
+                                nsp, HQ=Hq, D=D, BLOCK_S=_next_pow2(nsp))
