@@ -50,9 +50,15 @@ def main() -> None:
           f"layer sensitivity {cal.seconds.get('sensitivity', 0.0):.1f} s (main process, while the workers score)")
     print(f"wall {wall:.1f} s (score {cal.seconds['score']:.1f} s, search {cal.seconds['search']:.1f} s), "
           f"CPU {cpu:.1f} s (of which scoring layers {cal.scores.cpu_seconds:.1f} s)")
-    # On an idle machine every worker gets a whole core: scoring takes about its CPU / workers.
-    print(f"idle-machine estimate: {cal.scores.cpu_seconds / max(1, args.workers) + (cpu - cal.scores.cpu_seconds):.1f} s "
-          "(scoring CPU / workers + the rest of the CPU, which is serial)")
+    # On an idle machine the workers and the main process (measuring the sensitivity meanwhile)
+    # share the cores: that part takes about (scoring CPU + sensitivity CPU) / cores; the rest
+    # (imports, capture and model load, knapsack) is serial.
+    sens_cpu = cal.seconds.get("sensitivity_cpu", 0.0)
+    par = cal.scores.cpu_seconds + sens_cpu
+    cores = max(1, min(args.workers, os.cpu_count() or 1))
+    print(f"CPU: scoring layers {cal.scores.cpu_seconds:.1f} s, sensitivity {sens_cpu:.1f} s, rest {cpu - par:.1f} s")
+    print(f"idle-machine estimate: {max(par / cores, sens_cpu) + (cpu - par):.1f} s "
+          f"((scoring + sensitivity CPU) / {cores} cores + the rest of the CPU, which is serial)")
     for b in (2.5, 3.0, 4.0, 5.0):
         c = cal.config_at(b)
         print(f"  {b:g} bits -> {c.provenance['effective_bits']:.4f} eff. bits at {args.context} tokens, "

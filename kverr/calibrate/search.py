@@ -321,10 +321,10 @@ def calibrate(
     def _measure() -> None:
         from .sensitivity import DEFAULT_TOKENS, sensitivity_for_capture
 
-        ts = time.perf_counter()
+        ts, tc = time.perf_counter(), time.process_time()
         sens_box["s"] = sensitivity_for_capture(capture, model=model, tokens=sensitivity_tokens or DEFAULT_TOKENS,
                                                 threads=1, progress=progress)
-        sens_box["t"] = time.perf_counter() - ts
+        sens_box["t"], sens_box["cpu"] = time.perf_counter() - ts, time.process_time() - tc
 
     need_sens = objective == "kl" and sensitivity is None
     if need_sens:
@@ -368,7 +368,7 @@ def calibrate(
         config=None, frontier=pareto.reset_index(drop=True), choices=None, scores=scores,  # type: ignore[arg-type]
         frontiers=frontiers, context=context,
         seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0),
-                 "model_load": sens_box.get("load", 0.0)},
+                 "model_load": sens_box.get("load", 0.0), "sensitivity_cpu": sens_box.get("cpu", 0.0)},
         objective=objective, sensitivity=sensitivity,
     )
     cal._weights = weights
