@@ -17,7 +17,8 @@ def _save(fig: Any, path: str | Path) -> Path:
     return path
 
 
-def frontier_figure(frontier: Any, marks: dict[str, float] | None = None, points: Any = None):
+def frontier_figure(frontier: Any, marks: dict[str, float] | None = None, points: Any = None,
+                    ylabel: str = "predicted damage (relative attention-output error²)"):
     """Predicted damage against effective bits, one line per outer option (Pareto union bold)."""
     import matplotlib
 
@@ -35,15 +36,17 @@ def frontier_figure(frontier: Any, marks: dict[str, float] | None = None, points
         sns.scatterplot(data=points, x="effective_bits", y="predicted", style="scheme", ax=ax, color="k", s=40)
     ax.set_yscale("log")
     ax.set_xlabel("effective bits per element (metadata, sinks, window, pages included)")
-    ax.set_ylabel("predicted damage (relative attention-output error²)")
+    ax.set_ylabel(ylabel)
     ax.set_title("Calibration frontier")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     return fig
 
 
-def plot_frontier(frontier: Any, path: str | Path, marks: dict[str, float] | None = None, points: Any = None) -> Path:
-    return _save(frontier_figure(frontier, marks, points), path)
+def plot_frontier(frontier: Any, path: str | Path, marks: dict[str, float] | None = None, points: Any = None,
+                  ylabel: str | None = None) -> Path:
+    kw = {} if ylabel is None else {"ylabel": ylabel}
+    return _save(frontier_figure(frontier, marks, points, **kw), path)
 
 
 def bits_heatmaps(choices: Any, title: str = ""):
@@ -64,22 +67,37 @@ def bits_heatmaps(choices: Any, title: str = ""):
     return fig
 
 
-def predicted_vs_measured(table: Any, x: str = "predicted", y: str = "mean_kl"):
-    """Scatter of predicted damage against measured KL (log-log), one marker per scheme."""
+def predicted_vs_measured(table: Any, x: str = "predicted", y: str = "mean_kl", *, hue: str | None = None,
+                          identity: bool = False, xlabel: str | None = None, title: str = ""):
+    """Scatter of predicted damage against measured KL (log-log), one marker per scheme.
+
+    ``hue`` colours by a column (e.g. ``kind``: calibrated / preset / peer); ``identity`` draws
+    ``y = x`` (for a prediction in nats of KL).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    sns.scatterplot(data=table, x=x, y=y, hue="scheme", ax=ax, s=60, legend=False)
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    if hue is None:
+        sns.scatterplot(data=table, x=x, y=y, hue="scheme", ax=ax, s=60, legend=False)
+    else:
+        sns.scatterplot(data=table, x=x, y=y, hue=hue, style=hue, ax=ax, s=60)
     for _, r in table.iterrows():
         ax.annotate(r["scheme"], (r[x], r[y]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("predicted damage on the calibration capture")
+    if identity:
+        lo = min(table[x].min(), table[y].min()) / 1.5
+        hi = max(table[x].max(), table[y].max()) * 1.5
+        ax.plot([lo, hi], [lo, hi], color="grey", ls="--", lw=1, label="measured = predicted")
+        ax.legend(fontsize=8)
+    ax.set_xlabel(xlabel or "predicted damage on the calibration capture")
     ax.set_ylabel("measured mean next-token KL (held-out text)")
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     return fig

@@ -122,7 +122,8 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     cfg_path = cfg.save(out / f"calibrated-{budget:g}b.json")
     atomic_write_text(out / "frontier.csv", cal.frontier.to_csv(index=False))
     atomic_write_text(out / "choices.csv", cal.choices.to_csv(index=False))
-    plot_frontier(cal.frontier, out / "frontier.png", marks={f"{budget:g} b": cfg.provenance["effective_bits"]})
+    plot_frontier(cal.frontier, out / "frontier.png", marks={f"{budget:g} b": cfg.provenance["effective_bits"]},
+                  ylabel="predicted next-token KL (nats)")
     _step(f"calibrated at {budget:g} bits ({cfg.provenance['effective_bits']:.3f} effective at {context} "
           f"tokens) in {cal.seconds['score'] + cal.seconds['search']:.1f} s -> {cfg_path.name}", t0, steps)
     # 4. export
