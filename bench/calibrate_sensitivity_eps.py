@@ -1,0 +1,14 @@
+"""Layer sensitivity of the default model at larger noise sizes: is KL still quadratic in eps?
+
+Usage: python bench/calibrate_sensitivity_eps.py  (needs /tmp/kv/pydoc-4096.zarr, see data/README.md)
+"""
+import numpy as np
+from kverr.io import open_capture
+from kverr.calibrate.sensitivity import sensitivity_for_capture
+np.set_printoptions(precision=4, linewidth=160)
+cap = open_capture('/tmp/kv/pydoc-4096.zarr')
+for eps in ((0.1, 0.2), (0.2, 0.4)):
+    s = sensitivity_for_capture(cap, eps=eps)
+    print("eps", eps, "w(eps1) mean %.4f" % s.weights.mean(), "ratio KL(e2)/KL(e1)*(e1/e2)^2: min %.3f median %.3f max %.3f" % (np.nanmin(s.quadratic_ratio), np.nanmedian(s.quadratic_ratio), np.nanmax(s.quadratic_ratio)), "seconds %.1f" % s.seconds)
+    print("  w:", s.weights)
+    print("  ratio:", s.quadratic_ratio)
