@@ -2,14 +2,18 @@
 
 Usage::
 
-    python bench/calibrate_heldout.py EVAL.csv --capture /tmp/kv/pydoc-4096.zarr \\
-        --config data/configs/calibrated-2.5b.json ... --out-prefix bench/results/calibrate-heldout
+    python bench/calibrate_heldout.py EVAL.csv [EVAL2.csv ...] --capture /tmp/kv/pydoc-4096.zarr \\
+        --config data/configs/calibrated-2.5b.json ... --out-prefix bench/results/calibrate-heldout \\
+        [--segment 0] [--weights-from data/configs/calibrated-4b.json]
 
 ``EVAL.csv`` is the summary CSV of ``kverr evaluate`` on a text the configs were NOT calibrated
-on (one row per scheme; effective bits counted at prefill + decode tokens). For every scheme the
-script computes the calibration objective (:func:`kverr.calibrate.predict`) of the config that
-scheme stores (quanto peers: :meth:`kverr.evaluate.Scheme.equivalent_config`) on the calibration
-capture, then writes
+on (one row per scheme; effective bits counted at prefill + decode tokens), or its per-segment
+CSV with ``--segment`` choosing one segment (or ``--segment all``: mean over the segments each
+scheme has); several CSVs are concatenated. For every scheme the script computes the calibration
+objective (:func:`kverr.calibrate.predict`) of the config that scheme stores (quanto peers:
+:meth:`kverr.evaluate.Scheme.equivalent_config`) on the calibration capture -- the ``kl``
+objective (predicted KL in nats) with the layer sensitivities recorded in the provenance of
+``--weights-from``, else the equal-weight ``rel`` objective -- then writes
 
 * ``<prefix>-predicted-vs-measured.csv``: scheme, effective bits, predicted damage, mean KL, top-1;
 * ``<prefix>-acceptance.md``: the table, per budget whether the calibrated config has a lower mean
@@ -28,7 +32,9 @@ from pathlib import Path
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("eval_csv")
+    ap.add_argument("eval_csv", nargs="+")
+    ap.add_argument("--segment", help="per-segment CSV input: a segment number, or 'all' (mean)")
+    ap.add_argument("--weights-from", help="a calibrated config whose provenance holds the layer sensitivities")
     ap.add_argument("--capture", required=True)
     ap.add_argument("--config", action="append", default=[], help="calibrated config JSON (repeat)")
     ap.add_argument("--queries", type=int, default=32)
@@ -47,7 +53,17 @@ def main() -> None:
     from kverr.evaluate import PEERS, Scheme
     from kverr.io import open_capture
 
-    ev = pd.read_csv(args.eval_csv)
+    ev = pd.concat([pd.read_csv(p) for p in args.eval_csv], ignore_index=True)
+    if args.segment is not None:
+        if args.segment != "all":
+            ev = ev[ev["segment"] == int(args.segment)]
+        ev = ev.groupby("scheme", sort=False).agg(
+            effective_bits=("effective_bits", "first"), mean_kl=("mean_kl", "mean"), top1=("top1", "mean"),
+            ppl_delta=("ppl_delta", "mean"), segments=("segment", "nunique")).reset_index()
+    weights, objective = None, "rel_attn_out_sq"
+    if args.weights_from:
+        sens = CacheConfig.load(args.weights_from).provenance["sensitivity"]
+        weights, objective = sens["weights"], "predicted_kl"
     cap = open_capture(args.capture)
     cfgs = {c.name: c for c in (CacheConfig.load(p) for p in args.config)}
     cache = {}
@@ -65,14 +81,15 @@ def main() -> None:
         else:
             continue
         if name not in cache:
-            p = predict(cap, cfg, queries=args.queries)
+            p = predict(cap, cfg, queries=args.queries, weights=weights)
             cache[name] = dict(scheme=name, predicted=p["total"], predicted_k=float(p["k"].sum()),
                                predicted_v=float(p["v"].sum()))
             fresh.append(cache[name])
         c = cache[name]
         rows.append(dict(scheme=name, kind=kind, effective_bits=r["effective_bits"], predicted=c["predicted"],
                          predicted_k=c["predicted_k"], predicted_v=c["predicted_v"],
-                         mean_kl=r["mean_kl"], top1=r["top1"], ppl_delta=r.get("ppl_delta", float("nan"))))
+                         mean_kl=r["mean_kl"], top1=r["top1"], ppl_delta=r.get("ppl_delta", float("nan")),
+                         segments=int(r.get("segments", 1))))
     if args.predicted_cache and fresh:
         pd.DataFrame(list(cache.values())).to_csv(args.predicted_cache, index=False)
     t = pd.DataFrame(rows).sort_values("effective_bits").reset_index(drop=True)
@@ -84,15 +101,17 @@ def main() -> None:
         "# Held-out acceptance of calibrated configs (kverr calibrate -> kverr evaluate)",
         f"# date: {dt.date.today()}  machine: {platform.node()} ({os.cpu_count()} cpus, shared)",
         f"# calibration capture: {args.capture}",
-        f"# evaluation: {args.command or args.eval_csv}",
+        f"# evaluation: {args.command or ' '.join(args.eval_csv)}"
+        + (f" (segment {args.segment})" if args.segment is not None else ""),
+        f"# objective: {objective}" + (f" (layer sensitivities from {args.weights_from})" if weights else ""),
         "# effective bits counted at prefill + decode tokens (metadata, window, pages included)",
         "",
-        "| scheme | kind | effective bits | mean KL | top-1 | predicted damage |",
-        "|---|---|---:|---:|---:|---:|",
+        "| scheme | kind | effective bits | mean KL | top-1 | predicted | segments |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for _, r in t.iterrows():
         lines.append(f"| {r.scheme} | {r.kind} | {r.effective_bits:.3f} | {r.mean_kl:.5f} | {r.top1:.4f} "
-                     f"| {r.predicted:.4g} |")
+                     f"| {r.predicted:.4g} | {r.segments} |")
     lines += ["", "## Calibrated vs every preset/peer at equal or higher effective bits", ""]
     for _, c in t[t.kind == "calibrated"].iterrows():
         rivals = others[others.effective_bits >= c.effective_bits - 1e-9]
