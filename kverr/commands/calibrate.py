@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Score every candidate format (ints at 2/3/4/8 bits, fp8, fp16; scale "
         "granularities; absmax or MSE clipping; Hadamard or none) for every layer, kv head, keys "
         "and values, by the attention damage it causes on a calibration capture (key term and "
-        "value term of kverr's error decomposition, relative to the layer's output), then solve "
+        "value term of kverr's error decomposition, relative to the layer's output, weighted by "
+        "the layer's sensitivity measured with the capture's model: a predicted next-token KL), then solve "
         "the multiple-choice knapsack exactly under the budget (effective bits per element with "
         "all metadata, sinks and window, at --context tokens). Writes the config with its "
         "provenance and optionally the whole Pareto frontier.",
