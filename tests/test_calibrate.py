@@ -254,6 +254,34 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
     assert not (tmp_path / "x.json").exists()
 
 
+def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, capsys, monkeypatch):
+    """`kverr calibrate` tries the library's default (sinks, window) pairs (S0/R0, S4/R16, S4/R32,
+    S4/R64), with pre-RoPE keys when the capture has them (--key-rope both: each post and pre);
+    --sinks/--window cross instead."""
+    import kverr.calibrate as kc
+    from kverr.calibrate.search import DEFAULT_OPTIONS
+    from kverr.cli import main
+
+    seen = []
+    real = kc.calibrate
+
+    def spy(*a, **kw):
+        seen.append(tuple(kw["options"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kc, "calibrate", spy)
+    _, path, _ = tiny_capture
+    for extra, want in (([], {o for o in DEFAULT_OPTIONS if o.key_pre_rope}),  # capture holds k_pre: pre
+                        (["--key-rope", "both"], set(DEFAULT_OPTIONS)),
+                        (["--sinks", "0,2", "--window", "8", "--key-rope", "post"],
+                         {kc.OuterOption(window=8, sinks=s) for s in (0, 2)})):
+        assert main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "c.json"),
+                     "--queries", "8", "--workers", "1", "--overwrite", *extra]) == 0
+        assert set(seen[-1]) == want
+    capsys.readouterr()
+    assert len(DEFAULT_OPTIONS) == 8 and {o.key_pre_rope for o in DEFAULT_OPTIONS} == {False, True}
+
+
 def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):
     from kverr.capture import load_text
     from kverr.evaluate import Scheme, evaluate

@@ -38,7 +38,16 @@ from .objective import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPTIONS = (OuterOption(sinks=0), OuterOption(sinks=4))
+#: Model-wide (sinks, window) pairs tried by default, each with keys after and before RoPE: no
+#: full-precision tokens, or 4 sinks with a window of 16, 32 or 64 recent tokens. Held out
+#: (typing.py, P=1024, N=256, two segments), windows and pre-RoPE keys are what move the 4-bit
+#: config from KL 0.0154 to 0.0037 and the 4.5-bit one to 0.0018; the full 2 x 4 x 2 grid chose
+#: only these pairs (bench/results/calibrate-heldout-windows-2026-11-29.md). Scoring pre- and
+#: post-RoPE keys doubles the key-side work; `kverr calibrate` tries the pre-RoPE half by default
+#: when the capture holds pre-RoPE keys (73-90 s instead of 152 s on two idle cores).
+DEFAULT_SINKS_WINDOWS = ((0, 0), (4, 16), (4, 32), (4, 64))
+DEFAULT_OPTIONS = tuple(OuterOption(window=r, sinks=s_, key_pre_rope=pre)
+                        for pre in (False, True) for s_, r in DEFAULT_SINKS_WINDOWS)
 
 
 @dataclass
