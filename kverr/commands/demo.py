@@ -115,7 +115,12 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     _step("decomposed the error of kivi-4 per layer -> decompose-kivi-4.txt", t0, steps)
     # 3. calibrate
     context = prefill + decode
-    cal = calibrate(capture, budget, context=context, queries=queries, workers=workers,
+    from kverr.calibrate.search import DEFAULT_OPTIONS
+
+    # as `kverr calibrate` does by default: the pre-RoPE half of the default options
+    options = [o for o in DEFAULT_OPTIONS if o.key_pre_rope] if "k_pre" in capture else \
+        [o for o in DEFAULT_OPTIONS if not o.key_pre_rope]
+    cal = calibrate(capture, budget, context=context, queries=queries, workers=workers, options=options,
                     capture_path=cap_path, progress=progress, model=loaded)
     cfg = cal.config
     check_model_matches(cfg, loaded.weights_sha256, loaded.model_id)
