@@ -468,18 +468,6 @@ def test_cli_calibrate_objectives(tiny_capture, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-@given(st.integers(0, 6), st.integers(1, 5), st.integers(0, 2**31 - 1))
-def test_fwht_is_the_oracles_hadamard_rotation_bit_for_bit(log_d, rows, seed):
-    from kverr.calibrate.fastrecon import fwht
-    from kverr.quant.reference import hadamard_rotate
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn((rows, 3, 2 ** log_d), generator=g) * torch.exp(torch.randn((rows, 3, 1), generator=g) * 3)
-    x0 = x.clone()
-    assert torch.equal(fwht(x), hadamard_rotate(x))
-    assert torch.equal(x, x0)  # the input is not written
-
-
 @pytest.mark.parametrize("layer,T", [(0, 437), (29, 512)])
 def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer, T):
     """Real keys and values (the bundled capture, layer 0 or 29), every default candidate plus

@@ -292,6 +292,25 @@ def test_fast_hadamard_equals_the_matrix_product(n, rows, seed, mag):
     assert hadamard_scale(n) == float(np.float32(1 / math.sqrt(n)))
 
 
+@given(st.integers(0, 6), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_fast_hadamard_is_the_butterfly_definition_bit_for_bit(log_d, rows, seed):
+    """The buffered implementation performs the defined butterflies (stacked afresh at every stage
+    here) bit for bit, and never writes its input."""
+    def stacked(x):
+        D, lead, y, h = x.shape[-1], x.shape[:-1], x.float(), 1
+        while h < D:
+            y4 = y.reshape(*lead, D // (2 * h), 2, h)
+            y = torch.stack((y4[..., 0, :] + y4[..., 1, :], y4[..., 0, :] - y4[..., 1, :]), dim=-2).reshape(*lead, D)
+            h *= 2
+        return y * hadamard_scale(D)
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((rows, 3, 2 ** log_d), generator=g) * torch.exp(torch.randn((rows, 3, 1), generator=g) * 3)
+    x0 = x.clone()
+    assert torch.equal(hadamard_rotate(x), stacked(x))
+    assert torch.equal(x, x0)  # the input is not written
+
+
 def test_fast_hadamard_is_exact_on_integers_and_rejects_bad_sizes():
     # small integers: every butterfly is exact, so the result is exactly x @ H (H = +-1/sqrt(n))
     x = torch.arange(-32, 32, dtype=torch.float32).reshape(2, 32)

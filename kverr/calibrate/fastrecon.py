@@ -6,9 +6,8 @@ checks it finite, rotates it (Hadamard formats), regroups it into scale blocks a
 clip range of every block, then encodes and decodes. :class:`SharedReconstruct` does the
 format-independent part once per tensor (cast, check, rotation) and once per scale block shape
 (grouping, clip range), and the rest by the oracle's own functions (``_params``, ``_encode``,
-``_decode``, ``_from_groups``; the Hadamard butterfly with the same fp32 operations in the same
-order), so its output equals ``reconstruct`` **bit for bit** (``tests/test_calibrate.py`` checks
-every default candidate). Formats it does not specialise (static scales, percentile clips) go
+``mse_search``, ``_from_groups``, ``hadamard_rotate``), so its output equals ``reconstruct``
+**bit for bit** (``tests/test_calibrate.py`` checks every default candidate). Formats it does not specialise (static scales, percentile clips) go
 through the oracle itself.
 
 Only configs without sinks or window are served (calibration masks sinks and windows per query
@@ -30,42 +29,10 @@ from kverr.quant.reference import (
     _to_groups,
     as_float_tensor,
     block_shape,
-    hadamard_scale,
+    hadamard_rotate,
+    mse_search,
 )
 from kverr.quant.store import reconstruct
-
-
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """:func:`kverr.quant.reference.hadamard_rotate`, bit for bit: the same butterfly stages
-    (``a + b``, ``a - b`` in fp32) and the same final multiply, written into preallocated
-    buffers instead of stacking new tensors at every stage."""
-    D = x.shape[-1]
-    if D < 1 or D & (D - 1):
-        return _reference_rotate(x)
-    lead = x.shape[:-1]
-    y = x.to(torch.float32).contiguous()
-    if D == 1:
-        return y * hadamard_scale(D)
-    buf = torch.empty_like(y)
-    h, first = 1, True
-    while h < D:
-        y4 = y.view(*lead, D // (2 * h), 2, h)
-        o4 = buf.view(*lead, D // (2 * h), 2, h)
-        a, b = y4[..., 0, :], y4[..., 1, :]
-        torch.add(a, b, out=o4[..., 0, :])
-        torch.sub(a, b, out=o4[..., 1, :])
-        if first:  # never write into the caller's tensor
-            y, buf, first = buf, torch.empty_like(buf), False
-        else:
-            y, buf = buf, y
-        h *= 2
-    return y.mul_(hadamard_scale(D))
-
-
-def _reference_rotate(x: torch.Tensor) -> torch.Tensor:
-    from kverr.quant.reference import hadamard_rotate
-
-    return hadamard_rotate(x)
 
 
 class SharedReconstruct:
@@ -95,7 +62,7 @@ class SharedReconstruct:
 
     def _rotated(self) -> torch.Tensor:
         if self._rot is None:
-            self._rot = fwht(self.x4)
+            self._rot = hadamard_rotate(self.x4)
         return self._rot
 
     def _region(self, fmt: QuantFormat) -> int:
@@ -145,7 +112,7 @@ class SharedReconstruct:
             lo, hi = self._range(fmt, rot, block, end, g, mask)
             vals = _from_groups(self._values(fmt, g, mask, lo, hi), block, (1, H, end, D))
             if rot:
-                vals = fwht(vals)
+                vals = hadamard_rotate(vals)
         if out is None:
             return vals[0]
         out[:, :, :end] = vals
@@ -158,20 +125,4 @@ class SharedReconstruct:
         if not isinstance(fmt.clip, MSEClip):
             s, m = _params(fmt, lo, hi)
             return _decode(fmt, _encode(fmt, g, s, m), s, m)
-        best_v = best_err = None
-        mid, half = (hi + lo) / 2, (hi - lo) / 2
-        for r in fmt.clip.ratios():
-            if fmt.symmetric or fmt.is_fp8:
-                s, m = _params(fmt, -hi * r, hi * r)
-            else:
-                s, m = _params(fmt, mid - half * r, mid + half * r)
-            v = _decode(fmt, _encode(fmt, g, s, m), s, m)
-            sq = (v - g).double() ** 2
-            err = (sq if mask is None else sq.masked_fill(~mask, 0.0)).sum(-1)
-            if best_err is None:
-                best_v, best_err = v, err
-                continue
-            better = err < best_err  # strict: ties keep the larger ratio, as the oracle
-            best_err = torch.where(better, err, best_err)
-            best_v = torch.where(better[..., None], v, best_v)
-        return best_v
+        return mse_search(fmt, g, mask, lo, hi, values=True)[2]

@@ -148,20 +148,28 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     Butterfly stages ``h = 1, 2, 4, ..., D/2``: within every block of ``2h`` channels, channel
     ``i`` and ``i + h`` become ``a + b`` and ``a - b`` (fp32, round-to-nearest); then one fp32
     multiply by :func:`hadamard_scale`. The order of the additions is part of the definition:
-    the Triton kernels perform exactly these operations. Self-inverse up to rounding.
+    the Triton kernels perform exactly these operations. Self-inverse up to rounding. The stages
+    alternate between two buffers; ``x`` is never written.
     """
     D = x.shape[-1]
     if D < 1 or D & (D - 1):
         raise ShapeError(f"a Hadamard rotation needs a power-of-two size, got {D}")
     lead = x.shape[:-1]
-    y = x.to(torch.float32)
-    h = 1
+    y = x.to(torch.float32).contiguous()
+    if D == 1:
+        return y * hadamard_scale(D)
+    out = torch.empty_like(y)
+    h, first = 1, True
     while h < D:
-        y4 = y.reshape(*lead, D // (2 * h), 2, h)
+        y4 = y.view(*lead, D // (2 * h), 2, h)
+        o4 = out.view(*lead, D // (2 * h), 2, h)
         a, b = y4[..., 0, :], y4[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, D)
+        torch.add(a, b, out=o4[..., 0, :])
+        torch.sub(a, b, out=o4[..., 1, :])
+        # ping-pong between two buffers; the first source may be x itself, never a destination
+        y, out, first = out, (torch.empty_like(out) if first else y), False
         h *= 2
-    return y * hadamard_scale(D)
+    return y.mul_(hadamard_scale(D))
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,29 +323,46 @@ def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) ->
     return g.masked_fill(~mask, _INF).amin(-1), g.masked_fill(~mask, -_INF).amax(-1)
 
 
-def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    lo, hi = _clip_range(fmt, g, mask)
+def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None,
+                   clip_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored (scale, zero) of every block; ``clip_range`` is :func:`_clip_range`'s, when the
+    caller already has it."""
+    lo, hi = _clip_range(fmt, g, mask) if clip_range is None else clip_range
     if not isinstance(fmt.clip, MSEClip):
         return _params(fmt, lo, hi)
-    best_s = best_m = best_err = None
+    s, m, _ = mse_search(fmt, g, mask, lo, hi)
+    return s, m
+
+
+def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
+               *, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The MSE clip search on grouped ``g``: per block, the first ratio of least squared error.
+
+    Returns the stored scale and zero of the chosen ratio, and (``values=True``) the decoded
+    values it gives, kept from the search instead of decoded again (for the calibrator).
+    """
+    best_s = best_m = best_err = best_v = None
     mid, half = (hi + lo) / 2, (hi - lo) / 2
     for r in fmt.clip.ratios():
         if fmt.symmetric or fmt.is_fp8:
             s, m = _params(fmt, -hi * r, hi * r)
         else:
             s, m = _params(fmt, mid - half * r, mid + half * r)
+        v = _decode(fmt, _encode(fmt, g, s, m), s, m)
         # float64 squares of fp32 differences are exact; the sums are order-insensitive to ~1e-16
-        sq = (_decode(fmt, _encode(fmt, g, s, m), s, m) - g).double() ** 2
+        sq = (v - g).double() ** 2
         err = (sq if mask is None else sq.masked_fill(~mask, 0.0)).sum(-1)
         if best_err is None:
-            best_s, best_m, best_err = s, m, err
+            best_s, best_m, best_err, best_v = s, m, err, (v if values else None)
             continue
         better = err < best_err  # strict: ties keep the larger ratio
         best_err = torch.where(better, err, best_err)
         best_s = torch.where(better, s, best_s)
         if m is not None:
             best_m = torch.where(better, m, best_m)
-    return best_s, best_m
+        if values:
+            best_v = torch.where(better[..., None], v, best_v)
+    return best_s, best_m, best_v
 
 
 # --------------------------------------------------------------------------------------------
