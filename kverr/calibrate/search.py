@@ -44,10 +44,30 @@ log = logging.getLogger(__name__)
 #: config from KL 0.0154 to 0.0037 and the 4.5-bit one to 0.0018; the full 2 x 4 x 2 grid chose
 #: only these pairs (bench/results/calibrate-heldout-windows-2026-11-29.md). Scoring pre- and
 #: post-RoPE keys doubles the key-side work; `kverr calibrate` tries the pre-RoPE half by default
-#: when the capture holds pre-RoPE keys (73-90 s instead of 152 s on two idle cores).
+#: when the capture holds pre-RoPE keys (104 s instead of 152 s on two idle cores, default model,
+#: 4096-token capture).
 DEFAULT_SINKS_WINDOWS = ((0, 0), (4, 16), (4, 32), (4, 64))
 DEFAULT_OPTIONS = tuple(OuterOption(window=r, sinks=s_, key_pre_rope=pre)
                         for pre in (False, True) for s_, r in DEFAULT_SINKS_WINDOWS)
+
+
+def outer_options(capture, key_rope: str | None = None, sinks=None, windows=None) -> list[OuterOption]:
+    """The outer options `kverr calibrate` tries on ``capture``.
+
+    ``key_rope`` is ``"post"``, ``"pre"`` or ``"both"``; by default ``"pre"`` when the capture
+    holds pre-RoPE keys and RoPE parameters (pre-RoPE keys won at every budget on the default
+    model, held out, at the same scoring cost), else ``"post"``. Without ``sinks`` and
+    ``windows`` the (sinks, window) pairs are :data:`DEFAULT_SINKS_WINDOWS`; with either, their
+    grid (a missing one is ``[0]``).
+    """
+    if key_rope is None:
+        key_rope = "pre" if "k_pre" in capture and "rope" in capture.attrs else "post"
+    pres = {"post": [False], "pre": [True], "both": [False, True]}[key_rope]
+    if sinks is None and windows is None:
+        pairs = list(DEFAULT_SINKS_WINDOWS)
+    else:
+        pairs = [(s_, r) for r in (windows or [0]) for s_ in (sinks or [0])]
+    return [OuterOption(window=r, sinks=s_, key_pre_rope=p) for p in pres for s_, r in pairs]
 
 
 @dataclass

@@ -80,7 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from kverr.calibrate import OuterOption, calibrate
+    from kverr.calibrate import calibrate
+    from kverr.calibrate.search import outer_options
     from kverr.config import atomic_write_text
     from kverr.errors import OutputExistsError
     from kverr.io import open_capture
@@ -93,19 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if o.exists() and not args.overwrite:
             raise OutputExistsError(f"{o} exists; pass --overwrite to replace it")
     capture = open_capture(args.capture)
-    key_rope = args.key_rope
-    if key_rope is None:
-        # pre-RoPE keys won at every budget on the default model, held out (16-34% lower KL than
-        # post-RoPE; chosen at every budget when both are offered), at the same scoring cost
-        key_rope = "pre" if "k_pre" in capture and "rope" in capture.attrs else "post"
-    pres = {"post": [False], "pre": [True], "both": [False, True]}[key_rope]
-    if args.sinks is None and args.window is None:
-        from kverr.calibrate.search import DEFAULT_SINKS_WINDOWS
-
-        pairs = list(DEFAULT_SINKS_WINDOWS)
-    else:
-        pairs = [(s, r) for r in (args.window or [0]) for s in (args.sinks or [0])]
-    options = [OuterOption(window=r, sinks=s, key_pre_rope=p) for p in pres for s, r in pairs]
+    options = outer_options(capture, args.key_rope, args.sinks, args.window)
     progress = sys.stderr.isatty() or bool(getattr(args, "verbose", False))
     cal = None
     for b, out in zip(budgets, outs):

@@ -86,6 +86,7 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     from kverr.calibrate import calibrate, check_model_matches, predict
     from kverr.calibrate.export import export
     from kverr.calibrate.plots import plot_frontier
+    from kverr.calibrate.search import outer_options
     from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
     from kverr.config import atomic_write_text
     from kverr.error.xr import decompose_capture, layer_table
@@ -115,12 +116,8 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     _step("decomposed the error of kivi-4 per layer -> decompose-kivi-4.txt", t0, steps)
     # 3. calibrate
     context = prefill + decode
-    from kverr.calibrate.search import DEFAULT_OPTIONS
-
-    # as `kverr calibrate` does by default: the pre-RoPE half of the default options
-    options = [o for o in DEFAULT_OPTIONS if o.key_pre_rope] if "k_pre" in capture else \
-        [o for o in DEFAULT_OPTIONS if not o.key_pre_rope]
-    cal = calibrate(capture, budget, context=context, queries=queries, workers=workers, options=options,
+    cal = calibrate(capture, budget, context=context, queries=queries, workers=workers,
+                    options=outer_options(capture),  # as `kverr calibrate` does by default
                     capture_path=cap_path, progress=progress, model=loaded)
     cfg = cal.config
     check_model_matches(cfg, loaded.weights_sha256, loaded.model_id)
