@@ -286,6 +286,9 @@ class PagedKVCache:
                                            codes, scale, zero, fp, cap, ratios))
             self.pools.append(per)
             self.launches.append(self._make_launches(per))
+        # decode serves query row b of sequence b: fixed, made once
+        self.decode_rows = torch.arange(max_batch, dtype=torch.int32, device=dev)
+        self.decode_count = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.block_table = np.zeros((max_batch, self.max_pages), dtype=np.int32)
         self.block_table_t = torch.zeros((max_batch, self.max_pages), dtype=torch.int32, device=dev)
         self.lengths = np.zeros(max_batch, dtype=np.int64)
@@ -388,8 +391,6 @@ class PagedKVCache:
             partial_o=torch.empty((self.B, self.Hq, nsp, self.D), dtype=torch.float32, device=dev),
             partial_m=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
             partial_l=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
-            extras=dict(decode_rows=torch.arange(self.B, dtype=torch.int32, device=dev),
-                        decode_n=torch.ones(self.B, dtype=torch.int32, device=dev)),
         )
 
     def _jobs(self, tb: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
@@ -544,7 +545,7 @@ class PagedKVCache:
         torch.Tensor
             ``[n_rows, n_q_heads, D]`` (or ``[B, n_q_heads, n, D]`` for 4-d ``q``).
         """
-        from kverr.gpu.launch import launch_decode, launch_merge, prefill_queries_per_program
+        from kverr.gpu.launch import QueryRows, launch_decode, launch_merge, prefill_queries_per_program
 
         self._check_layer(layer)
         four_d = isinstance(q, torch.Tensor) and q.ndim == 4
@@ -572,7 +573,7 @@ class PagedKVCache:
             qb = max(1, -(-int(n.max()) // qm))
             starts = np.concatenate([[0], np.cumsum(n)[:-1]])
             dev = self.device
-            step.extras["prefill"] = (
+            step.extras["prefill"] = QueryRows(
                 torch.tensor(starts, dtype=torch.int32, device=dev), torch.tensor(n, dtype=torch.int32, device=dev),
                 (torch.empty((rows, self.Hq, nsp, self.D), dtype=torch.float32, device=dev),
                  torch.empty((rows, self.Hq, nsp), dtype=torch.float32, device=dev),
@@ -583,7 +584,7 @@ class PagedKVCache:
             if step.num_splits:
                 launch_decode(self, step, ln, q, scale, tail=False, rows=spec)
             launch_decode(self, step, ln, q, scale, tail=True, rows=spec)
-        launch_merge(step, res, self.Hq, self.D, partials=spec[2])
+        launch_merge(step, res, self.Hq, self.D, partials=spec.partials)
         if four_d:
             return res.reshape(self.B, -1, self.Hq, self.D).permute(0, 2, 1, 3)
         return res

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kverr.gpu.spec import KernelSpec
@@ -109,17 +111,28 @@ def prefill_queries_per_program(rep: int) -> int:
     return max(1, PREFILL_ROWS // rep)
 
 
-def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bool, rows=None) -> None:
+class QueryRows(NamedTuple):
+    """Which query rows an attention launch serves: query ``m`` of sequence ``b`` is row
+    ``start[b] + m`` of ``q``, ``count[b]`` of them; ``qm`` per program, ``qb`` programs per
+    sequence; ``partials`` = (o, m, l) sized for those rows."""
+
+    start: torch.Tensor
+    count: torch.Tensor
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qm: int
+    qb: int
+
+
+def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bool,
+                  rows: QueryRows | None = None) -> None:
     """Decode (``rows=None``: one query per sequence, ``q [B, Hq, D]``) or a prefill chunk
-    (``rows = (qstart, qn, partials, qm, qb)``: ``q [rows, Hq, D]`` packed per sequence)."""
+    (``q [rows, Hq, D]`` packed per sequence, as ``rows`` says)."""
     _, dk = _kernels()
     kp, vp = ln.kpool, ln.vpool
     ns = step.num_splits
     if rows is None:
-        qstart, qn, (po, pm, pl), qm, qb = step.extras["decode_rows"], step.extras["decode_n"], \
-            (step.partial_o, step.partial_m, step.partial_l), 1, 1
-    else:
-        qstart, qn, (po, pm, pl), qm, qb = rows
+        rows = QueryRows(cache.decode_rows, cache.decode_count, (step.partial_o, step.partial_m, step.partial_l), 1, 1)
+    qstart, qn, (po, pm, pl), qm, qb = rows
     grid = (cache.B * qb, len(ln.heads), 1 if tail else ns)
     kf, vf = kp.fp, vp.fp
     dk.paged_decode_kernel[grid](
