@@ -299,7 +299,7 @@ def _local_positions(ds, q: torch.Tensor, tokens: int, batch: int):
         raise KernelError(f"partial rotary embeddings ({2 * inv_freq.numel()} of {D} channels) are not fused into the "
                           "decode kernel; validate this config on the reference path")
     n = tokens * batch
-    pos = np.asarray(ds["position"].values[:n]) if "position" in ds.coords or "position" in ds else np.arange(n)
+    pos = np.asarray(ds["position"].values[:n]) if "position" in ds else np.arange(n)
     p0 = pos.reshape(batch, tokens)[:, :1]
     if not (pos.reshape(batch, tokens) - p0 == np.arange(tokens)).all():
         raise CaptureError("the captured positions are not consecutive within each validation sequence")
