@@ -199,6 +199,40 @@ def _clip_params(lo, hi, r, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.cons
     return _params(-(hi * r), hi * r, KIND, BITS, SDT)
 
 
+
+@triton.jit
+def _block_err(x3, s, m, r3, KIND: tl.constexpr, BITS: tl.constexpr, PER_ROW: tl.constexpr):
+    """float64 squared error of each block of the ``[R, NG, BD]`` tile: per (row, group) with
+    ``s, m [R, NG]`` (``PER_ROW``), or per group over the valid rows ``r3`` with ``s, m [NG]``."""
+    # one return: the compiler types every return of a function, constexpr branches included
+    if PER_ROW:
+        err = tl.sum(_sq_err(x3, s[:, :, None], m[:, :, None], KIND, BITS), axis=2)
+    else:
+        err = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s[None, :, None], m[None, :, None], KIND, BITS), 0.0), axis=2),
+                     axis=0)
+    return err
+
+
+@triton.jit
+def _choose_params(x3, lo, hi, r3, RATIOS, CLIP_N: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                   SDT: tl.constexpr, PER_ROW: tl.constexpr):
+    """Stored (scale, zero) of every block: the range ``[lo, hi]`` (absmax), or with an MSE clip
+    the first of the ``CLIP_N`` ratios of least squared error (the oracle's ``mse_search``)."""
+    if CLIP_N == 0:
+        s, m = _params(lo, hi, KIND, BITS, SDT)
+    else:
+        s, m = _clip_params(lo, hi, tl.load(RATIOS), KIND, BITS, SDT)
+        err = _block_err(x3, s, m, r3, KIND, BITS, PER_ROW)
+        for i in range(1, CLIP_N):
+            s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), KIND, BITS, SDT)
+            e_i = _block_err(x3, s_i, m_i, r3, KIND, BITS, PER_ROW)
+            better = e_i < err  # strict: ties keep the larger ratio
+            err = tl.where(better, e_i, err)
+            s = tl.where(better, s_i, s)
+            m = tl.where(better, m_i, m)
+    return s, m
+
+
 @triton.jit
 def quant_store_kernel(
     X, sx_n, sx_h,  # new tokens [N, H, D] (any float dtype)
@@ -281,18 +315,7 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
         else:
             lo = tl.min(x3, axis=2)
             hi = tl.max(x3, axis=2)
-        if CLIP_N > 0:
-            s, m = _clip_params(lo, hi, tl.load(RATIOS), KIND, BITS, SDT)
-            err = tl.sum(_sq_err(x3, s[:, :, None], m[:, :, None], KIND, BITS), axis=2)
-            for i in range(1, CLIP_N):
-                s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), KIND, BITS, SDT)
-                e_i = tl.sum(_sq_err(x3, s_i[:, :, None], m_i[:, :, None], KIND, BITS), axis=2)
-                better = e_i < err  # strict: ties keep the larger ratio
-                err = tl.where(better, e_i, err)
-                s = tl.where(better, s_i, s)
-                m = tl.where(better, m_i, m)
-        else:
-            s, m = _params(lo, hi, KIND, BITS, SDT)
+        s, m = _choose_params(x3, lo, hi, rmask[:, None, None], RATIOS, CLIP_N, KIND, BITS, SDT, True)
         u3 = _encode(x3, s[:, :, None], m[:, :, None], KIND, BITS)
         soff = rows[:, None] * NG + g[None, :]
         tl.store(scale_base + soff, s, mask=rmask[:, None])
@@ -308,20 +331,7 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
             else:
                 lo = tl.min(tl.min(tl.where(r3, x3, float("inf")), axis=2), axis=0)
                 hi = tl.max(tl.max(tl.where(r3, x3, float("-inf")), axis=2), axis=0)
-            if CLIP_N > 0:
-                s, m = _clip_params(lo, hi, tl.load(RATIOS), KIND, BITS, SDT)
-                err = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s[None, :, None], m[None, :, None], KIND, BITS), 0.0),
-                                    axis=2), axis=0)
-                for i in range(1, CLIP_N):
-                    s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), KIND, BITS, SDT)
-                    e_i = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s_i[None, :, None], m_i[None, :, None], KIND, BITS),
-                                                 0.0), axis=2), axis=0)
-                    better = e_i < err
-                    err = tl.where(better, e_i, err)
-                    s = tl.where(better, s_i, s)
-                    m = tl.where(better, m_i, m)
-            else:
-                s, m = _params(lo, hi, KIND, BITS, SDT)
+            s, m = _choose_params(x3, lo, hi, r3, RATIOS, CLIP_N, KIND, BITS, SDT, False)
             soff = (row0 // BT_S) * NG + g
             tl.store(scale_base + soff, s)
             if KIND == 1:
