@@ -189,12 +189,14 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
     With ``u = a·expm1(δs)`` over the quantized keys (mask ``M``) and ``Z = 1 + Σ M·u``, the
     changed weights are ``a′ = (a + M·u)/Z``, so the key term is
     ``(a′ − a)V = (Σ M·u·v − o·(Z − 1)) / Z``: no difference of two nearly equal weights is
-    formed, and the sink columns of a mask are a small correction of the unmasked sums. Work is
+    formed. Where that fp32 form is not safe -- ``e^δs`` overflows, or ``Z`` is so small that
+    its rounding matters (the quantized keys' weights all but vanish) -- the candidate batch is
+    done in float64 as ``a′ − a = a·expm1(δs − log Σ a e^δs)``, which cannot overflow. Work is
     done per kv head on the block of all query heads reading it (GQA: no copy of a key error per
     query head), for a batch of candidates at once; ``δs = c·q E_Kᵀ`` is formed once per
     candidate and reused by every outer option.
     """
-    C, n_kv, T = e_k.shape[0], e_k.shape[1], e_k.shape[2]
+    C, n_kv = e_k.shape[0], e_k.shape[1]
     keys = _option_keys(options)
     res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
     for h, qi in _head_groups(prep):
@@ -205,32 +207,36 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
         ds = torch.matmul(qh, e_k[:, h].transpose(-1, -2))  # [C, g*n, T]
         ds.mul_(causal)
         u = torch.expm1(ds).mul_(ah)
-        stable = not bool(torch.isfinite(u).all())
-        full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        finite = bool(torch.isfinite(u).all())
         for S, R in keys:
-            S_ = min(S, T)
-            wmask = None if R == 0 else _window_mask(prep, R).repeat(g, 1)
-            if not stable:
-                if R not in full:
-                    uw = u if wmask is None else u * wmask
-                    full[R] = (uw, torch.matmul(uw, vh), uw.sum(-1, keepdim=True))
-                uw, uv, us = full[R]
-                if S_:
-                    uv = uv - torch.matmul(uw[..., :S_], vh[:S_])
-                    us = us - uw[..., :S_].sum(-1, keepdim=True)
-                term = (uv - oh * us) / (1.0 + us)
-            else:  # enormous logit errors: a′ − a = a·expm1(δs − log Z) per mask, no overflow
-                m = causal if wmask is None else wmask
-                if S_:
-                    m = m.clone()
-                    m[:, :S_] = 0.0
-                dsm = ds * m
-                lz = torch.logsumexp(torch.log(ah) + dsm, -1, keepdim=True)
-                term = torch.matmul(torch.nan_to_num(ah * torch.expm1(dsm - lz)), vh)
+            m = causal if R == 0 else _window_mask(prep, R).repeat(g, 1)
+            if S:
+                m = m.clone()
+                m[:, :S] = 0.0
+            term = None
+            if finite:
+                uw = u * m
+                us = uw.sum(-1, keepdim=True)
+                z = 1.0 + us
+                if bool(torch.isfinite(z).all()) and float(z.min()) > Z_MIN:
+                    term = (torch.matmul(uw, vh) - oh * us) / z
+            if term is None:
+                # a·e^x ≤ 1 for every a > 0 (x ≤ −log a ≤ 104 in float64: no overflow); a = 0
+                # (masked by causality) contributes nothing, whatever its x.
+                a64 = ah.double()
+                dsm = ds.double() * m
+                lz = torch.logsumexp(torch.log(a64) + dsm, -1, keepdim=True)
+                da = torch.where(a64 > 0, a64 * torch.expm1(dsm - lz), 0.0)
+                term = torch.matmul(da, vh.double())
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
             res[(S, R)][:, h] = err2.mean(-1).sum(-1)
     out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
     return out.numpy()
+
+
+#: Below this ``Z = Σ a e^δs`` the fp32 key term is redone in float64 (its rounding, ~1e-7 of the
+#: larger of 1 and Σ|u|, would no longer be negligible next to Z).
+Z_MIN = 1e-2
 
 
 def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
