@@ -4,18 +4,28 @@ Every candidate is a :class:`kverr.quant.QuantFormat` whose scale groups never s
 (no ``tensor`` granularity), so the bytes of a layer are exactly the sum of the bytes of its
 heads and the calibration problem separates into one choice per (layer, kv head, K|V).
 
-The default set (:func:`default_candidates`, 72 formats for keys and for values):
+The default set (:func:`default_candidates`, 78 formats for keys and for values):
 
 * integers at 2, 3 and 4 bits, asymmetric (a zero point, as KIVI and quanto), with scales per
-  token (``token``), per 16 or 32 channels of a token (``token_group``), per channel over 32 or
-  64 tokens (``channel``, KIVI-style), each with and without a Hadamard rotation, each with
-  absmax scales and with a searched MSE clip (:class:`~kverr.quant.MSEClip`, 5 ratios down to
-  0.6) -- 3 x 5 x 2 x 2 = 60;
+  token (``token``), per 32 channels of a token (``token_group``), per channel over 32 or 64
+  tokens (``channel``, KIVI-style), each with and without a Hadamard rotation, each with absmax
+  scales and with a searched MSE clip (:class:`~kverr.quant.MSEClip`, 5 ratios down to 0.6) --
+  3 x 4 x 2 x 2 = 48;
+* the same integers with *static* per-channel scales (``channel`` over all tokens: no metadata
+  per token, which is most of what a 2- or 3-bit budget otherwise pays), with and without
+  rotation, with absmax scales, the MSE clip above, and a deeper one (9 ratios down to 0.2:
+  a range spanning every token is set by its rarest outliers) -- 3 x 2 x 3 = 18;
 * 8-bit integers with absmax scales per token and per 32 channels, with and without rotation,
   and symmetric 8-bit groups of 32 (llama.cpp's q8_0) -- 5;
 * fp8 e4m3 with an fp32 scale per token, per 32 channels and per kv head (static, vLLM's
   ``attn_head`` strategy), with and without rotation -- 6;
 * plain fp16 -- 1.
+
+Static scales are set when the cache first quantizes (a sequence's prefill, in
+:class:`kverr.cache.KverrCache`; tokens beyond that range saturate) or given calibrated; the
+objective sets them over the whole calibration capture. Token groups of 16 channels were in the
+set once and never chosen at any budget from 2.3 to 8 bits on the default model; they were
+dropped to pay for the static formats' scoring time.
 
 Outer options (:class:`OuterOption`) are model-wide: full-precision sink tokens ``S``, the
 full-precision window ``R`` of recent tokens and pre- or post-RoPE keys. The search runs the
@@ -45,6 +55,8 @@ from kverr.quant.formats import (
 
 #: The clip searched by MSE candidates: 5 ratios from 1 down to 0.6 (cheap enough for 4096 tokens).
 CALIBRATION_MSE_CLIP = MSEClip(grid=5, min_ratio=0.6)
+#: The deeper clip also searched for static per-channel scales: 9 ratios from 1 down to 0.2.
+STATIC_MSE_CLIP = MSEClip(grid=9, min_ratio=0.2)
 
 
 @dataclass(frozen=True)
@@ -62,12 +74,16 @@ class OuterOption:
 def default_candidates(head_dim: int = 64) -> tuple[QuantFormat, ...]:
     """The default candidate formats (the same list for keys and values), in a fixed order."""
     out: list[QuantFormat] = []
-    grans = [PerToken(), PerTokenGroup(16), PerTokenGroup(32), PerChannel(32), PerChannel(64)]
+    grans = [PerToken(), PerTokenGroup(32), PerChannel(32), PerChannel(64)]
     for bits in (2, 3, 4):
         for g in grans:
             for rot in ("none", "hadamard"):
                 for clip in (None, CALIBRATION_MSE_CLIP):
                     out.append(int_format(bits, g, clip=clip, rotate=rot))
+    for bits in (2, 3, 4):
+        for rot in ("none", "hadamard"):
+            for clip in (None, CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP):
+                out.append(int_format(bits, PerChannel(None), clip=clip, rotate=rot))
     for g in (PerToken(), PerTokenGroup(32)):
         for rot in ("none", "hadamard"):
             out.append(int_format(8, g, rotate=rot))

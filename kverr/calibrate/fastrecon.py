@@ -7,8 +7,8 @@ clip range of every block, then encodes and decodes. :class:`SharedReconstruct` 
 format-independent part once per tensor (cast, check, rotation) and once per scale block shape
 (grouping, clip range), and the rest by the oracle's own functions (``_params``, ``_encode``,
 ``mse_search``, ``_from_groups``, ``hadamard_rotate``), so its output equals ``reconstruct``
-**bit for bit** (``tests/test_calibrate.py`` checks every default candidate). Formats it does not specialise (static scales, percentile clips) go
-through the oracle itself.
+**bit for bit** (``tests/test_calibrate.py`` checks every default candidate, static scales
+included: a static block is one more block shape). Percentile clips go through the oracle itself.
 
 Only configs without sinks or window are served (calibration masks sinks and windows per query
 instead): every token ``< end`` is quantized, ``end = T - T % token_block``.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kverr.config import CacheConfig
-from kverr.quant.formats import TORCH_DTYPES, AbsMax, MSEClip, QuantFormat, is_static, token_block
+from kverr.quant.formats import TORCH_DTYPES, AbsMax, MSEClip, QuantFormat, token_block
 from kverr.quant.reference import (
     _clip_range,
     _decode,
@@ -92,7 +92,7 @@ class SharedReconstruct:
 
     def served(self, fmt: QuantFormat) -> bool:
         """Whether the shared path handles ``fmt`` (else the oracle is called)."""
-        return fmt.is_float or (not is_static(fmt.granularity) and isinstance(fmt.clip, (AbsMax, MSEClip)))
+        return fmt.is_float or isinstance(fmt.clip, (AbsMax, MSEClip))
 
     def __call__(self, fmt: QuantFormat) -> torch.Tensor:
         """``[H, T, D]`` float32, equal to the oracle's reconstruction under ``fmt``."""
