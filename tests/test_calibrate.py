@@ -99,15 +99,18 @@ def _layer(seed=0, Hq=4, H=2, T=96, D=16):
 
 @pytest.mark.parametrize("opt", [OuterOption(), OuterOption(sinks=5), OuterOption(sinks=3, window=7)])
 @pytest.mark.parametrize("errors", ["small", "huge", "huge-on-sinks"])
-def test_objective_terms_equal_kverr_error_decompose(opt, errors):
+@pytest.mark.parametrize("decode", [None, 5])
+def test_objective_terms_equal_kverr_error_decompose(opt, errors, decode):
     """The objective's key and value terms are kverr.error.decompose's, also for key errors so
     large that exp(δs) overflows fp32 (|δs| up to ~300: catastrophic 2-bit formats on outlier
-    layers), and for huge errors on the sink tokens only, which the masked sums must not feel."""
+    layers), and for huge errors on the sink tokens only, which the masked sums must not feel.
+    With ``decode`` the queries are decode steps after a wholly quantized prompt: the window of
+    step d holds its min(window, d + 1) newest tokens."""
     from kverr.error import decompose
 
     q, k, v, kv_map = _layer()
     T, D = k.shape[1], k.shape[2]
-    prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=1 / np.sqrt(D), queries=12)
+    prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=1 / np.sqrt(D), queries=12, decode=decode)
     big = {"small": 0.05, "huge": 60.0, "huge-on-sinks": 0.05}[errors]
     e_k = torch.randn(k.shape, generator=torch.Generator().manual_seed(1)) * big
     e_v = torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) * big
@@ -120,8 +123,9 @@ def test_objective_terms_equal_kverr_error_decompose(opt, errors):
     want_k, want_v = np.zeros(2), np.zeros(2)
     pos = prep.pos.numpy()
     for i, p in enumerate(pos):
+        w = opt.window if decode is None else min(opt.window, int(prep.steps[i]) + 1)
         m = torch.zeros(T, 1)
-        m[opt.sinks : max(opt.sinks, p - opt.window + 1)] = 1.0
+        m[opt.sinks : max(opt.sinks, p - w + 1)] = 1.0
         d2 = decompose(q[:, p : p + 1].double(), k.double(), v.double(), k.double(),
                        (v + m * e_v).double(), kv_head_of_q=kv_map, q_positions=[p])
         d1 = decompose(q[:, p : p + 1].double(), k.double(), v.double(), (k + m * e_k).double(),
@@ -245,7 +249,7 @@ def test_config_from_another_model_is_refused(tiny_capture):
 def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsys):
     from kverr.cli import main
 
-    _, path, loaded = tiny_capture
+    cap, path, loaded = tiny_capture
     out = tmp_path / "cal-{bits}b.json"
     code = main(["calibrate", "--capture", str(path), "--budget-bits", "3,5", "--out", str(out),
                  "--frontier", str(tmp_path / "f.csv"), "--queries", "8", "--workers", "1"])
@@ -254,6 +258,26 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
     c3 = CacheConfig.load(tmp_path / "cal-3b.json")
     assert c3.provenance["effective_bits"] <= 3.0
     assert (tmp_path / "f.csv").read_text().startswith("option,")
+    # --candidates auto: static per-channel scales below 3.5 bits only; the search at 5 bits reuses
+    # the 3-bit run's tables and sensitivity, and equals a run with the dynamic set alone
+    from kverr.calibrate.candidates import STATIC_BELOW_BITS, default_candidates
+    from kverr.quant import is_static
+
+    assert 3 < STATIC_BELOW_BITS < 5
+    c5 = CacheConfig.load(tmp_path / "cal-5b.json")
+    L, H, D = cap.sizes["layer"], cap.sizes["kv_head"], cap.sizes["channel"]
+    assert c3.provenance["candidates_k"] == len(default_candidates(D))
+    assert c5.provenance["candidates_k"] == len(default_candidates(D, static=False)) < len(default_candidates(D))
+    assert not any(is_static(c5.format_for(l, h, w).granularity) and c5.format_for(l, h, w).dtype == "int"
+                   for l in range(L) for h in range(H) for w in "kv")
+    fr = __import__("pandas").read_csv(tmp_path / "f.csv")
+    assert set(fr["candidates"]) == {"all", "dynamic"}
+    code = main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "d.json"),
+                 "--queries", "8", "--workers", "1", "--candidates", "dynamic"])
+    assert code == 0
+    d5 = CacheConfig.load(tmp_path / "d.json")
+    assert d5.with_(provenance={}) == c5.with_(provenance={})
+    capsys.readouterr()
     code = main(["calibrate", "--capture", str(path), "--budget-bits", "0.5", "--out", str(tmp_path / "x.json")])
     _, err = capsys.readouterr()
     assert code == 2 and "cheapest possible config costs" in err and len(err.strip().splitlines()) == 1
@@ -265,6 +289,7 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     S4/R64), with pre-RoPE keys when the capture has them (--key-rope both: each post and pre);
     --sinks/--window cross instead."""
     import kverr.calibrate as kc
+    from kverr.calibrate.objective import DEFAULT_DECODE
     from kverr.calibrate.search import DEFAULT_OPTIONS
     from kverr.cli import main
 
@@ -273,6 +298,7 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
 
     def spy(*a, **kw):
         seen.append(tuple(kw["options"]))
+        assert kw["decode"] == DEFAULT_DECODE  # the CLI's default is the library's
         return real(*a, **kw)
 
     monkeypatch.setattr(kc, "calibrate", spy)

@@ -4,7 +4,8 @@ Every candidate is a :class:`kverr.quant.QuantFormat` whose scale groups never s
 (no ``tensor`` granularity), so the bytes of a layer are exactly the sum of the bytes of its
 heads and the calibration problem separates into one choice per (layer, kv head, K|V).
 
-The default set (:func:`default_candidates`, 78 formats for keys and for values):
+The default set (:func:`default_candidates`, 78 formats for keys and for values; 60 without the
+static ones):
 
 * integers at 2, 3 and 4 bits, asymmetric (a zero point, as KIVI and quanto), with scales per
   token (``token``), per 32 channels of a token (``token_group``), per channel over 32 or 64
@@ -23,9 +24,12 @@ The default set (:func:`default_candidates`, 78 formats for keys and for values)
 
 Static scales are set when the cache first quantizes (a sequence's prefill, in
 :class:`kverr.cache.KverrCache`; tokens beyond that range saturate) or given calibrated; the
-objective sets them over the whole calibration capture. Token groups of 16 channels were in the
-set once and never chosen at any budget from 2.3 to 8 bits on the default model; they were
-dropped to pay for the static formats' scoring time.
+objective sets them over the whole calibration capture. :func:`candidates_for_budget` offers
+them only below :data:`STATIC_BELOW_BITS`: held out on the default model they won at 2.5 and 3
+bits and lost at 4 to 5 bits, where the objective still preferred them (README, "Calibrate").
+
+Token groups of 16 channels were in the set once and never chosen at any budget from 2.3 to 8
+bits on the default model; they were dropped to pay for the static formats' scoring time.
 
 Outer options (:class:`OuterOption`) are model-wide: full-precision sink tokens ``S``, the
 full-precision window ``R`` of recent tokens and pre- or post-RoPE keys. The search runs the
@@ -71,8 +75,19 @@ class OuterOption:
         return f"S{self.sinks}/R{self.window}/{'pre' if self.key_pre_rope else 'post'}"
 
 
-def default_candidates(head_dim: int = 64) -> tuple[QuantFormat, ...]:
-    """The default candidate formats (the same list for keys and values), in a fixed order."""
+#: Budgets (effective bits) below which :func:`candidates_for_budget` offers static scales.
+STATIC_BELOW_BITS = 3.5
+
+
+def candidates_for_budget(budget_bits: float, head_dim: int = 64) -> tuple[QuantFormat, ...]:
+    """The default candidates at a budget: with static per-channel scales below
+    :data:`STATIC_BELOW_BITS` effective bits, without them from there on."""
+    return default_candidates(head_dim, static=budget_bits < STATIC_BELOW_BITS)
+
+
+def default_candidates(head_dim: int = 64, *, static: bool = True) -> tuple[QuantFormat, ...]:
+    """The default candidate formats (the same list for keys and values), in a fixed order;
+    ``static=False`` leaves out the integers with static per-channel scales."""
     out: list[QuantFormat] = []
     grans = [PerToken(), PerTokenGroup(32), PerChannel(32), PerChannel(64)]
     for bits in (2, 3, 4):
@@ -80,7 +95,7 @@ def default_candidates(head_dim: int = 64) -> tuple[QuantFormat, ...]:
             for rot in ("none", "hadamard"):
                 for clip in (None, CALIBRATION_MSE_CLIP):
                     out.append(int_format(bits, g, clip=clip, rotate=rot))
-    for bits in (2, 3, 4):
+    for bits in (2, 3, 4) if static else ():
         for rot in ("none", "hadamard"):
             for clip in (None, CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP):
                 out.append(int_format(bits, PerChannel(None), clip=clip, rotate=rot))

@@ -24,9 +24,10 @@ from kverr.config import CacheConfig, Override
 from kverr.errors import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 
-from .candidates import OuterOption, check_candidates, default_candidates, head_bytes
+from .candidates import OuterOption, candidates_for_budget, check_candidates, head_bytes
 from .knapsack import Frontier, solve
 from .objective import (
+    DEFAULT_DECODE,
     OBJECTIVE_DOC,
     OBJECTIVE_KL_DOC,
     OBJECTIVES,
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 #: full-precision tokens, or 4 sinks with a window of 16, 32 or 64 recent tokens. Held out
 #: (typing.py, P=1024, N=256, two segments), windows and pre-RoPE keys are what move the 4-bit
 #: config from KL 0.0154 to 0.0037 and the 4.5-bit one to 0.0018; the full 2 x 4 x 2 grid chose
-#: only these pairs (bench/results/calibrate-heldout-windows-2026-11-29.md). Scoring pre- and
+#: only these pairs (bench/results/calibrate-heldout-windows-2026-11-29.md; measured with the
+#: earlier 72 candidates, before static scales were searched). Scoring pre- and
 #: post-RoPE keys doubles the key-side work; `kverr calibrate` tries the pre-RoPE half by default
 #: when the capture holds pre-RoPE keys (104 s instead of 152 s on two idle cores, default model,
 #: 4096-token capture).
@@ -82,6 +84,17 @@ class Scores:
     options: tuple[OuterOption, ...]
     queries: int
     cpu_seconds: float = 0.0
+    decode: int | None = DEFAULT_DECODE
+
+    def subset(self, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat]) -> Scores:
+        """The tables of a subset of the candidates (in the order given)."""
+        try:
+            ik = [self.cands_k.index(f) for f in cands_k]
+            iv = [self.cands_v.index(f) for f in cands_v]
+        except ValueError:
+            raise ConfigError("a subset's candidates must all have been scored") from None
+        return Scores(self.k[:, :, ik], self.v[:, :, iv], self.layers, tuple(cands_k), tuple(cands_v),
+                      self.options, self.queries, self.cpu_seconds, self.decode)
 
 
 @dataclass
@@ -141,7 +154,7 @@ def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
 
     import torch
 
-    capture, layer, cands_k, cands_v, options, queries, page_size, window_dtype, threads = args
+    capture, layer, cands_k, cands_v, options, queries, page_size, window_dtype, threads, decode = args
     t0 = time.process_time()
     if threads:
         torch.set_num_threads(threads)
@@ -155,7 +168,7 @@ def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
     q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
     positions, rope = capture_positions_rope(capture)
     prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
-                         positions=positions, rope=rope)
+                         positions=positions, rope=rope, decode=decode)
     dk, dv = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
     return layer, dk, dv, time.process_time() - t0
 
@@ -163,7 +176,8 @@ def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
           options: Sequence[OuterOption], queries: int = 64, page_size: int = 64,
           window_dtype: str = "fp16", workers: int = 1, progress: bool = False,
-          capture_path: str | os.PathLike | None = None, meanwhile=None) -> Scores:
+          capture_path: str | os.PathLike | None = None, meanwhile=None,
+          decode: int | None = DEFAULT_DECODE) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
 
     With ``workers > 1`` and a ``capture_path``, layers are scored by that many processes, each
@@ -182,7 +196,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     parallel = workers > 1 and len(layers) > 1 and capture_path is not None
     src = None if parallel else capture
     jobs = [(src, l, tuple(cands_k), tuple(cands_v), tuple(options), queries, page_size,
-             window_dtype, 0) for l in layers]
+             window_dtype, 0, decode) for l in layers]
     bar = tqdm(total=len(layers), desc="calibrate: score layers", unit="layer", disable=not progress)
     pos = {l: i for i, l in enumerate(layers)}
     cpu = 0.0
@@ -213,7 +227,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
             bar.update()
     bar.close()
     log.info("scored %d layers: %.1f s CPU in the scoring processes", len(layers), cpu)
-    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), cpu)
+    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), cpu, decode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,6 +280,7 @@ def calibrate(
     sensitivity: Any = None,
     model: Any = None,
     sensitivity_tokens: int | None = None,
+    decode: int | None = DEFAULT_DECODE,
 ) -> Calibration:
     """Choose a format per (layer, kv head, K|V) minimising the predicted damage within a budget.
 
@@ -280,7 +295,8 @@ def calibrate(
     options : sequence of OuterOption
         Model-wide sinks / window / pre-RoPE keys to try; the best under the budget wins.
     cands_k, cands_v : sequence of QuantFormat, optional
-        Candidates (default :func:`default_candidates`).
+        Candidates (default :func:`~.candidates.candidates_for_budget`: static per-channel
+        scales only below 3.5 bits; the frontier is that of this budget's set).
     queries : int
         Sampled query positions per layer for the objective.
     max_bits : float
@@ -288,7 +304,7 @@ def calibrate(
     workers : int
         Processes scoring layers in parallel (needs ``capture_path``).
     scores : Scores, optional
-        Reuse earlier damage tables (same candidates and options).
+        Reuse earlier damage tables (same candidates, options and ``decode``).
     objective : {"kl", "rel"}
         ``"kl"``: predicted next-token KL, each layer's relative error weighted by its measured
         sensitivity (:mod:`.sensitivity`); ``"rel"``: relative errors summed with equal weights.
@@ -296,6 +312,10 @@ def calibrate(
         Reuse a measured sensitivity (``"kl"`` only); otherwise it is measured with the
         capture's model (or ``model``: a spec or a LoadedModel, which must be the capture's),
         on the capture's first ``sensitivity_tokens`` tokens, while the workers score.
+    decode : int or None
+        The token policy the objective models: a prompt quantized whole at prefill, then this many
+        decode steps whose window holds only the newest generated tokens (the protocol of
+        ``kverr evaluate``); None lets every query's window hold its most recent tokens.
     """
     import time
 
@@ -321,12 +341,14 @@ def calibrate(
         raise ConfigError("give at least one outer option, without duplicates")
     if any(o.key_pre_rope for o in options) and "k_pre" not in capture:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
+    if decode is not None and (isinstance(decode, bool) or not isinstance(decode, int) or decode < 1):
+        raise ConfigError(f"decode={decode!r} must be a positive number of decode steps, or None")
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} is not known; use one of {sorted(OBJECTIVES)}")
     if objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
-    cands_k = tuple(cands_k or default_candidates(head_dim))
-    cands_v = tuple(cands_v or default_candidates(head_dim))
+    cands_k = tuple(cands_k or candidates_for_budget(budget_bits, head_dim))
+    cands_v = tuple(cands_v or candidates_for_budget(budget_bits, head_dim))
     check_candidates(cands_k, head_dim, page_size, "key")
     check_candidates(cands_v, head_dim, page_size, "value")
     for o in options:
@@ -365,9 +387,13 @@ def calibrate(
     if scores is None:
         scores = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=queries,
                        page_size=page_size, window_dtype=window_dtype, workers=workers,
-                       progress=progress, capture_path=capture_path, meanwhile=_measure if need_sens else None)
-    elif need_sens:
-        _measure()
+                       progress=progress, capture_path=capture_path, meanwhile=_measure if need_sens else None,
+                       decode=decode)
+    else:
+        if scores.decode != decode:
+            raise ConfigError(f"the scores were computed with decode={scores.decode}, not {decode}")
+        if need_sens:
+            _measure()
     sensitivity = sens_box["s"]
     weights = None
     if objective == "kl":
@@ -471,6 +497,7 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
         "predicted_k": float(choices.loc[choices.which == "k", "predicted"].sum()),
         "predicted_v": float(choices.loc[choices.which == "v", "predicted"].sum()),
         "queries_per_layer": sc.queries,
+        "decode_steps": sc.decode,
         "outer_option": opt.label(),
         "outer_options_tried": [o.label() for o in sc.options],
         "candidates_k": len(sc.cands_k),

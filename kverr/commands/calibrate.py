@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kverr.commands._common import positive_int
+from kverr.commands._common import non_negative_int, positive_int
 from kverr.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")
+    p.add_argument("--candidates", choices=("auto", "all", "dynamic"), default="auto",
+                   help="candidate formats: 'all' 78, 'dynamic' the 60 without static per-channel "
+                        "scales, 'auto' (default) all below 3.5 bits and dynamic from there on "
+                        "(held out, static scales won below and lost above; see the README)")
+    p.add_argument("--decode", type=non_negative_int, default=0,
+                   help="model this many decode steps after a prompt quantized whole, as kverr "
+                        "evaluate does (default 0: every query's window holds its most recent tokens)")
     p.add_argument("--queries", type=positive_int, default=32, help="sampled queries per layer (default: %(default)s)")
     p.add_argument("--max-bits", type=float, default=8.0, help="frontier up to this many bits (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="processes scoring layers (default: %(default)s)")
@@ -81,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kverr.calibrate import calibrate
+    from kverr.calibrate.candidates import STATIC_BELOW_BITS, default_candidates
     from kverr.calibrate.search import outer_options
     from kverr.config import atomic_write_text
     from kverr.errors import OutputExistsError
@@ -95,33 +103,48 @@ def run(args: argparse.Namespace) -> int:
             raise OutputExistsError(f"{o} exists; pass --overwrite to replace it")
     capture = open_capture(args.capture)
     options = outer_options(capture, args.key_rope, args.sinks, args.window)
+    D = capture.sizes["channel"]
+    sets = {"all": default_candidates(D), "dynamic": default_candidates(D, static=False)}
+    set_of = {b: ("all" if b < STATIC_BELOW_BITS else "dynamic") if args.candidates == "auto" else args.candidates
+              for b in budgets}
     progress = sys.stderr.isatty() or bool(getattr(args, "verbose", False))
-    cal = None
+    cals: dict = {}
+    # score once, with the largest set needed; the other set's search reuses those tables
+    first = "all" if "all" in set_of.values() else "dynamic"
+    for name in sorted(set(set_of.values()), key=lambda n: n != first):
+        c = sets[name]
+        b0 = min(b for b in budgets if set_of[b] == name)
+        base = next(iter(cals.values()), None)
+        cal = calibrate(capture, b0, context=args.context, options=options, queries=args.queries,
+                        cands_k=c, cands_v=c, decode=args.decode or None,
+                        max_bits=max(args.max_bits, *budgets), workers=args.workers,
+                        progress=progress, capture_path=args.capture, name=args.name,
+                        objective=args.objective, model=args.model,
+                        sensitivity_tokens=args.sensitivity_tokens,
+                        scores=None if base is None else base.scores.subset(c, c),
+                        sensitivity=None if base is None else base.sensitivity)
+        if base is None and cal.sensitivity is not None:
+            sv = cal.sensitivity
+            r = sv.quadratic_ratio
+            print(f"layer sensitivity on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
+                  f"w = {sv.weights.min():.3g} .. {sv.weights.max():.3g} nats per unit relative squared "
+                  f"error (layer {int(sv.weights.argmax())} highest); quadratic check "
+                  f"KL(eps2)/KL(eps1)*(eps1/eps2)^2 = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
+        cals[name] = cal
     for b, out in zip(budgets, outs):
-        if cal is None:
-            cal = calibrate(capture, b, context=args.context, options=options, queries=args.queries,
-                            max_bits=max(args.max_bits, *budgets), workers=args.workers,
-                            progress=progress, capture_path=args.capture, name=args.name,
-                            objective=args.objective, model=args.model,
-                            sensitivity_tokens=args.sensitivity_tokens)
-            cfg = cal.config
-            if cal.sensitivity is not None:
-                sv = cal.sensitivity
-                r = sv.quadratic_ratio
-                print(f"layer sensitivity on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
-                      f"w = {sv.weights.min():.3g} .. {sv.weights.max():.3g} nats per unit relative squared "
-                      f"error (layer {int(sv.weights.argmax())} highest); quadratic check "
-                      f"KL(eps2)/KL(eps1)*(eps1/eps2)^2 = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
-        else:
-            cfg = cal.config_at(b, args.name)
+        cfg = cals[set_of[b]].config_at(b, args.name)
         cfg.save(out)
         pv = cfg.provenance
         print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
-              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, predicted {pv['objective']} "
-              f"{pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, V {pv['predicted_v']:.3g})")
-    assert cal is not None
+              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, {pv['candidates_k']} candidates, "
+              f"predicted {pv['objective']} {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
+              f"V {pv['predicted_v']:.3g})")
     if args.frontier:
-        atomic_write_text(args.frontier, cal.frontier.to_csv(index=False))
-        print(f"wrote the frontier ({len(cal.frontier)} points) to {args.frontier}")
+        import pandas as pd
+
+        fr = pd.concat([c.frontier.assign(candidates=n) for n, c in cals.items()], ignore_index=True)
+        atomic_write_text(args.frontier, fr.to_csv(index=False))
+        print(f"wrote the frontier ({len(fr)} points; candidates {', '.join(cals)}) to {args.frontier}")
+    cal = cals[first]
     print(f"scored in {cal.seconds['score']:.1f} s, searched in {cal.seconds['search']:.1f} s")
     return 0
