@@ -409,6 +409,11 @@ class KernelKVCache(Cache):
     model's own attention. On a CPU the kernels run in the Triton interpreter
     (``TRITON_INTERPRET=1``), slowly but exactly.
 
+    Static scales not given (``static_scales=...``) are set, per layer, from the first tokens it
+    quantizes (the prefill's, sinks and window left out, jointly over the batch), as
+    :class:`KverrCache` sets them; a prefill no longer than sinks + window sets them from all its
+    tokens (KverrCache waits for its first quantized chunk instead).
+
     Use :meth:`for_model`; a batch of equal-length sequences. The first forward pass (the prefill)
     attends with the model's own attention; every later one -- single tokens with the decode
     kernel, chunks of several tokens with the chunked-prefill kernel -- attends to the cache as
@@ -428,6 +433,8 @@ class KernelKVCache(Cache):
             # way in; the decode kernel applies it again per key row from the same tables
             self._cos, self._sin = model_rotary(model)(torch.arange(max_tokens, device=device))
             kwargs["rope"] = (self._cos, self._sin)
+        # static scales not given: the prefill sets them, as in KverrCache
+        kwargs.setdefault("static_scales", "first")
         self.paged = PagedKVCache(
             config, n_layers=n_layers, n_kv_heads=n_kv, n_q_heads=n_heads, head_dim=head_dim,
             max_batch=batch, max_tokens=max_tokens, device=device, **kwargs,
@@ -463,6 +470,13 @@ class KernelKVCache(Cache):
         if self._cos is not None:
             t0 = self.length - n
             k_in = undo_rope(k.float(), self._cos[t0:self.length], self._sin[t0:self.length])
+        if any(key[0] == layer for key in self.paged.unset_static):
+            # the first chunk quantized sets the static scales, jointly over the batch, from the
+            # same tokens KverrCache quantizes first: the prefill's, sinks and window left out
+            from kverr.gpu.cache import layer_static_scales
+
+            scales = layer_static_scales(self.config, layer, k_in, v)
+            self.paged.set_static_scales({key: sz for key, sz in scales.items() if key in self.paged.unset_static})
         self.paged.store(self.step, layer, k_in, v)
         return k, v
 

@@ -195,16 +195,26 @@ def _rotated_pre_rope():
                        v=int_format(4, PerTokenGroup(16), rotate="hadamard", clip=mse), sinks=2, key_pre_rope=True)
 
 
+def _static_pre_rope():
+    from kverr.quant import MSEClip, PerChannel, int_format
+
+    return CacheConfig(k=int_format(2, PerChannel(None), rotate="hadamard", clip=MSEClip(grid=9, min_ratio=0.2)),
+                       v=int_format(3, PerChannel(None), clip=MSEClip(grid=5, min_ratio=0.6)), sinks=2,
+                       key_pre_rope=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "rotated-mse-pre-rope"])
+@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "rotated-mse-pre-rope", "static-pre-rope"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same next-token distributions, through every layer of a real transformers model
-    (including Hadamard-rotated, MSE-clipped formats on keys stored before RoPE)."""
+    (including Hadamard-rotated, MSE-clipped formats on keys stored before RoPE, and static
+    per-channel scales, which both caches set from the prefill)."""
     from kverr.cache import KernelKVCache, cache_for
     from kverr.evaluate import teacher_forced
 
-    cfg = (_rotated_pre_rope() if name == "rotated-mse-pre-rope" else PRESETS[name]).with_(window=8)
+    named = {"rotated-mse-pre-rope": _rotated_pre_rope, "static-pre-rope": _static_pre_rope}
+    cfg = (named[name]() if name in named else PRESETS[name]).with_(window=8)
     ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(3))
     ref = teacher_forced(tiny.model, cache_for(tiny.model, cfg), ids, 40, flush=False)
     attn = tiny.model.config._attn_implementation

@@ -228,6 +228,38 @@ def test_store_static_scales(gran):
             assert torch.equal(cache.read(0, which, b), want[b])
 
 
+def test_static_scales_set_later_and_refused_until_set():
+    """static_scales="first": the head groups wait for set_static_scales (each once); a store
+    before that, a second set, or an unknown key are refused; once set, the cache stores exactly
+    what it stores with the same scales given up front."""
+    from kverr.errors import ConfigError, KernelError
+
+    cfg = CacheConfig(k=int_format(4, PerChannel(None), symmetric=True), v=int_format(8, PerToken()),
+                      page_size=P, window=4, sinks=2)
+    x, y = data(2, 37, 5), data(2, 37, 6)
+    static = calibrate_static_scales(cfg, [x], [y])
+    kw = dict(n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=2, max_tokens=40, device="cpu")
+    with pytest.raises(ConfigError, match="first"):
+        PagedKVCache(cfg, static_scales="prefill", **kw)
+    with pytest.raises(KernelError, match="static scales"):
+        PagedKVCache(cfg, **kw)
+    late = PagedKVCache(cfg, static_scales="first", **kw)
+    assert late.unset_static == set(static)
+    with pytest.raises(KernelError, match="not set yet"):
+        late.store(late.plan([3, 3]), 0, torch.zeros(2, H, 3, D), torch.zeros(2, H, 3, D))
+    late.reset(0), late.reset(1)
+    late.set_static_scales(static)
+    assert not late.unset_static
+    with pytest.raises(KernelError, match="already set"):
+        late.set_static_scales(static)
+    early = PagedKVCache(cfg, static_scales=static, **kw)
+    ks, vs = [[x[0], x[1]]], [[y[0], y[1]]]
+    for c in (late, early):
+        fill(c, ks, vs, [[20, 20], [17, 17]])
+    for b in range(2):
+        assert torch.equal(late.read(0, "k", b), early.read(0, "k", b))
+
+
 def test_store_per_head_and_per_layer_formats():
     """Two layers; layer 1 overrides V, and (1, kv head 1) overrides K: several head groups."""
     from kverr.config import Override

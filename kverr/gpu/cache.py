@@ -147,21 +147,28 @@ def calibrate_static_scales(config, keys, values) -> dict[tuple[int, str, int], 
     dict
         ``(layer, "k"|"v", first_head) -> (scale, zero)``, ready for :class:`PagedKVCache`.
     """
+    out = {}
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        out.update(layer_static_scales(config, layer, k, v))
+    return out
+
+
+def layer_static_scales(config, layer: int, k, v) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]:
+    """:func:`calibrate_static_scales` of one layer (``k, v [B, kv_head, token, channel]``)."""
     from kverr.quant.store import token_regions
 
     wdt = TORCH_DTYPES[config.window_dtype]
     out = {}
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        for which, x in (("k", k), ("v", v)):
-            x = torch.as_tensor(x).float().to(wdt).float()  # the cache receives K/V in window_dtype
-            H, T = x.shape[1], x.shape[2]
-            for fmt, heads in config.head_groups(layer, H, which):
-                if fmt.is_float or not is_static(fmt.granularity):
-                    continue
-                start, end = token_regions(T, config, fmt)
-                region = x[:, heads, start:end] if end > start else x[:, heads]
-                qt = quantize_region(region, fmt, config.page_size)
-                out[(layer, which, heads[0])] = (qt.scale[0], None if qt.zero is None else qt.zero[0])
+    for which, x in (("k", k), ("v", v)):
+        x = torch.as_tensor(x).float().to(wdt).float()  # the cache receives K/V in window_dtype
+        H, T = x.shape[1], x.shape[2]
+        for fmt, heads in config.head_groups(layer, H, which):
+            if fmt.is_float or not is_static(fmt.granularity):
+                continue
+            start, end = token_regions(T, config, fmt)
+            region = x[:, heads, start:end] if end > start else x[:, heads]
+            qt = quantize_region(region, fmt, config.page_size)
+            out[(layer, which, heads[0])] = (qt.scale[0], None if qt.zero is None else qt.zero[0])
     return out
 
 
@@ -181,8 +188,11 @@ class PagedKVCache:
         Longest sequence; sizes the block table (and, unless ``num_pages`` is given, the pools).
     device : str or torch.device
         ``"cuda"`` for real kernels; ``"cpu"`` under ``TRITON_INTERPRET=1``.
-    static_scales : dict, optional
-        Calibrated scales for static granularities, see :func:`calibrate_static_scales`.
+    static_scales : dict or "first", optional
+        Calibrated scales for static granularities, see :func:`calibrate_static_scales`; or
+        ``"first"``: each layer's are set by :meth:`set_static_scales` before its first store
+        (:class:`kverr.cache.KernelKVCache` takes them from the prefill, as
+        :class:`kverr.cache.KverrCache` does).
     num_pages : int, optional
         Physical pages per pool (default: enough for every slot at ``max_tokens``).
     dot_fp16 : bool
@@ -231,7 +241,11 @@ class PagedKVCache:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise KernelError(f"block_n={self.block_n} must be a power of two >= 16")
         wdt = TORCH_DTYPES[config.window_dtype]
-        static_scales = dict(static_scales or {})
+        deferred = isinstance(static_scales, str)
+        if deferred and static_scales != "first":
+            raise ConfigError(f"static_scales={static_scales!r}: give a dict of scales or 'first'")
+        static_scales = {} if deferred else dict(static_scales or {})
+        self.unset_static: set[tuple[int, str, int]] = set()
         dev = self.device
         self.key_pre_rope = bool(config.key_pre_rope)
         self.rope_cos = self.rope_sin = None
@@ -263,17 +277,15 @@ class PagedKVCache:
                         ncol = head_dim // spec.bd
                         if spec.static:
                             key = (layer, which, heads[0])
-                            if key not in static_scales:
+                            if deferred:
+                                self.unset_static.add(key)
+                            elif key not in static_scales:
                                 raise KernelError(
                                     f"layer {layer} {which} heads {heads}: {fmt.label()} has static scales; "
-                                    "pass static_scales (see kverr.gpu.calibrate_static_scales)"
+                                    "pass static_scales (see kverr.gpu.calibrate_static_scales), or 'first'"
                                 )
-                            s, z = static_scales[key]
-                            scale = self._static(s, h, ncol, spec, "scale", key)
-                            if spec.kind == 1:
-                                if z is None:
-                                    raise KernelError(f"{key}: {fmt.label()} is asymmetric and needs a static zero point")
-                                zero = self._static(z, h, ncol, spec, "zero", key)
+                            else:
+                                scale, zero = self._static_pair(static_scales[key], h, ncol, spec, key, fmt)
                         else:
                             shape = (self.num_pages, h, spec.scale_rows(self.P), ncol)
                             scale = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
@@ -297,6 +309,28 @@ class PagedKVCache:
         self.token_blocks = sorted({p.spec.tb for per in self.pools for ps in per.values() for p in ps})
 
     # ---- construction helpers ----------------------------------------------------------------
+
+    def _static_pair(self, sz, h, ncol, spec: KernelSpec, key, fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
+        s, z = sz
+        scale = self._static(s, h, ncol, spec, "scale", key)
+        zero = None
+        if spec.kind == 1:
+            if z is None:
+                raise KernelError(f"{key}: {fmt.label()} is asymmetric and needs a static zero point")
+            zero = self._static(z, h, ncol, spec, "zero", key)
+        return scale, zero
+
+    def set_static_scales(self, scales: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Set the static scales of head groups created with ``static_scales="first"`` (keys as
+        :func:`calibrate_static_scales` returns them); each group's, once, before its first store."""
+        for key, sz in scales.items():
+            if key not in self.unset_static:
+                raise KernelError(f"{key}: no head group waits for static scales there (already set, or not static)")
+            layer, which, first = key
+            pool = next(p for p in self.pools[layer][which] if p.heads[0] == first)
+            fmt = self.config.format_for(layer, first, which)
+            pool.scale, pool.zero = self._static_pair(sz, len(pool.heads), self.D // pool.spec.bd, pool.spec, key, fmt)
+            self.unset_static.discard(key)
 
     def _static(self, t, h, ncol, spec: KernelSpec, what, key) -> torch.Tensor:
         t = torch.as_tensor(t).float()
@@ -471,6 +505,9 @@ class PagedKVCache:
         from kverr.gpu.launch import launch_store
 
         self._check_layer(layer)
+        waiting = [key for key in self.unset_static if key[0] == layer]
+        if waiting:
+            raise KernelError(f"layer {layer}: static scales of {sorted(waiting)} are not set yet (set_static_scales)")
         for which, x in (("k", k), ("v", v)):
             x = self._rows(x, step, which)
             for pool in self.pools[layer][which]:
