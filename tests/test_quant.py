@@ -342,6 +342,52 @@ def test_mse_clip_never_worse_than_absmax():
         assert float(e1) <= float(e0)
 
 
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 3, 4]), st.integers(2, 6), st.booleans())
+def test_asymmetric_mse_clip_never_worse_than_symmetric_per_block(seed, bits, grid, static):
+    """Searching the two ends separately tries every symmetric ratio too (the pairs (r, r)), so
+    per block its squared error is never larger; and it is the first pair of least error."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 40, 8, generator=g) ** 3 + torch.randn(1, 1, 8, generator=g)  # skewed, heavy tails
+    gran = PerChannel(None) if static else PerToken()
+    sym = int_format(bits, gran, clip=MSEClip(grid=grid, min_ratio=0.2))
+    asym = int_format(bits, gran, clip=MSEClip(grid=grid, min_ratio=0.2, asymmetric=True))
+    dims = (1,) if static else (2,)
+    e_sym = ((fake_quantize(x, sym) - x) ** 2).double().sum(dims)
+    e_asym = ((fake_quantize(x, asym) - x) ** 2).double().sum(dims)
+    assert bool((e_asym <= e_sym * (1 + 1e-12) + 1e-12).all())
+    # brute force over the pairs (static case): the oracle reaches the least error of any pair
+    if static:
+        from kverr.quant.reference import _params
+
+        lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+        mid, half = (hi + lo) / 2, (hi - lo) / 2
+        best = None
+        rs = asym.clip.ratios()
+        for rl, rh in [(a, b) for a in rs for b in rs]:  # every pair, independently of pairs()
+            sc, z = _params(asym, mid - half * rl, mid + half * rh)
+            e = ((fake_quantize(x, int_format(bits, gran), scale=sc, zero=z) - x) ** 2).double().sum(1)
+            best = e if best is None else torch.minimum(best, e)
+        assert len(asym.clip.pairs()) == grid * grid and asym.clip.pairs()[0] == (1.0, 1.0)
+        torch.testing.assert_close(e_asym, best, rtol=1e-12, atol=1e-12)
+
+
+def test_asymmetric_mse_clip_config_and_refusals():
+    from kverr.config import CacheConfig
+    from kverr.errors import KernelError
+    from kverr.gpu.spec import kernel_spec
+
+    a = int_format(2, PerChannel(None), clip=MSEClip(grid=5, min_ratio=0.2, asymmetric=True))
+    cfg = CacheConfig(k=a, v=int_format(2, PerToken(), clip=MSEClip(grid=5, min_ratio=0.2)))
+    d = cfg.to_dict()
+    assert d["k"]["clip"]["asymmetric"] is True and "asymmetric" not in d["v"]["clip"]  # old JSON unchanged
+    assert CacheConfig.from_dict(d) == cfg and a.label() == "int2a/chall/fp16/amse"
+    with pytest.raises(ConfigError, match="zero point"):
+        int_format(4, PerToken(), symmetric=True, clip=MSEClip(asymmetric=True))
+    with pytest.raises(KernelError, match="static scales"):
+        kernel_spec(int_format(2, PerToken(), clip=MSEClip(asymmetric=True)), 64, 64)
+    assert kernel_spec(a, 64, 64).clip_ratios == ()  # static: the scales come calibrated
+
+
 def test_percentile_clip_matches_numpy_on_a_single_block():
     torch.manual_seed(2)
     x = torch.randn(1, 1, 1, 64)

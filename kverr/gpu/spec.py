@@ -112,6 +112,11 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
     g = fmt.granularity
     ratios: tuple[float, ...] = ()
     if isinstance(fmt.clip, MSEClip):
+        if fmt.clip.asymmetric and not is_static(g):
+            raise KernelError(
+                f"{fmt.label()}: the asymmetric MSE clip search ({fmt.clip.grid}² pairs per block) is not "
+                "implemented by the kernels; use it with static scales calibrated with the reference"
+            )
         if not is_static(g):  # static scales are given: the clip was applied when calibrating them
             ratios = tuple(float(np.float32(r)) for r in fmt.clip.ratios())
     elif not isinstance(fmt.clip, AbsMax) and not is_static(g):

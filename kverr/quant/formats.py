@@ -220,10 +220,16 @@ class Percentile:
 class MSEClip:
     """Per block, pick the clip ratio in ``linspace(1, min_ratio, grid)`` that minimises the
     block's squared reconstruction error (ties go to the larger ratio). The range shrinks about
-    its midpoint."""
+    its midpoint.
+
+    ``asymmetric`` (formats with a zero point only): the low and the high end shrink by their
+    own ratios, ``grid²`` pairs ``(r_low, r_high)`` tried in :meth:`pairs` order, the first of
+    least error kept. The kernels run it with static scales only (calibrated by the reference).
+    """
 
     grid: int = 20
     min_ratio: float = 0.5
+    asymmetric: bool = False
     kind: ClassVar[str] = "mse"
 
     def __post_init__(self) -> None:
@@ -232,11 +238,19 @@ class MSEClip:
         r = self.min_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r < 1.0:
             raise _fail("clip.min_ratio", r, "a number in (0, 1)")
+        if not isinstance(self.asymmetric, bool):
+            raise _fail("clip.asymmetric", self.asymmetric, "true or false")
 
     def ratios(self) -> list[float]:
         """Candidate clip ratios, largest first."""
         step = (1.0 - self.min_ratio) / (self.grid - 1)
         return [1.0 - i * step for i in range(self.grid)]
+
+    def pairs(self) -> list[tuple[float, float]]:
+        """``(r_low, r_high)`` in search order: ``(r, r)`` for each ratio, or, asymmetric, every
+        pair, the low ratio varying slowest."""
+        rs = self.ratios()
+        return [(a, b) for a in rs for b in rs] if self.asymmetric else [(r, r) for r in rs]
 
 
 Clip = Union[AbsMax, Percentile, MSEClip]
@@ -246,6 +260,8 @@ CLIPS: dict[str, type] = {c.kind: c for c in (AbsMax, Percentile, MSEClip)}
 def clip_to_dict(c: Clip) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": c.kind}
     out.update(dataclasses.asdict(c))
+    if isinstance(c, MSEClip) and not c.asymmetric:
+        del out["asymmetric"]  # the symmetric search, as written before the field existed
     return out
 
 
@@ -334,6 +350,8 @@ class QuantFormat:
             return
         if self.dtype.startswith("fp8") and not self.symmetric:
             raise _fail("symmetric", False, f"{self.dtype} is symmetric (a scale, no zero point)")
+        if isinstance(self.clip, MSEClip) and self.clip.asymmetric and not self.has_zero:
+            raise _fail("clip.asymmetric", True, "only for integer formats with a zero point (symmetric: false)")
         if self.dtype == "int":
             levels = self.levels
             # Rounding a scale up to its stored dtype moves the top level by at most
@@ -406,7 +424,8 @@ class QuantFormat:
         parts = [elem, gname, self.scale_dtype]
         if not isinstance(self.clip, AbsMax):
             parts.append(
-                f"p{self.clip.percentile:g}" if isinstance(self.clip, Percentile) else "mse"
+                f"p{self.clip.percentile:g}" if isinstance(self.clip, Percentile)
+                else "amse" if self.clip.asymmetric else "mse"
             )
         if self.rotate != "none":
             parts.append("had")

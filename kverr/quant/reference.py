@@ -336,18 +336,19 @@ def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None,
 
 def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
                *, values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The MSE clip search on grouped ``g``: per block, the first ratio of least squared error.
+    """The MSE clip search on grouped ``g``: per block, the first ratio (or ``(low, high)`` ratio
+    pair, :meth:`MSEClip.pairs`) of least squared error.
 
     Returns the stored scale and zero of the chosen ratio, and (``values=True``) the decoded
     values it gives, kept from the search instead of decoded again (for the calibrator).
     """
     best_s = best_m = best_err = best_v = None
     mid, half = (hi + lo) / 2, (hi - lo) / 2
-    for r in fmt.clip.ratios():
+    for rl, rh in fmt.clip.pairs():
         if fmt.symmetric or fmt.is_fp8:
-            s, m = _params(fmt, -hi * r, hi * r)
+            s, m = _params(fmt, -hi * rh, hi * rh)
         else:
-            s, m = _params(fmt, mid - half * r, mid + half * r)
+            s, m = _params(fmt, mid - half * rl, mid + half * rh)
         v = _decode(fmt, _encode(fmt, g, s, m), s, m)
         # float64 squares of fp32 differences are exact; the sums are order-insensitive to ~1e-16
         sq = (v - g).double() ** 2
