@@ -162,6 +162,18 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
                      None if decode is None else decode_steps(len(pos), decode))
 
 
+def _quantized_mask(prep: LayerPrep, sinks: int, window: int, g: int) -> torch.Tensor:
+    """``[g*n, T]`` float: 1 on the tokens a query sees quantized (causal, neither sink nor in its
+    window), the rows of one kv head's ``g`` query heads stacked. Key and value damage both apply
+    it directly: subtracting the sink columns from unmasked sums instead cancels catastrophically
+    when a sink's error is large."""
+    m = prep.causal if window == 0 else _window_mask(prep, window)
+    if sinks:
+        m = m.clone()
+        m[:, :sinks] = 0.0
+    return m.repeat(g, 1)
+
+
 def _window_mask(prep: LayerPrep, window: int) -> torch.Tensor:
     """``[n, T]`` float: 1 where a query sees a token older than its window's tokens: its
     ``window`` most recent ones, or, with decode steps, its ``min(window, step + 1)`` newest."""
@@ -243,10 +255,7 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
         u = torch.expm1(ds).mul_(ah)
         finite = bool(torch.isfinite(u).all())
         for S, R in keys:
-            m = causal if R == 0 else _window_mask(prep, R).repeat(g, 1)
-            if S:
-                m = m.clone()
-                m[:, :S] = 0.0
+            m = _quantized_mask(prep, S, R, g)
             term = None
             if finite:
                 uw = u * m
@@ -275,22 +284,15 @@ Z_MIN = 1e-2
 
 def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
     """Relative value-term damage ``[cand, option, kv_head]`` of ``e_v [cand, kv_head, T, D]``."""
-    C, n_kv, T = e_v.shape[0], e_v.shape[1], e_v.shape[2]
+    C, n_kv = e_v.shape[0], e_v.shape[1]
     keys = _option_keys(options)
     res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
     for h, qi in _head_groups(prep):
         g = qi.numel()
         ah = _grouped(prep, qi, prep.a)  # [g*n, T]
         eh = e_v[:, h]  # [C, T, D]
-        full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for S, R in keys:
-            S_ = min(S, T)
-            if R not in full:
-                aw = ah if R == 0 else ah * _window_mask(prep, R).repeat(g, 1)
-                full[R] = (aw, torch.matmul(aw, eh))  # [C, g*n, D]
-            aw, term = full[R]
-            if S_:
-                term = term - torch.matmul(aw[:, :S_], eh[:, :S_])
+            term = torch.matmul(ah * _quantized_mask(prep, S, R, g), eh)  # [C, g*n, D]
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
             res[(S, R)][:, h] = err2.mean(-1).sum(-1)
     out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
