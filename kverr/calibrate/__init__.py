@@ -8,7 +8,7 @@
 * :mod:`.export` -- vLLM and transformers exports (and what they cannot express).
 """
 
-from .candidates import OuterOption, candidates_for_budget, default_candidates, head_bytes
+from .candidates import OuterOption, candidate_set, candidates_for_budget, default_candidates, head_bytes
 from .knapsack import Frontier, brute_force, solve
 from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVE_KL_NAME, OBJECTIVE_NAME, OBJECTIVES, predict
 from .sensitivity import Sensitivity, measure_sensitivity, sensitivity_for_capture
@@ -17,7 +17,7 @@ from .search import DEFAULT_OPTIONS, Calibration, Scores, calibrate, check_model
 __all__ = [
     "Calibration", "DEFAULT_OPTIONS", "Frontier", "OBJECTIVES", "OBJECTIVE_DOC", "OBJECTIVE_KL_DOC",
     "OBJECTIVE_KL_NAME", "OBJECTIVE_NAME", "OuterOption", "Scores", "Sensitivity", "measure_sensitivity",
-    "sensitivity_for_capture", "brute_force", "calibrate", "candidates_for_budget", "check_model_matches",
-    "default_candidates",
+    "sensitivity_for_capture", "brute_force", "calibrate", "candidate_set", "candidates_for_budget",
+    "check_model_matches", "default_candidates",
     "head_bytes", "predict", "score", "solve",
 ]

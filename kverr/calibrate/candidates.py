@@ -79,10 +79,24 @@ class OuterOption:
 STATIC_BELOW_BITS = 3.5
 
 
-def candidates_for_budget(budget_bits: float, head_dim: int = 64) -> tuple[QuantFormat, ...]:
-    """The default candidates at a budget: with static per-channel scales below
-    :data:`STATIC_BELOW_BITS` effective bits, without them from there on."""
-    return default_candidates(head_dim, static=budget_bits < STATIC_BELOW_BITS)
+#: Candidate sets by name: ``all`` (with static per-channel scales), ``dynamic`` (without), and
+#: ``auto``, which picks one of them per budget (:func:`candidate_set`).
+CANDIDATE_SETS = ("auto", "all", "dynamic")
+
+
+def candidate_set(budget_bits: float, which: str = "auto") -> str:
+    """``"all"`` or ``"dynamic"``: the set ``which`` means at a budget (``auto``: with static
+    per-channel scales below :data:`STATIC_BELOW_BITS` effective bits, without from there on)."""
+    if which not in CANDIDATE_SETS:
+        raise ConfigError(f"candidates={which!r} is not known; use one of {', '.join(CANDIDATE_SETS)}")
+    if which != "auto":
+        return which
+    return "all" if budget_bits < STATIC_BELOW_BITS else "dynamic"
+
+
+def candidates_for_budget(budget_bits: float, head_dim: int = 64, which: str = "auto") -> tuple[QuantFormat, ...]:
+    """The default candidates of :func:`candidate_set` ``(budget_bits, which)``."""
+    return default_candidates(head_dim, static=candidate_set(budget_bits, which) == "all")
 
 
 def default_candidates(head_dim: int = 64, *, static: bool = True) -> tuple[QuantFormat, ...]:

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kverr.calibrate import calibrate
-    from kverr.calibrate.candidates import STATIC_BELOW_BITS, default_candidates
+    from kverr.calibrate.candidates import candidate_set, default_candidates
     from kverr.calibrate.search import outer_options
     from kverr.config import atomic_write_text
     from kverr.errors import OutputExistsError
@@ -103,25 +103,20 @@ def run(args: argparse.Namespace) -> int:
             raise OutputExistsError(f"{o} exists; pass --overwrite to replace it")
     capture = open_capture(args.capture)
     options = outer_options(capture, args.key_rope, args.sinks, args.window)
-    D = capture.sizes["channel"]
-    sets = {"all": default_candidates(D), "dynamic": default_candidates(D, static=False)}
-    set_of = {b: ("all" if b < STATIC_BELOW_BITS else "dynamic") if args.candidates == "auto" else args.candidates
-              for b in budgets}
+    # budgets grouped by candidate set; "all" is scored first and the "dynamic" search reuses its
+    # damage tables and sensitivity (a subset of them)
+    set_of = {b: candidate_set(b, args.candidates) for b in budgets}
     progress = sys.stderr.isatty() or bool(getattr(args, "verbose", False))
     cals: dict = {}
-    # score once, with the largest set needed; the other set's search reuses those tables
-    first = "all" if "all" in set_of.values() else "dynamic"
-    for name in sorted(set(set_of.values()), key=lambda n: n != first):
-        c = sets[name]
-        b0 = min(b for b in budgets if set_of[b] == name)
+    for name in sorted(set(set_of.values())):  # "all" (the superset) before "dynamic"
+        cands = default_candidates(capture.sizes["channel"], static=name == "all")
         base = next(iter(cals.values()), None)
-        cal = calibrate(capture, b0, context=args.context, options=options, queries=args.queries,
-                        cands_k=c, cands_v=c, decode=args.decode or None,
-                        max_bits=max(args.max_bits, *budgets), workers=args.workers,
-                        progress=progress, capture_path=args.capture, name=args.name,
-                        objective=args.objective, model=args.model,
-                        sensitivity_tokens=args.sensitivity_tokens,
-                        scores=None if base is None else base.scores.subset(c, c),
+        cal = calibrate(capture, min(b for b in budgets if set_of[b] == name), context=args.context,
+                        options=options, queries=args.queries, cands_k=cands, cands_v=cands,
+                        decode=args.decode or None, max_bits=max(args.max_bits, *budgets),
+                        workers=args.workers, progress=progress, capture_path=args.capture, name=args.name,
+                        objective=args.objective, model=args.model, sensitivity_tokens=args.sensitivity_tokens,
+                        scores=None if base is None else base.scores.subset(cands, cands),
                         sensitivity=None if base is None else base.sensitivity)
         if base is None and cal.sensitivity is not None:
             sv = cal.sensitivity
@@ -145,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         fr = pd.concat([c.frontier.assign(candidates=n) for n, c in cals.items()], ignore_index=True)
         atomic_write_text(args.frontier, fr.to_csv(index=False))
         print(f"wrote the frontier ({len(fr)} points; candidates {', '.join(cals)}) to {args.frontier}")
-    cal = cals[first]
-    print(f"scored in {cal.seconds['score']:.1f} s, searched in {cal.seconds['search']:.1f} s")
+    first = next(iter(cals.values()))
+    print(f"scored in {first.seconds['score']:.1f} s, searched in "
+          f"{sum(c.seconds['search'] for c in cals.values()):.1f} s")
     return 0
