@@ -475,8 +475,7 @@ class KernelKVCache(Cache):
             # same tokens KverrCache quantizes first: the prefill's, sinks and window left out
             from kverr.gpu.cache import layer_static_scales
 
-            scales = layer_static_scales(self.config, layer, k_in, v)
-            self.paged.set_static_scales({key: sz for key, sz in scales.items() if key in self.paged.unset_static})
+            self.paged.set_static_scales(layer_static_scales(self.config, layer, k_in, v))
         self.paged.store(self.step, layer, k_in, v)
         return k, v
 

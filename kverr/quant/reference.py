@@ -323,11 +323,9 @@ def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) ->
     return g.masked_fill(~mask, _INF).amin(-1), g.masked_fill(~mask, -_INF).amax(-1)
 
 
-def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None,
-                   clip_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stored (scale, zero) of every block; ``clip_range`` is :func:`_clip_range`'s, when the
-    caller already has it."""
-    lo, hi = _clip_range(fmt, g, mask) if clip_range is None else clip_range
+def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored (scale, zero) of every block."""
+    lo, hi = _clip_range(fmt, g, mask)
     if not isinstance(fmt.clip, MSEClip):
         return _params(fmt, lo, hi)
     s, m, _ = mse_search(fmt, g, mask, lo, hi)
