@@ -17,7 +17,8 @@ objective (predicted KL in nats) with the layer sensitivities recorded in the pr
 
 * ``<prefix>-predicted-vs-measured.csv``: scheme, effective bits, predicted damage, mean KL, top-1;
 * ``<prefix>-acceptance.md``: the table, per budget whether the calibrated config has a lower mean
-  KL than every preset/peer at equal or higher effective bits, the issue's targets, and the
+  KL than every preset/peer at equal or higher effective bits, per preset/peer whether a calibrated
+  config at equal or fewer effective bits has a lower mean KL, the issue's targets, and the
   Spearman (and Kendall) rank correlation between predicted damage and measured mean KL.
 """
 
@@ -60,10 +61,12 @@ def main() -> None:
         ev = ev.groupby("scheme", sort=False).agg(
             effective_bits=("effective_bits", "first"), mean_kl=("mean_kl", "mean"), top1=("top1", "mean"),
             ppl_delta=("ppl_delta", "mean"), segments=("segment", "nunique")).reset_index()
-    weights, objective = None, "rel_attn_out_sq"
+    weights, weights_v, objective = None, None, "rel_attn_out_sq"
     if args.weights_from:
-        sens = CacheConfig.load(args.weights_from).provenance["sensitivity"]
-        weights, objective = sens["weights"], "predicted_kl"
+        from kverr.calibrate import Sensitivity
+
+        sens = Sensitivity.from_dict(CacheConfig.load(args.weights_from).provenance["sensitivity"])
+        weights, weights_v, objective = sens.weights_k, sens.weights_v, "predicted_kl"
     cap = open_capture(args.capture)
     cfgs = {c.name: c for c in (CacheConfig.load(p) for p in args.config)}
     cache = {}
@@ -81,7 +84,7 @@ def main() -> None:
         else:
             continue
         if name not in cache:
-            p = predict(cap, cfg, queries=args.queries, weights=weights)
+            p = predict(cap, cfg, queries=args.queries, weights=weights, weights_v=weights_v)
             cache[name] = dict(scheme=name, predicted=p["total"], predicted_k=float(p["k"].sum()),
                                predicted_v=float(p["v"].sum()))
             fresh.append(cache[name])
@@ -103,7 +106,7 @@ def main() -> None:
         f"# calibration capture: {args.capture}",
         f"# evaluation: {args.command or ' '.join(args.eval_csv)}"
         + (f" (segment {args.segment})" if args.segment is not None else ""),
-        f"# objective: {objective}" + (f" (layer sensitivities from {args.weights_from})" if weights else ""),
+        f"# objective: {objective}" + (f" (layer sensitivities from {args.weights_from})" if weights is not None else ""),
         "# effective bits counted at prefill + decode tokens (metadata, window, pages included)",
         "",
         "| scheme | kind | effective bits | mean KL | top-1 | predicted | segments |",
@@ -120,6 +123,20 @@ def main() -> None:
             f"{s.scheme} {s.effective_bits:.2f} b KL {s.mean_kl:.5f}" for _, s in lost.iterrows()) + ")"
         lines.append(f"- {c.scheme} ({c.effective_bits:.3f} b, KL {c.mean_kl:.5f}) vs {len(rivals)} schemes "
                      f"with >= bits: {verdict}")
+    lines += ["", "## Every preset/peer vs the calibrated configs at equal or fewer effective bits", "",
+              "(Each preset or peer against every calibrated config that spends no more bits than it: is "
+              "one of them below it in mean KL? Calibrating at a preset's own effective bits makes the "
+              "comparison at equal memory.)", ""]
+    cal = t[t.kind == "calibrated"]
+    for _, s in others.iterrows():
+        cheaper = cal[cal.effective_bits <= s.effective_bits + 1e-9]
+        best = cheaper.loc[cheaper.mean_kl.idxmin()] if not cheaper.empty else None
+        if best is None:
+            verdict = "no calibrated config at <= its bits"
+        else:
+            verdict = ("BEATEN" if best.mean_kl < s.mean_kl else "NOT BEATEN") + (
+                f" by {best.scheme} ({best.effective_bits:.3f} b, KL {best.mean_kl:.5f})")
+        lines.append(f"- {s.scheme} ({s.effective_bits:.2f} b, KL {s.mean_kl:.5f}): {verdict}")
     lines += ["", "## Targets", ""]
     for lim, kl, top in ((4.5, 0.002, 0.98), (3.0, 0.02, 0.93)):
         for _, c in t[(t.kind == "calibrated") & (t.effective_bits <= lim + 1e-9)].iterrows():
