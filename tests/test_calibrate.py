@@ -212,10 +212,22 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
     assert pv["capture"]["weights_sha256"] == cap.attrs["weights_sha256"]
     assert pv["budget_bits"] == 4.0 and pv["objective"] and pv["context_tokens"] == 160
     # the predicted damage of the written config, recomputed from scratch, is the knapsack's
-    p = predict(cap, cfg, queries=16, weights=cal.sensitivity.weights)
+    sens = cal.sensitivity
+    p = predict(cap, cfg, queries=16, weights=sens.weights_k, weights_v=sens.weights_v)
     assert p["total"] == pytest.approx(pv["predicted_damage"], rel=1e-4)
     assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
-    assert pv["objective"] == "predicted_kl" and len(pv["sensitivity"]["weights"]) == loaded.n_layers
+    assert float(p["k"].sum()) == pytest.approx(pv["predicted_k"], rel=1e-4)
+    assert pv["objective"] == "predicted_kl" and len(pv["sensitivity"]["weights_k"]) == loaded.n_layers
+    assert pv["sensitivity"]["noise"] == "o_proj"
+    # with noise in the cached keys and values: a weight per side, sparing the options' sinks
+    kv = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16,
+                   scores=cal.scores, model=loaded, sensitivity_noise="kv")
+    sv = kv.sensitivity
+    assert sv.noise == "kv" and sv.sinks == 4 and not np.array_equal(sv.weights_k, sv.weights_v)
+    p = predict(cap, kv.config, queries=16, weights=sv.weights_k, weights_v=sv.weights_v)
+    assert p["total"] == pytest.approx(kv.config.provenance["predicted_damage"], rel=1e-4)
+    with pytest.raises(ConfigError, match="sensitivity_noise"):
+        calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, sensitivity_noise="q")
     # round trip of the config file, provenance included
     assert CacheConfig.from_json(cfg.to_json()) == cfg
     # frontier: monotone, and more budget never predicts more damage
@@ -391,43 +403,96 @@ def test_sensitivity_runner_reproduces_the_model(tiny_capture):
             assert all(lay.keys.shape[-2] == P for lay in r.cache.layers)
 
 
+def _suffix_run(model, ids, P, edit=None, o_noise=None):
+    """The model itself over a fresh cache of the prompt ``ids[:P]`` (``edit``ed), then the suffix:
+    log-probabilities at the suffix and each layer's o_proj input there (``o_noise = (layer, x)``
+    adds ``x`` to that layer's o_proj input)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(ids[None, :P], cache=cache, use_cache=True)
+    if edit is not None:
+        edit(cache)
+    got, hooks = {}, []
+    for i, lay in enumerate(model.model.layers):
+        def pre(_m, a, i=i):
+            got[i] = a[0][0].double()
+            if o_noise is not None and o_noise[0] == i:
+                return (a[0] + o_noise[1],)
+        hooks.append(lay.self_attn.o_proj.register_forward_pre_hook(pre))
+    try:
+        out = model(ids[None, P:], cache=cache, use_cache=True).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.log_softmax(out.double(), -1), got
+
+
 def test_sensitivity_equals_a_direct_noise_injection(tiny_capture):
-    """w_l and KL_l(eps) equal a from-scratch run of the whole model with the same noise added to
-    layer l's o_proj input; the two eps are in the quadratic regime at small eps."""
-    from kverr.calibrate.sensitivity import measure_sensitivity
+    """For both noise sites, KL and r of every (site, layer, eps) equal a from-scratch run of the
+    model -- a prompt cache filled by the model itself, the same noise added to layer l's o_proj
+    input at the suffix, or to its cached keys (values) past the sinks, the suffix run over it --
+    and w = KL / r; small eps is in the linear regime."""
+    from kverr.calibrate.sensitivity import Sensitivity, measure_sensitivity
 
     cap, _, loaded = tiny_capture
     ids = torch.as_tensor(np.asarray(cap["token_id"].values[:120], dtype=np.int64))
-    noisy, eps = 40, (1e-2, 2e-2)
-    s = measure_sensitivity(loaded, ids, noisy=noisy, eps=eps, kl_positions=1000, seed=3)
+    noisy, eps, sinks = 40, (1e-2, 2e-2), 3
     P = 120 - noisy
-    layers = loaded.model.model.layers
+    model = loaded.model
+    so = measure_sensitivity(loaded, ids, noisy=noisy, eps=eps, kl_positions=1000, seed=3)
+    s = measure_sensitivity(loaded, ids, noisy=noisy, eps=eps, kl_positions=1000, noise="kv", sinks=sinks, seed=3)
+    assert so.kl.shape == (1, loaded.n_layers, 2) and s.kl.shape == (2, loaded.n_layers, 2)
     with torch.no_grad():
-        msq = {}
-        hk = [lay.self_attn.o_proj.register_forward_pre_hook(
-            lambda _m, a, i=i: msq.__setitem__(i, float((a[0][:, P:].double() ** 2).sum(-1).mean())))
-            for i, lay in enumerate(layers)]
-        ref = torch.log_softmax(loaded.model(ids[None], use_cache=False).logits[0, P:].double(), -1)
-        for h in hk:
-            h.remove()
+        ref, o_ref = _suffix_run(model, ids, P)
+        kl_of = lambda lp: float((ref.exp() * (ref - lp)).sum(-1).clamp(min=0).mean())  # noqa: E731
         for i in range(loaded.n_layers):
-            op = layers[i].self_attn.o_proj
-            z = torch.randn((noisy, op.in_features), generator=torch.Generator().manual_seed(3 * 1_000_003 + i))
-            z = z * np.sqrt(msq[i] / op.in_features)
+            # o_proj noise
+            n = model.model.layers[i].self_attn.o_proj.in_features
+            msq = float((o_ref[i] ** 2).sum(-1).mean())
+            z = torch.randn((noisy, n), generator=torch.Generator().manual_seed(3 * 1_000_003 + i)) * np.sqrt(msq / n)
             for j, e in enumerate(eps):
-                def add(_m, a, e=e, z=z):
-                    x = a[0].clone()
-                    x[:, P:] += e * z
-                    return (x,)
-                h = op.register_forward_pre_hook(add)
-                lp = torch.log_softmax(loaded.model(ids[None], use_cache=False).logits[0, P:].double(), -1)
-                h.remove()
-                kl = float((ref.exp() * (ref - lp)).sum(-1).clamp(min=0).mean())
-                assert s.kl[i, j] == pytest.approx(kl, rel=2e-3)
-    np.testing.assert_allclose(s.weights, s.kl[:, 0] / eps[0] ** 2)
-    np.testing.assert_allclose(s.quadratic_ratio, 1.0, atol=0.05)
-    assert s.kl_positions == noisy and s.noisy == noisy and s.tokens == 120
-    assert type(s).from_dict(json.loads(json.dumps(s.to_dict()))).to_dict() == s.to_dict()
+                lp, _ = _suffix_run(model, ids, P, o_noise=(i, (e * z).float()))
+                assert so.kl[0, i, j] == pytest.approx(kl_of(lp), rel=2e-3)
+            # kv noise
+            g = torch.Generator().manual_seed(3 * 1_000_003 + i)
+            probe = {}
+            _suffix_run(model, ids, P, edit=lambda c: probe.update(k=c.layers[i].keys[0], v=c.layers[i].values[0]))
+            noise = []
+            for x in (probe["k"], probe["v"]):
+                z = torch.randn(x.shape, generator=g)
+                z[:, :sinks] = 0
+                noise.append(z * x.pow(2).mean((-2, -1), keepdim=True).sqrt())
+            for side in (0, 1):
+                for j, e in enumerate(eps):
+                    def edit(c, side=side, e=e):
+                        lay = c.layers[i]
+                        if side == 0:
+                            lay.keys = lay.keys + e * noise[0]
+                        else:
+                            lay.values = lay.values + e * noise[1]
+                    lp, o = _suffix_run(model, ids, P, edit=edit)
+                    r = float(((o[i] - o_ref[i]) ** 2).sum(-1).mean() / (o_ref[i] ** 2).sum(-1).mean())
+                    assert r > 0
+                    assert s.kl[side, i, j] == pytest.approx(kl_of(lp), rel=2e-3, abs=1e-12)
+                    assert s.rel[side, i, j] == pytest.approx(r, rel=2e-3)
+    np.testing.assert_allclose(so.weights_k, so.kl[0, :, 0] / eps[0] ** 2)
+    np.testing.assert_array_equal(so.weights_k, so.weights_v)
+    np.testing.assert_allclose(s.weights_k, s.kl[0, :, 0] / s.rel[0, :, 0])
+    np.testing.assert_allclose(s.weights_v, s.kl[1, :, 0] / s.rel[1, :, 0])
+    for x in (so, s):
+        np.testing.assert_allclose(x.quadratic_ratio, 1.0, atol=0.05)
+        assert Sensitivity.from_dict(json.loads(json.dumps(x.to_dict()))).to_dict() == x.to_dict()
+    assert s.kl_positions == noisy and s.noisy == noisy and s.tokens == 120 and s.sinks == sinks and s.noise == "kv"
+    # a record of the earlier o_proj measurement (one weight per layer) reads as o_proj noise
+    old = Sensitivity.from_dict({"weights": [1.0, 2.0], "kl": [[1e-4, 4e-4], [2e-4, 8e-4]], "eps": [0.01, 0.02],
+                                 "tokens": 640, "noisy": 128, "kl_positions": 128})
+    np.testing.assert_array_equal(old.weights_v, [1.0, 2.0])
+    np.testing.assert_allclose(old.quadratic_ratio, [[1.0, 1.0]])
+    with pytest.raises(ConfigError, match="sinks"):
+        measure_sensitivity(loaded, ids, noisy=noisy, eps=eps, noise="kv", sinks=P)
+    with pytest.raises(ConfigError, match="noise"):
+        measure_sensitivity(loaded, ids, noisy=noisy, eps=eps, noise="q")
 
 
 def test_kl_objective_with_equal_weights_is_the_rel_objective(tiny_capture):
@@ -441,10 +506,8 @@ def test_kl_objective_with_equal_weights_is_the_rel_objective(tiny_capture):
     rel = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8, objective="rel")
     assert rel.config.provenance["objective"] == "rel_attn_out_sq" and "sensitivity" not in rel.config.provenance
 
-    def sens(w):
-        w = np.asarray(w, dtype=np.float64)
-        return Sensitivity(weights=w, kl=np.stack([w, 4 * w], 1) * 1e-4, eps=(0.01, 0.02), tokens=160, noisy=32,
-                           kl_positions=32)
+    def sens(w, wv=None):
+        return Sensitivity.uniform(w, wv, eps=(0.01, 0.02), tokens=160, noisy=32, kl_positions=32)
 
     eq = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                    scores=rel.scores, sensitivity=sens([2.0] * L))
@@ -457,7 +520,14 @@ def test_kl_objective_with_equal_weights_is_the_rel_objective(tiny_capture):
         c = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                       scores=rel.scores, sensitivity=sens(w))
         assert bytes_of(c, hot) >= bytes_of(rel, hot)
-        assert c.config.provenance["sensitivity"]["weights"][hot] == 1.0
+        assert c.config.provenance["sensitivity"]["weights_k"][hot] == 1.0
+    # a side weighted up gets bytes from the other one
+    side_bytes = lambda cal, w: int(cal.choices.loc[cal.choices.which == w, "bytes"].sum())  # noqa: E731
+    kh = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+                   scores=rel.scores, sensitivity=sens([1.0] * L, [1e-3] * L))
+    vh = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+                   scores=rel.scores, sensitivity=sens([1e-3] * L, [1.0] * L))
+    assert side_bytes(kh, "k") > side_bytes(vh, "k") and side_bytes(kh, "v") < side_bytes(vh, "v")
     with pytest.raises(ConfigError, match="objective"):
         calibrate(cap, 4.0, context=160, cands_k=SMALL, cands_v=SMALL, objective="mse")
     with pytest.raises(ConfigError, match="layer weights"):
@@ -492,7 +562,7 @@ def test_cli_calibrate_objectives(tiny_capture, tmp_path, capsys):
         o, _ = capsys.readouterr()
         pv = CacheConfig.load(out).provenance
         assert pv["objective"] == {"kl": "predicted_kl", "rel": "rel_attn_out_sq"}[obj]
-        assert ("layer sensitivity on 160 tokens" in o) == (obj == "kl") and ("sensitivity" in pv) == (obj == "kl")
+        assert ("layer sensitivity (o_proj noise) on 160 tokens" in o) == (obj == "kl") and ("sensitivity" in pv) == (obj == "kl")
 
 
 # ---------------------------------------------------------------------------------------------

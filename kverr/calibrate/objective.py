@@ -3,11 +3,12 @@
 Two objectives share one measurement of attention damage (documented in the README):
 
 * ``predicted_kl`` (the default, ``--objective kl``): predicted next-token KL in nats,
-  ``Σ_l w_l · r_l``, where ``r_l`` is layer ``l``'s relative squared attention-output error
-  below and ``w_l`` its *measured* sensitivity (:mod:`.sensitivity`: the model's next-token KL
-  per unit of relative squared error, from noise injected into that layer's ``o_proj`` input on
-  the calibration text). A layer whose errors the rest of the network amplifies gets its bits
-  first.
+  ``Σ_l w_l^K · r_l^K + w_l^V · r_l^V``, where ``r_l^K`` and ``r_l^V`` are the key and value
+  parts of layer ``l``'s relative squared attention-output error below and ``w_l^K``, ``w_l^V``
+  its *measured* sensitivities (:mod:`.sensitivity`: the model's next-token KL per unit of
+  relative squared error, from noise injected into that layer's cached keys, or values, on the
+  calibration text). A layer whose errors the rest of the network amplifies gets its bits first,
+  and so does the side whose errors cost more.
 * ``rel_attn_out_sq`` (``--objective rel``): ``Σ_l r_l``, every layer with the same weight.
 
 The relative squared error ``r_l``. For every layer we sample ``n`` query positions
@@ -67,9 +68,10 @@ OBJECTIVE_DOC = (
 )
 OBJECTIVE_KL_NAME = "predicted_kl"
 OBJECTIVE_KL_DOC = (
-    "predicted next-token KL in nats: sum over layers l of w_l * r_l, r_l = the layer's "
-    "rel_attn_out_sq (" + OBJECTIVE_DOC + "), w_l = measured next-token KL per unit relative "
-    "squared error of the layer's o_proj input (noise injection, see 'sensitivity')"
+    "predicted next-token KL in nats: sum over layers l of w_l^K * r_l^K + w_l^V * r_l^V, r_l^K and "
+    "r_l^V = the key and value parts of the layer's rel_attn_out_sq (" + OBJECTIVE_DOC + "), w_l^K "
+    "and w_l^V = measured next-token KL per unit relative squared error of the layer's o_proj input "
+    "caused by noise in its cached keys, and in its cached values (see 'sensitivity')"
 )
 #: ``--objective`` value -> provenance name.
 OBJECTIVES = {"kl": OBJECTIVE_KL_NAME, "rel": OBJECTIVE_NAME}
@@ -402,15 +404,17 @@ def capture_positions_rope(capture: Any):
 
 def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
             layers: Sequence[int] | None = None, weights: Sequence[float] | None = None,
-            decode: int | None = DEFAULT_DECODE) -> dict[str, Any]:
+            weights_v: Sequence[float] | None = None, decode: int | None = DEFAULT_DECODE) -> dict[str, Any]:
     """Predicted damage of any config on a capture (the calibration objective; ``decode`` as in
     :func:`prepare_layer`).
 
     Returns ``{"total": float, "k": [layer] array, "v": [layer] array, "layers": [...],
     "relative": float}``; sinks and window act through the per-query mask, formats through the
     oracle. ``relative`` is the unweighted sum (``rel_attn_out_sq``); with per-layer
-    ``weights`` (a :class:`~.sensitivity.Sensitivity`'s ``weights``, indexed by layer), ``k``,
-    ``v`` and ``total`` are weighted (``predicted_kl``, nats), else ``total == relative``.
+    ``weights`` for keys and ``weights_v`` for values (a :class:`~.sensitivity.Sensitivity`'s
+    ``weights_k`` and ``weights_v``, indexed by layer; without ``weights_v`` values take
+    ``weights``), ``k``, ``v`` and ``total`` are weighted (``predicted_kl``, nats), else
+    ``total == relative``.
     """
     from kverr.dims import LAYER
 
@@ -428,6 +432,7 @@ def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
     rel = float(sum(dk) + sum(dv))
     dk, dv = np.array(dk), np.array(dv)
     if weights is not None:
-        w = np.asarray(weights, dtype=np.float64)[layers]
-        dk, dv = dk * w, dv * w
+        wk = np.asarray(weights, dtype=np.float64)[layers]
+        wv = wk if weights_v is None else np.asarray(weights_v, dtype=np.float64)[layers]
+        dk, dv = dk * wk, dv * wv
     return {"total": float(dk.sum() + dv.sum()), "k": dk, "v": dv, "layers": layers, "relative": rel}

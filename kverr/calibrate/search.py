@@ -235,17 +235,17 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
 # --------------------------------------------------------------------------------------------
 
 
-def _groups(scores: Scores, opt_i: int, n_kv: int, weights: np.ndarray | None = None):
+def _groups(scores: Scores, opt_i: int, n_kv: int, weights: tuple[np.ndarray, np.ndarray] | None = None):
     """Groups in a fixed order: for each layer, for each kv head, K then V; damage times the
-    layer's weight when ``weights [layer]`` are given."""
+    layer's key or value weight when ``weights = (w_k [layer], w_v [layer])`` are given."""
     keys, dmg = [], []
     for li, layer in enumerate(scores.layers):
-        w = 1.0 if weights is None else float(weights[layer])
+        wk, wv = (1.0, 1.0) if weights is None else (float(weights[0][layer]), float(weights[1][layer]))
         for h in range(n_kv):
             keys.append((layer, h, "k"))
-            dmg.append(scores.k[opt_i, li, :, h] * w)
+            dmg.append(scores.k[opt_i, li, :, h] * wk)
             keys.append((layer, h, "v"))
-            dmg.append(scores.v[opt_i, li, :, h] * w)
+            dmg.append(scores.v[opt_i, li, :, h] * wv)
     return keys, dmg
 
 
@@ -280,6 +280,7 @@ def calibrate(
     sensitivity: Any = None,
     model: Any = None,
     sensitivity_tokens: int | None = None,
+    sensitivity_noise: str = "o_proj",
     decode: int | None = DEFAULT_DECODE,
 ) -> Calibration:
     """Choose a format per (layer, kv head, K|V) minimising the predicted damage within a budget.
@@ -311,7 +312,10 @@ def calibrate(
     sensitivity : Sensitivity, optional
         Reuse a measured sensitivity (``"kl"`` only); otherwise it is measured with the
         capture's model (or ``model``: a spec or a LoadedModel, which must be the capture's),
-        on the capture's first ``sensitivity_tokens`` tokens, while the workers score.
+        on the capture's first ``sensitivity_tokens`` tokens, while the workers score, with noise
+        at the ``o_proj`` input (``sensitivity_noise="o_proj"``: one weight per layer) or in the
+        cached keys and values (``"kv"``: a weight per layer and side, sparing the options'
+        largest number of sinks); see :mod:`.sensitivity`.
     decode : int or None
         The token policy the objective models: a prompt quantized whole at prefill, then this many
         decode steps whose window holds only the newest generated tokens (the protocol of
@@ -345,6 +349,10 @@ def calibrate(
         raise ConfigError(f"decode={decode!r} must be a positive number of decode steps, or None")
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} is not known; use one of {sorted(OBJECTIVES)}")
+    from .sensitivity import NOISE_SITES
+
+    if sensitivity_noise not in NOISE_SITES:
+        raise ConfigError(f"sensitivity_noise={sensitivity_noise!r} is not known; use one of {', '.join(NOISE_SITES)}")
     if objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
     cands_k = tuple(cands_k or candidates_for_budget(budget_bits, head_dim))
@@ -374,6 +382,7 @@ def calibrate(
 
         ts, tc = time.perf_counter(), time.process_time()
         sens_box["s"] = sensitivity_for_capture(capture, model=model, tokens=sensitivity_tokens or DEFAULT_TOKENS,
+                                                noise=sensitivity_noise, sinks=max(o.sinks for o in options),
                                                 threads=1, progress=progress)
         sens_box["t"], sens_box["cpu"] = time.perf_counter() - ts, time.process_time() - tc
 
@@ -397,9 +406,9 @@ def calibrate(
     sensitivity = sens_box["s"]
     weights = None
     if objective == "kl":
-        weights = np.asarray(sensitivity.weights, dtype=np.float64)
-        if weights.shape != (n_layers_model,) or not np.all(np.isfinite(weights)) or np.any(weights < 0):
-            raise ConfigError(f"the sensitivity must hold {n_layers_model} finite non-negative layer weights")
+        weights = tuple(np.asarray(w, dtype=np.float64) for w in (sensitivity.weights_k, sensitivity.weights_v))
+        if any(w.shape != (n_layers_model,) or not np.all(np.isfinite(w)) or np.any(w < 0) for w in weights):
+            raise ConfigError(f"the sensitivity must hold {n_layers_model} finite non-negative layer weights per side")
     t1 = time.perf_counter()
     max_bytes = math.ceil(max(max_bits, budget_bits) * 2 * n_layers_model * n_kv * head_dim * context / 8)
     frontiers: dict[OuterOption, Frontier] = {}
@@ -464,7 +473,7 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
         chosen[(layer, h, w)] = f
         li = sc.layers.index(layer)
         rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
-        d = rel * (1.0 if weights is None else float(weights[layer]))
+        d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
         b = head_bytes(f, opt, D, cal.context, m["page_size"], m["window_dtype"], m["align"])
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,

@@ -1,32 +1,38 @@
 """Measured layer sensitivity: next-token KL per unit of relative squared attention-output error.
 
-The calibration objective (:mod:`.objective`) predicts, per layer, a *relative* squared error of
-the attention output before ``o_proj``, ``r_l = mean ‖δo‖² / mean ‖o‖²``. Layers do not matter
+The calibration objective (:mod:`.objective`) predicts, per layer and side, a *relative* squared
+error of the attention output before ``o_proj``, ``r_l = mean ‖δo‖² / mean ‖o‖²`` (the key term
+``(a′ − a)V`` for key errors, the value term ``a·E_V`` for value errors). Layers do not matter
 equally to the model's output: the same ``r_l`` in one layer can cost far more next-token KL than
 in another. :func:`measure_sensitivity` measures that with the real model on the calibration
-text:
+text, with noise in one of two places (``noise=``):
 
-The protocol mirrors the evaluation (a clean prefill, then decode steps that read a quantized
-cache): of ``T`` tokens of calibration text, the first ``P = T - N`` are a clean prefix and the
-last ``N`` ("noisy") positions get the error.
+The protocol mirrors the evaluation (a cache written over a prompt, then decode steps that read
+it): of ``T`` tokens of calibration text, the first ``P = T - N`` are the prompt and the last
+``N`` ("noisy") positions are where the error acts.
 
-1. a clean forward over the ``T`` tokens records the residual stream entering every layer at the
-   noisy positions, the mean squared norm ``m_l = mean_t ‖o_t‖²`` of each layer's attention
-   output (the ``o_proj`` input) there, and the clean next-token log-probabilities;
-2. for each layer ``l``, a fixed Gaussian noise ``z`` (seeded per layer) scaled to
-   ``δ = ε·sqrt(m_l / n)·z`` (``n`` = the width of the ``o_proj`` input, so ``E‖δ_t‖² = ε² m_l``,
-   i.e. a relative squared error ``ε²`` in the objective's units) is added to the ``o_proj`` input
-   at the noisy positions, and layers ``l..`` are run again on those positions only, over a cache
-   of the clean prefix (positions before ``P`` cannot see the noise), for two sizes ``ε₁ < ε₂``
-   in one batch (the same ``z``);
-3. ``KL_l(ε) = mean_t KL(p_clean,t ‖ p_noisy,t)`` over up to ``kl_positions`` evenly spaced
-   noisy positions, and the sensitivity ``w_l = KL_l(ε₁) / ε₁²`` in nats per unit of relative
-   squared error.
+1. a clean forward over the ``T`` tokens records the residual stream entering every layer and the
+   ``o_proj`` input ``o`` at the noisy positions (mean squared norm ``m_l = mean_t ‖o_t‖²``), and
+   the clean next-token log-probabilities; a cache of the prompt is filled;
+2. for each layer ``l``, fixed Gaussian noise (seeded per layer) is added, and layers ``l..`` are
+   run again on the noisy positions only, over the prompt's cache, for two sizes ``ε₁ < ε₂`` in
+   one batch:
 
-In the quadratic regime ``KL_l(ε₂) / KL_l(ε₁) = (ε₂/ε₁)²``; :attr:`Sensitivity.quadratic_ratio`
-reports ``(KL_l(ε₂)/ε₂²) / (KL_l(ε₁)/ε₁²)`` per layer (1 in that regime). The noise is isotropic,
-which a quantization error is not; ``w_l`` is the layer's mean sensitivity to an error of that
-size, not a per-direction one.
+   * ``"o_proj"`` (the default): ``δ = ε·sqrt(m_l / n)·z`` is added to the ``o_proj`` input at the
+     noisy positions (``n`` its width, so ``E‖δ_t‖² = ε² m_l``: a relative squared error
+     ``r = ε²``). One weight per layer, for key and value errors alike.
+   * ``"kv"``: noise isotropic within each kv head, of relative RMS ``ε`` of that head's cached
+     prompt keys -- in a second run, values -- is added to layer ``l``'s cache (all but the first
+     ``sinks`` tokens, full precision in the configs searched), and ``r`` is the relative squared
+     error of the ``o_proj`` input it caused. A key error moves the output along the values the
+     head already attends to, a value error in any direction: on the default model the key
+     weights come out 1–3× the value weights in most layers, which the ``o_proj`` noise cannot
+     see (README, "Calibrate"). Four runs per layer instead of two.
+3. ``KL_l = mean_t KL(p_clean,t ‖ p_noisy,t)`` over up to ``kl_positions`` evenly spaced noisy
+   positions, and ``w_l = KL_l(ε₁) / r_l(ε₁)`` in nats per unit of relative squared error.
+
+:attr:`Sensitivity.quadratic_ratio` reports ``(KL/r)(ε₂) / (KL/r)(ε₁)`` per site and layer (1
+where KL is linear in ``r``: quadratic in ``ε``).
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ from kverr.errors import CaptureError, ConfigError
 
 log = logging.getLogger(__name__)
 
-#: Default noise sizes (relative RMS of the attention output): per-layer relative squared errors
-#: of calibrated configs lie around 1e-3 .. 5e-2, i.e. ε ~ 0.03 .. 0.2.
+#: Default noise sizes (relative RMS of the cached keys or values; on the default model KL is
+#: linear in the error they cause: quadratic ratios 0.86 .. 1.08).
 DEFAULT_EPS = (0.05, 0.1)
 #: Clean prefix + noisy positions (512 + 128 tokens by default).
 DEFAULT_TOKENS = 640
@@ -54,66 +60,112 @@ DEFAULT_NOISY = 128
 DEFAULT_KL_POSITIONS = 128
 
 
+#: Where :func:`measure_sensitivity` adds noise -> the sites of a :class:`Sensitivity`'s arrays.
+NOISE_SITES = {"o_proj": ("o_proj",), "kv": ("k", "v")}
+#: Provenance description of each measurement.
+METHODS = {
+    "o_proj": "gaussian noise of relative RMS eps added to one layer's o_proj input at the last `noisy` "
+              "of `tokens` positions (clean prefix before); w = mean next-token KL / eps1^2 (nats per "
+              "unit relative squared attention-output error), the same for keys and values",
+    "kv": "isotropic gaussian noise of relative RMS eps (per kv head) added to one layer's cached "
+          "prompt keys, or values (the first tokens - noisy tokens, sinks excepted), read by the last "
+          "`noisy` positions; w = mean next-token KL / r, r = the relative squared error of that layer's "
+          "o_proj input the noise caused (nats per unit relative squared attention-output error), per side",
+}
+
+
 @dataclass
 class Sensitivity:
-    """Per-layer sensitivity of next-token KL to relative attention-output error.
+    """Per-layer sensitivity of next-token KL to relative attention-output error, per side.
 
     Attributes
     ----------
-    weights : ndarray ``[layer]``
-        ``w_l = KL_l(ε₁) / ε₁²`` (nats per unit relative squared error).
-    kl : ndarray ``[layer, eps]``
-        Measured mean KL at each noise size.
+    weights_k, weights_v : ndarray ``[layer]``
+        ``w_l = KL_l(ε₁) / r_l(ε₁)`` for key errors and for value errors (nats per unit relative
+        squared error of the ``o_proj`` input); equal with ``noise="o_proj"``.
+    kl : ndarray ``[site, layer, eps]``
+        Measured mean KL per noise site (:data:`NOISE_SITES`).
+    rel : ndarray ``[site, layer, eps]``
+        The relative squared ``o_proj``-input error of each run (``ε²`` by construction for
+        ``o_proj`` noise, measured for ``kv`` noise).
+    noise : str
+        ``"o_proj"`` or ``"kv"``.
     eps : tuple of float
-        Noise sizes ``ε₁ < ε₂``.
+        Noise sizes ``ε₁ < ε₂`` (relative RMS of the cached keys or values).
     tokens : int
         Tokens of calibration text the model ran on (the first ``tokens`` of the capture).
     noisy : int
-        The last ``noisy`` of them got the noise (the rest is a clean prefix).
+        The last ``noisy`` of them read the noisy cache of the others.
     kl_positions : int
         Positions at which KL was measured.
+    sinks : int
+        The first ``sinks`` prompt tokens got no noise.
     """
 
-    weights: np.ndarray
+    weights_k: np.ndarray
+    weights_v: np.ndarray
     kl: np.ndarray
+    rel: np.ndarray
     eps: tuple[float, ...]
     tokens: int
     noisy: int
     kl_positions: int
+    noise: str = "o_proj"
+    sinks: int = 0
     seed: int = 0
     seconds: float = 0.0
     model_id: str = ""
     weights_sha256: str = ""
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def uniform(cls, weights: Sequence[float], weights_v: Sequence[float] | None = None, **kw: Any) -> Sensitivity:
+        """A sensitivity with given weights (values: ``weights_v``, else the same), e.g. to
+        calibrate with weights measured elsewhere; ``kl`` and ``rel`` are then NaN."""
+        wk = np.asarray(weights, dtype=np.float64)
+        wv = wk if weights_v is None else np.asarray(weights_v, dtype=np.float64)
+        nan = np.full((1, wk.shape[0], 2), np.nan)
+        kw = {"eps": (np.nan, np.nan), "tokens": 0, "noisy": 0, "kl_positions": 0, **kw}
+        return cls(weights_k=wk, weights_v=wv, kl=nan, rel=nan.copy(), **kw)
+
     @property
     def quadratic_ratio(self) -> np.ndarray:
-        """``(KL(ε₂)/ε₂²) / (KL(ε₁)/ε₁²)`` per layer: 1 in the quadratic regime."""
-        e = np.asarray(self.eps, dtype=np.float64)
-        w = self.kl / e[None, :] ** 2
-        return w[:, -1] / np.where(w[:, 0] > 0, w[:, 0], np.nan)
+        """``[site, layer]``: ``(KL/r)(ε₂) / (KL/r)(ε₁)``, 1 where KL is linear in ``r``."""
+        w = self.kl / np.where(self.rel > 0, self.rel, np.nan)
+        return w[..., -1] / np.where(w[..., 0] > 0, w[..., 0], np.nan)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record for a config's provenance."""
+        f = lambda a: np.asarray(a, dtype=np.float64).tolist()  # noqa: E731
         return {
-            "method": "gaussian noise of relative RMS eps added to one layer's o_proj input at the "
-                      "last `noisy` of `tokens` positions (clean prefix before); w = mean next-token "
-                      "KL / eps1^2 (nats per unit relative squared attention-output error)",
+            "method": METHODS[self.noise],
+            "noise": self.noise,
             "tokens": int(self.tokens),
             "noisy": int(self.noisy),
             "kl_positions": int(self.kl_positions),
+            "sinks": int(self.sinks),
             "eps": [float(e) for e in self.eps],
             "seed": int(self.seed),
-            "weights": [float(x) for x in self.weights],
-            "kl": [[float(x) for x in row] for row in self.kl],
-            "quadratic_ratio": [float(x) for x in self.quadratic_ratio],
+            "weights_k": f(self.weights_k),
+            "weights_v": f(self.weights_v),
+            "kl": f(self.kl),
+            "rel": f(self.rel),
+            "quadratic_ratio": f(self.quadratic_ratio),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sensitivity:
-        return cls(weights=np.asarray(d["weights"], dtype=np.float64), kl=np.asarray(d["kl"], dtype=np.float64),
-                   eps=tuple(d["eps"]), tokens=int(d["tokens"]), noisy=int(d["noisy"]), kl_positions=int(d["kl_positions"]),
-                   seed=int(d.get("seed", 0)), seconds=float(d.get("seconds", 0.0)))
+        """Read :meth:`to_dict`'s record, or an earlier one (``o_proj`` noise: one ``weights`` per
+        layer and ``kl [layer, eps]``)."""
+        meta = dict(tokens=int(d["tokens"]), noisy=int(d["noisy"]), kl_positions=int(d["kl_positions"]),
+                    noise=str(d.get("noise", "o_proj")), sinks=int(d.get("sinks", 0)), seed=int(d.get("seed", 0)),
+                    seconds=float(d.get("seconds", 0.0)), eps=tuple(float(e) for e in d["eps"]))
+        arr = lambda k: np.asarray(d[k], dtype=np.float64)  # noqa: E731
+        if "weights_k" not in d:
+            kl = arr("kl")[None]
+            rel = np.broadcast_to(np.square(meta["eps"]), kl.shape).copy()
+            return cls(weights_k=arr("weights"), weights_v=arr("weights"), kl=kl, rel=rel, **meta)
+        return cls(weights_k=arr("weights_k"), weights_v=arr("weights_v"), kl=arr("kl"), rel=arr("rel"), **meta)
 
 
 def _parts(model: Any):
@@ -201,11 +253,13 @@ def measure_sensitivity(
     noisy: int = DEFAULT_NOISY,
     eps: Sequence[float] = DEFAULT_EPS,
     kl_positions: int = DEFAULT_KL_POSITIONS,
+    noise: str = "o_proj",
+    sinks: int = 0,
     seed: int = 0,
     threads: int = 1,
     progress: bool = False,
 ) -> Sensitivity:
-    """Measure ``w_l`` for every layer by noise injection (see the module docstring).
+    """Measure the sensitivity of every layer by noise injection (see the module docstring).
 
     Parameters
     ----------
@@ -219,6 +273,13 @@ def measure_sensitivity(
         Relative noise sizes ``ε₁ < ε₂``; ``w`` uses ``ε₁``, the pair checks the quadratic regime.
     kl_positions : int
         At most this many evenly spaced noisy positions at which KL is measured.
+    noise : {"o_proj", "kv"}
+        Where the noise goes (module docstring): the ``o_proj`` input (one weight per layer), or the
+        cached prompt keys and, separately, values (a weight per layer and side).
+    sinks : int
+        ``noise="kv"``: the first ``sinks`` prompt tokens get no noise (a config's full-precision
+        sink tokens: they draw much of the attention, and their errors would dominate ``r`` in
+        later layers).
     threads : int
         torch threads used (restored afterwards).
     """
@@ -236,6 +297,10 @@ def measure_sensitivity(
         raise ConfigError(f"noisy={noisy} must lie in 1..{T - 1} (the text has {T} tokens)")
     if kl_positions < 1:
         raise ConfigError(f"kl_positions={kl_positions} must be positive")
+    if noise not in NOISE_SITES:
+        raise ConfigError(f"noise={noise!r} is not known; use one of {', '.join(NOISE_SITES)}")
+    if not 0 <= sinks < T - noisy:
+        raise ConfigError(f"sinks={sinks} must lie in 0..{T - noisy - 1} (the prompt has {T - noisy} tokens)")
     t0 = time.perf_counter()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(threads)))
@@ -245,12 +310,12 @@ def measure_sensitivity(
             L = len(r.layers)
             sel = torch.as_tensor(np.unique(np.linspace(0, noisy - 1, min(kl_positions, noisy))
                                             .round().astype(np.int64)))
-            # clean pass: each layer's input and mean ||o_proj input||^2 at the noisy positions
-            msq = [0.0] * L
+            # clean pass: each layer's input and o_proj input at the noisy positions
+            o_clean: list[torch.Tensor | None] = [None] * L
             hooks = []
             for i, layer in enumerate(r.layers):
                 def pre(_m, args, i=i):
-                    msq[i] = float((args[0][:, r.P:].double() ** 2).sum(-1).mean())
+                    o_clean[i] = args[0][:, r.P:].detach().clone()
                 hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(pre))
             hs: list[torch.Tensor] = []
             try:
@@ -260,32 +325,62 @@ def measure_sensitivity(
                     hk.remove()
             ref = r.logp(h, sel)[0]  # [n, V]
             p_ref = ref.exp()
-            r.fill_prefix(len(eps))
+            ne = len(eps)
+            sites = len(NOISE_SITES[noise])
+            r.fill_prefix(sites * ne)  # batch: site 0 at eps_1, eps_2, then site 1 (kv: keys, values)
             e = torch.tensor(eps, dtype=torch.float32)
-            kl = np.zeros((L, len(eps)))
+            kl = np.zeros((sites, L, ne))
+            rel = np.zeros((sites, L, ne))
             for i in tqdm(range(L), desc="calibrate: layer sensitivity", unit="layer", disable=not progress):
-                o_proj = r.layers[i].self_attn.o_proj
-                n = o_proj.in_features
+                oc = o_clean[i].double()  # [1, N, n]
+                msq = float((oc ** 2).sum(-1).mean())
                 g = torch.Generator().manual_seed(int(seed) * 1_000_003 + i)
-                z = torch.randn((noisy, n), generator=g).mul_(math.sqrt(msq[i] / n))
+                o_proj = r.layers[i].self_attn.o_proj
+                got: dict[str, torch.Tensor] = {}
+                lay = r.cache.layers[i]
+                k0, v0 = lay.keys, lay.values  # [sites*ne, kv, P, D], the batch copies equal
+                if noise == "o_proj":
+                    n = o_proj.in_features
+                    z = torch.randn((noisy, n), generator=g).mul_(math.sqrt(msq / n))
 
-                def add_noise(_m, args, z=z):
-                    return (args[0] + e[:, None, None] * z[None], *args[1:])
+                    def hook(_m, args, z=z):
+                        return (args[0] + e[:, None, None] * z[None], *args[1:])
+                else:
+                    add = []
+                    for x in (k0[0], v0[0]):
+                        z = torch.randn(x.shape, generator=g, dtype=torch.float32)
+                        z[:, :sinks] = 0  # sink tokens stay unquantized
+                        rms = x.float().pow(2).mean((-2, -1), keepdim=True).sqrt()  # per kv head
+                        add.append((e[:, None, None, None] * (z * rms)[None]).to(x.dtype))
+                    zero = torch.zeros_like(add[0])
+                    lay.keys = k0 + torch.cat([add[0], zero])
+                    lay.values = v0 + torch.cat([zero, add[1]])
 
-                hk = o_proj.register_forward_pre_hook(add_noise)
+                    def hook(_m, args, got=got):
+                        got["o"] = args[0].detach()
+
+                hk = o_proj.register_forward_pre_hook(hook)
                 try:
-                    hb = r.run(hs[i].expand(len(eps), -1, -1), i)
+                    hb = r.run(hs[i].expand(sites * ne, -1, -1), i)
                 finally:
                     hk.remove()
-                lp = r.logp(hb, sel)  # [2, n, V]
-                kl[i] = (p_ref[None] * (ref[None] - lp)).sum(-1).clamp(min=0).mean(-1).numpy()
+                    lay.keys, lay.values = k0, v0
+                lp = r.logp(hb, sel)  # [sites*ne, n, V]
+                kl[:, i] = (p_ref[None] * (ref[None] - lp)).sum(-1).clamp(min=0).mean(-1).numpy().reshape(sites, ne)
+                if noise == "o_proj":
+                    rel[:, i] = np.square(eps)  # E||delta||^2 = eps^2 m_l by construction
+                else:
+                    err = ((got["o"].double() - oc) ** 2).sum(-1).mean(-1) / (msq if msq > 0 else 1.0)
+                    rel[:, i] = err.numpy().reshape(sites, ne)
     finally:
         torch.set_num_threads(old_threads)
-    w = kl[:, 0] / eps[0] ** 2
-    sens = Sensitivity(weights=w, kl=kl, eps=eps, tokens=T, noisy=int(noisy), kl_positions=int(sel.numel()),
-                       seed=int(seed), seconds=time.perf_counter() - t0,
+    w = kl[:, :, 0] / np.where(rel[:, :, 0] > 0, rel[:, :, 0], np.inf)
+    sens = Sensitivity(weights_k=w[0], weights_v=w[-1], kl=kl, rel=rel, eps=eps, tokens=T, noisy=int(noisy),
+                       kl_positions=int(sel.numel()), noise=noise, sinks=int(sinks), seed=int(seed),
+                       seconds=time.perf_counter() - t0,
                        model_id=getattr(loaded, "model_id", ""), weights_sha256=getattr(loaded, "weights_sha256", ""))
-    log.info("layer sensitivity on %d tokens in %.1f s: w from %.3g to %.3g nats", T, sens.seconds, w.min(), w.max())
+    log.info("layer sensitivity (%s noise) on %d tokens in %.1f s: keys %.3g..%.3g, values %.3g..%.3g nats",
+             noise, T, sens.seconds, w[0].min(), w[0].max(), w[-1].min(), w[-1].max())
     return sens
 
 
@@ -335,8 +430,8 @@ def check_capture_model(capture: Any, model: Any = None) -> Any:
 
 def sensitivity_for_capture(capture: Any, *, model: Any = None, tokens: int = DEFAULT_TOKENS,
                             noisy: int = DEFAULT_NOISY, eps: Sequence[float] = DEFAULT_EPS,
-                            kl_positions: int = DEFAULT_KL_POSITIONS, seed: int = 0, threads: int = 1,
-                            progress: bool = False) -> Sensitivity:
+                            kl_positions: int = DEFAULT_KL_POSITIONS, noise: str = "o_proj", sinks: int = 0,
+                            seed: int = 0, threads: int = 1, progress: bool = False) -> Sensitivity:
     """Measure the sensitivity of the capture's model (see :func:`check_capture_model` for
     ``model``) on the capture's first ``tokens`` token ids."""
     model = check_capture_model(capture, model)
@@ -344,5 +439,5 @@ def sensitivity_for_capture(capture: Any, *, model: Any = None, tokens: int = DE
     if n <= noisy:
         raise CaptureError(f"the capture has {n} tokens; layer sensitivity needs more than noisy={noisy}")
     ids = np.asarray(capture["token_id"].values[:n], dtype=np.int64)
-    return measure_sensitivity(model, ids, noisy=noisy, eps=eps, kl_positions=kl_positions, seed=seed,
-                               threads=threads, progress=progress)
+    return measure_sensitivity(model, ids, noisy=noisy, eps=eps, kl_positions=kl_positions, noise=noise,
+                               sinks=sinks, seed=seed, threads=threads, progress=progress)

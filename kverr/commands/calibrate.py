@@ -75,6 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="kl (default): predicted next-token KL, each layer's relative attention-output "
                    "error weighted by its sensitivity, measured with the capture's model by noise "
                    "injection; rel: relative errors summed with equal layer weights")
+    p.add_argument("--sensitivity-noise", choices=("o_proj", "kv"), default="o_proj",
+                   help="kl objective: measure each layer's sensitivity with noise at its o_proj input "
+                   "(default: one weight per layer), or in its cached keys and, separately, values "
+                   "(kv: a weight per layer and side, twice the model runs; predicts measured KL "
+                   "closer, chose no better configs held out, see the README)")
     p.add_argument("--model", help="the capture's model (default: the one the capture names; it is "
                    "refused unless its weights are the capture's)")
     p.add_argument("--sensitivity-tokens", type=positive_int, default=640,
@@ -116,15 +121,19 @@ def run(args: argparse.Namespace) -> int:
                         decode=args.decode or None, max_bits=max(args.max_bits, *budgets),
                         workers=args.workers, progress=progress, capture_path=args.capture, name=args.name,
                         objective=args.objective, model=args.model, sensitivity_tokens=args.sensitivity_tokens,
+                        sensitivity_noise=args.sensitivity_noise,
                         scores=None if base is None else base.scores.subset(cands, cands),
                         sensitivity=None if base is None else base.sensitivity)
         if base is None and cal.sensitivity is not None:
             sv = cal.sensitivity
             r = sv.quadratic_ratio
-            print(f"layer sensitivity on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
-                  f"w = {sv.weights.min():.3g} .. {sv.weights.max():.3g} nats per unit relative squared "
-                  f"error (layer {int(sv.weights.argmax())} highest); quadratic check "
-                  f"KL(eps2)/KL(eps1)*(eps1/eps2)^2 = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
+            ws = (f"w = {sv.weights_k.min():.3g} .. {sv.weights_k.max():.3g} nats per unit relative squared "
+                  f"error (layer {int(sv.weights_k.argmax())} highest)") if sv.noise == "o_proj" else (
+                  f"nats per unit relative squared error: keys {sv.weights_k.min():.3g} .. "
+                  f"{sv.weights_k.max():.3g} (layer {int(sv.weights_k.argmax())} highest), values "
+                  f"{sv.weights_v.min():.3g} .. {sv.weights_v.max():.3g} (layer {int(sv.weights_v.argmax())})")
+            print(f"layer sensitivity ({sv.noise} noise) on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
+                  f"{ws}; quadratic check (KL/r)(eps2)/(KL/r)(eps1) = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
         cals[name] = cal
     for b, out in zip(budgets, outs):
         cfg = cals[set_of[b]].config_at(b, args.name)

@@ -148,7 +148,8 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     for s in sch:
         if s.config is not None:
             pred[s.name] = predict(capture, s.config, queries=queries,
-                                   weights=cal.sensitivity.weights)["total"]
+                                   weights=cal.sensitivity.weights_k,
+                                   weights_v=cal.sensitivity.weights_v)["total"]
     summ["predicted"] = summ["scheme"].map(pred)
     atomic_write_text(out / "evaluate.segments.csv", df.to_csv(index=False))
     atomic_write_text(out / "evaluate.csv", summ.to_csv(index=False))
