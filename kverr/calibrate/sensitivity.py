@@ -71,6 +71,7 @@ METHODS = {
           "prompt keys, or values (the first tokens - noisy tokens, sinks excepted), read by the last "
           "`noisy` positions; w = mean next-token KL / r, r = the relative squared error of that layer's "
           "o_proj input the noise caused (nats per unit relative squared attention-output error), per side",
+    "given": "weights given (Sensitivity.uniform), not measured",
 }
 
 
@@ -89,9 +90,9 @@ class Sensitivity:
         The relative squared ``o_proj``-input error of each run (``ε²`` by construction for
         ``o_proj`` noise, measured for ``kv`` noise).
     noise : str
-        ``"o_proj"`` or ``"kv"``.
+        ``"o_proj"`` or ``"kv"`` (``"given"``: :meth:`uniform`).
     eps : tuple of float
-        Noise sizes ``ε₁ < ε₂`` (relative RMS of the cached keys or values).
+        Noise sizes ``ε₁ < ε₂`` (relative RMS of what the noise is added to).
     tokens : int
         Tokens of calibration text the model ran on (the first ``tokens`` of the capture).
     noisy : int
@@ -121,11 +122,12 @@ class Sensitivity:
     @classmethod
     def uniform(cls, weights: Sequence[float], weights_v: Sequence[float] | None = None, **kw: Any) -> Sensitivity:
         """A sensitivity with given weights (values: ``weights_v``, else the same), e.g. to
-        calibrate with weights measured elsewhere; ``kl`` and ``rel`` are then NaN."""
+        calibrate with weights measured elsewhere; ``kl`` and ``rel`` are then NaN (``null`` in
+        :meth:`to_dict`)."""
         wk = np.asarray(weights, dtype=np.float64)
         wv = wk if weights_v is None else np.asarray(weights_v, dtype=np.float64)
         nan = np.full((1, wk.shape[0], 2), np.nan)
-        kw = {"eps": (np.nan, np.nan), "tokens": 0, "noisy": 0, "kl_positions": 0, **kw}
+        kw = {"eps": DEFAULT_EPS, "tokens": 0, "noisy": 0, "kl_positions": 0, "noise": "given", **kw}
         return cls(weights_k=wk, weights_v=wv, kl=nan, rel=nan.copy(), **kw)
 
     @property
@@ -136,7 +138,10 @@ class Sensitivity:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record for a config's provenance."""
-        f = lambda a: np.asarray(a, dtype=np.float64).tolist()  # noqa: E731
+        def f(a):  # nested lists of floats, NaN as None (strict JSON)
+            a = np.asarray(a, dtype=np.float64)
+            return np.where(np.isfinite(a), a, None).tolist()
+
         return {
             "method": METHODS[self.noise],
             "noise": self.noise,
@@ -160,7 +165,7 @@ class Sensitivity:
         meta = dict(tokens=int(d["tokens"]), noisy=int(d["noisy"]), kl_positions=int(d["kl_positions"]),
                     noise=str(d.get("noise", "o_proj")), sinks=int(d.get("sinks", 0)), seed=int(d.get("seed", 0)),
                     seconds=float(d.get("seconds", 0.0)), eps=tuple(float(e) for e in d["eps"]))
-        arr = lambda k: np.asarray(d[k], dtype=np.float64)  # noqa: E731
+        arr = lambda k: np.asarray(d[k], dtype=np.float64)  # noqa: E731  (None -> NaN)
         if "weights_k" not in d:
             kl = arr("kl")[None]
             rel = np.broadcast_to(np.square(meta["eps"]), kl.shape).copy()
