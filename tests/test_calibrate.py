@@ -3,6 +3,7 @@ search (bytes == kverr.memory, provenance, bad input) and the CLI, on a tiny ran
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
@@ -308,9 +309,12 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     seen = []
     real = kc.calibrate
 
+    lib_noise = inspect.signature(real).parameters["sensitivity_noise"].default
+
     def spy(*a, **kw):
         seen.append(tuple(kw["options"]))
-        assert kw["decode"] == DEFAULT_DECODE  # the CLI's default is the library's
+        assert kw["decode"] == DEFAULT_DECODE  # the CLI's defaults are the library's
+        assert kw["sensitivity_noise"] == lib_noise
         return real(*a, **kw)
 
     monkeypatch.setattr(kc, "calibrate", spy)
@@ -324,6 +328,15 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
         assert set(seen[-1]) == want
     capsys.readouterr()
     assert len(DEFAULT_OPTIONS) == 8 and {o.key_pre_rope for o in DEFAULT_OPTIONS} == {False, True}
+    # the CLI's literal choices (it does not import the torch-heavy modules to register) are the library's
+    from kverr.calibrate.candidates import CANDIDATE_SETS
+    from kverr.calibrate.sensitivity import NOISE_SITES
+    from kverr.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["calibrate"]
+    choices = {a.dest: a.choices for a in sub._actions}
+    assert tuple(choices["candidates"]) == CANDIDATE_SETS
+    assert tuple(choices["sensitivity_noise"]) == tuple(NOISE_SITES)
 
 
 def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):
