@@ -6,9 +6,10 @@ Two objectives share one measurement of attention damage (documented in the READ
   ``Σ_l w_l^K · r_l^K + w_l^V · r_l^V``, where ``r_l^K`` and ``r_l^V`` are the key and value
   parts of layer ``l``'s relative squared attention-output error below and ``w_l^K``, ``w_l^V``
   its *measured* sensitivities (:mod:`.sensitivity`: the model's next-token KL per unit of
-  relative squared error, from noise injected into that layer's cached keys, or values, on the
-  calibration text). A layer whose errors the rest of the network amplifies gets its bits first,
-  and so does the side whose errors cost more.
+  relative squared error, from noise injected on the calibration text -- into that layer's
+  ``o_proj`` input, one weight for both sides, by default; into its cached keys, or values, a
+  weight per side, with ``noise="kv"``). A layer whose errors the rest of the network amplifies
+  gets its bits first, and with per-side weights so does the side whose errors cost more.
 * ``rel_attn_out_sq`` (``--objective rel``): ``Σ_l r_l``, every layer with the same weight.
 
 The relative squared error ``r_l``. For every layer we sample ``n`` query positions
@@ -71,7 +72,8 @@ OBJECTIVE_KL_DOC = (
     "predicted next-token KL in nats: sum over layers l of w_l^K * r_l^K + w_l^V * r_l^V, r_l^K and "
     "r_l^V = the key and value parts of the layer's rel_attn_out_sq (" + OBJECTIVE_DOC + "), w_l^K "
     "and w_l^V = measured next-token KL per unit relative squared error of the layer's o_proj input "
-    "caused by noise in its cached keys, and in its cached values (see 'sensitivity')"
+    "(noise injection, see 'sensitivity': noise at the o_proj input gives both sides one weight, "
+    "noise in the cached keys and in the cached values a weight per side)"
 )
 #: ``--objective`` value -> provenance name.
 OBJECTIVES = {"kl": OBJECTIVE_KL_NAME, "rel": OBJECTIVE_NAME}
