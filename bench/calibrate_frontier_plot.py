@@ -58,7 +58,8 @@ def main() -> None:
     ax.set_yscale("log")
     ax.set_xlabel("effective bits per element (metadata, sinks, window, pages included; 1280 tokens)")
     ax.set_ylabel("next-token KL (nats)")
-    ax.set_title("Calibration frontier (predicted, pydoc) and held-out KL (typing.py, 3 segments)")
+    nseg = int(pvm["segments"].min()) if "segments" in pvm else 1
+    ax.set_title(f"Calibration frontier (predicted, pydoc) and held-out KL (typing.py, {nseg} segments)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
     sns.despine(fig)
