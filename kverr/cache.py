@@ -470,7 +470,7 @@ class KernelKVCache(Cache):
         if self._cos is not None:
             t0 = self.length - n
             k_in = undo_rope(k.float(), self._cos[t0:self.length], self._sin[t0:self.length])
-        if any(key[0] == layer for key in self.paged.unset_static):
+        if self.paged.static_pending(layer):
             # the first chunk quantized sets the static scales, jointly over the batch, from the
             # same tokens KverrCache quantizes first: the prefill's, sinks and window left out
             from kverr.gpu.cache import layer_static_scales

@@ -320,6 +320,13 @@ class PagedKVCache:
             zero = self._static(z, h, ncol, spec, "zero", key)
         return scale, zero
 
+    def static_pending(self, layer: int) -> list[tuple[int, str, int]]:
+        """Head groups of ``layer`` still waiting for :meth:`set_static_scales` (none once every
+        layer's prefill has set them: then no scan)."""
+        if not self.unset_static:
+            return []
+        return sorted(key for key in self.unset_static if key[0] == layer)
+
     def set_static_scales(self, scales: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Set the static scales of head groups created with ``static_scales="first"`` (keys as
         :func:`calibrate_static_scales` returns them); each group's, once, before its first store."""
@@ -505,9 +512,9 @@ class PagedKVCache:
         from kverr.gpu.launch import launch_store
 
         self._check_layer(layer)
-        waiting = [key for key in self.unset_static if key[0] == layer]
+        waiting = self.static_pending(layer)
         if waiting:
-            raise KernelError(f"layer {layer}: static scales of {sorted(waiting)} are not set yet (set_static_scales)")
+            raise KernelError(f"layer {layer}: static scales of {waiting} are not set yet (set_static_scales)")
         for which, x in (("k", k), ("v", v)):
             x = self._rows(x, step, which)
             for pool in self.pools[layer][which]:
