@@ -3,38 +3,46 @@ how well each sensitivity measurement predicts it.
 
 Usage::
 
-    python bench/calibrate_kv_only.py configs OUT_DIR
-        # OUT_DIR/only{k,v}-{2.5,3}b.json: data/configs/calibrated-{2.5,3}b.json with the other
-        # side kept in fp16 (then: kverr evaluate --config OUT_DIR/onlyk-3b.json ...)
-    python bench/calibrate_kv_only.py ratios EVAL.segments.csv CAPTURE
+    python bench/calibrate_kv_only.py configs OUT_DIR CONFIG.json ...
+        # OUT_DIR/only{k,v}-<name>.json for each config (<name>: its name without "calibrated-"):
+        # the config with the other side kept in fp16 (then: kverr evaluate --config ...)
+    python bench/calibrate_kv_only.py ratios EVAL.segments.csv CAPTURE CONFIG.json ...
         # measured mean KL of each only-k / only-v config over its segments against the objective's
-        # K or V part on CAPTURE, with the configs' o_proj weights and with the kv-noise weights of
-        # bench/results/calibrate-sensitivity-kv-2026-11-29.json
+        # K or V part on CAPTURE, with the config's own (o_proj) weights and with the kv-noise
+        # weights of bench/results/calibrate-sensitivity-kv-2026-11-29.json
+
+The committed rows: ``configs`` / ``ratios`` of data/configs/calibrated-{2.5,3}b.json on
+bench/results/eval/calibrate-kv-only-argparse.segments.csv, and of the 4.5-bit configs of
+``--candidates all`` (static-all-4.5b) and of the default on
+bench/results/eval/calibrate-static-kv-only-argparse-4.5b.segments.csv.
 """
 import json
 import sys
 from pathlib import Path
 
-BUDGETS = ("2.5", "3")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_configs(out: Path) -> None:
+def short(name: str) -> str:
+    return name.removeprefix("calibrated-")
+
+
+def write_configs(out: Path, paths: list[str]) -> None:
+    from kverr.config import CacheConfig, Override
+    from kverr.quant import float_format
+
     out.mkdir(parents=True, exist_ok=True)
-    for b in BUDGETS:
-        c = json.loads((ROOT / f"data/configs/calibrated-{b}b.json").read_text())
+    fp16 = float_format("fp16")
+    for p in paths:
+        cfg = CacheConfig.load(p)
         for keep, drop in (("k", "v"), ("v", "k")):
-            d = json.loads(json.dumps(c))
-            d["name"] = f"only{keep}-{b}b"
-            d[drop] = {"dtype": "fp16"}
-            for h in d["heads"].values():
-                h.pop(drop, None)
-            d["heads"] = {k: v for k, v in d["heads"].items() if v}
-            (out / f"only{keep}-{b}b.json").write_text(json.dumps(d))
-            print(out / f"only{keep}-{b}b.json")
+            heads = {h: Override(**{keep: getattr(o, keep)}) for h, o in cfg.heads.items() if getattr(o, keep)}
+            one = cfg.with_(**{drop: fp16}, heads=heads, name=f"only{keep}-{short(cfg.name)}")
+            print(one.save(out / f"{one.name}.json"))
 
 
-def ratios(eval_csv: str, capture: str) -> None:
+def ratios(eval_csv: str, capture: str, paths: list[str]) -> None:
+    import numpy as np
     import pandas as pd
 
     from kverr.calibrate import Sensitivity, predict
@@ -45,19 +53,18 @@ def ratios(eval_csv: str, capture: str) -> None:
     cap = open_capture(capture)
     kv = Sensitivity.from_dict(json.loads((ROOT / "bench/results/calibrate-sensitivity-kv-2026-11-29.json").read_text())["kv"])
     print("config  side  measured KL  | o_proj weights: predicted, measured/predicted | kv weights: predicted, measured/predicted")
-    for b in BUDGETS:
-        cfg = CacheConfig.load(ROOT / f"data/configs/calibrated-{b}b.json")
-        o = Sensitivity.from_dict(cfg.provenance["sensitivity"])
-        po = predict(cap, cfg, queries=32, weights=o.weights_k, weights_v=o.weights_v)
-        pk = predict(cap, cfg, queries=32, weights=kv.weights_k, weights_v=kv.weights_v)
-        for side in ("k", "v"):
-            m = float(ev[f"only{side}-{b}b"])
-            a, c = float(po[side].sum()), float(pk[side].sum())
-            print(f"{b:>5}b  {side.upper():>4}  {m:11.4f}  | {a:10.4g}  {m / a:5.2f} | {c:10.4g}  {m / c:5.2f}")
+    for p in paths:
+        cfg = CacheConfig.load(p)
+        own = Sensitivity.from_dict(cfg.provenance["sensitivity"])
+        rel = predict(cap, cfg, queries=32)  # unweighted per-layer parts, weighted below both ways
+        for side, wo, wk in (("k", own.weights_k, kv.weights_k), ("v", own.weights_v, kv.weights_v)):
+            m = float(ev[f"only{side}-{short(cfg.name)}"])
+            a, c = float(np.dot(rel[side], wo[rel["layers"]])), float(np.dot(rel[side], wk[rel["layers"]]))
+            print(f"{short(cfg.name):>14}  {side.upper():>4}  {m:11.4g}  | {a:10.4g}  {m / a:5.2f} | {c:10.4g}  {m / c:5.2f}")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "configs":
-        write_configs(Path(sys.argv[2]))
+        write_configs(Path(sys.argv[2]), sys.argv[3:])
     else:
-        ratios(sys.argv[2], sys.argv[3])
+        ratios(sys.argv[2], sys.argv[3], sys.argv[4:])
