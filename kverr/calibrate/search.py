@@ -26,6 +26,7 @@ from kverr.quant.formats import QuantFormat
 
 from .candidates import OuterOption, candidates_for_budget, check_candidates, head_bytes
 from .knapsack import Frontier, solve
+from .sensitivity import DEFAULT_TOKENS, NOISE_SITES, check_capture_model, sensitivity_for_capture
 from .objective import (
     DEFAULT_DECODE,
     OBJECTIVE_DOC,
@@ -349,8 +350,6 @@ def calibrate(
         raise ConfigError(f"decode={decode!r} must be a positive number of decode steps, or None")
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} is not known; use one of {sorted(OBJECTIVES)}")
-    from .sensitivity import NOISE_SITES
-
     if sensitivity_noise not in NOISE_SITES:
         raise ConfigError(f"sensitivity_noise={sensitivity_noise!r} is not known; use one of {', '.join(NOISE_SITES)}")
     if objective == "rel" and sensitivity is not None:
@@ -378,8 +377,6 @@ def calibrate(
     sens_box: dict[str, Any] = {"s": sensitivity}
 
     def _measure() -> None:
-        from .sensitivity import DEFAULT_TOKENS, sensitivity_for_capture
-
         ts, tc = time.perf_counter(), time.process_time()
         sens_box["s"] = sensitivity_for_capture(capture, model=model, tokens=sensitivity_tokens or DEFAULT_TOKENS,
                                                 noise=sensitivity_noise, sinks=max(o.sinks for o in options),
@@ -388,8 +385,6 @@ def calibrate(
 
     need_sens = objective == "kl" and sensitivity is None
     if need_sens:
-        from .sensitivity import check_capture_model
-
         tl = time.perf_counter()
         model = check_capture_model(capture, model)  # load once; refuse before any scoring work
         sens_box["load"] = time.perf_counter() - tl
