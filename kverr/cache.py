@@ -1,8 +1,8 @@
 """A transformers ``Cache`` that stores K and V quantized per a :class:`~kverr.config.CacheConfig`.
 
 Each layer keeps, per group of kv heads sharing a format, the sink tokens and the pending
-(most recent) tokens in ``window_dtype`` and the tokens between as packed codes + scales
-(:class:`kverr.quant.QTensor` chunks). Memory is really saved: codes are packed bytes; the
+(most recent) tokens in ``window_dtype`` (:class:`kverr.quant.store.WindowRows`) and the tokens
+between as packed codes + scales (:class:`kverr.quant.QTensor` chunks). Memory is really saved: codes are packed bytes; the
 cache reports the bytes it holds (:meth:`KverrCache.nbytes`).
 
 Token policy (the same as :func:`kverr.quant.reconstruct`): after every update, pending tokens
@@ -37,7 +37,7 @@ import torch
 from kverr.config import WHICH, CacheConfig
 from kverr.errors import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
-from kverr.quant.formats import TORCH_DTYPES
+from kverr.quant.store import WindowRows
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +86,19 @@ class _Group:
 
     fmt: QuantFormat
     heads: list[int]
-    sinks: torch.Tensor | None = None  # [B, h, s, D] window_dtype
+    sinks: WindowRows | None = None  # [B, h, s, D] window_dtype
     chunks: list[QTensor] = field(default_factory=list)  # quantized, in token order
     # dequantize(chunk) of chunks[i], kept because a stored chunk never changes: a decode step
     # then reads the cache without dequantizing all of it again (a compute cache, not storage:
     # not counted by nbytes)
     decoded: list[torch.Tensor] = field(default_factory=list)
-    pending: torch.Tensor | None = None  # [B, h, p, D] window_dtype
+    pending: WindowRows | None = None  # [B, h, p, D] window_dtype
     static_scale: torch.Tensor | None = None
     static_zero: torch.Tensor | None = None
 
     @property
     def n_sinks(self) -> int:
-        return 0 if self.sinks is None else self.sinks.shape[2]
+        return 0 if self.sinks is None else self.sinks.n
 
     @property
     def n_quantized(self) -> int:
@@ -106,11 +106,12 @@ class _Group:
 
     @property
     def n_pending(self) -> int:
-        return 0 if self.pending is None else self.pending.shape[2]
+        return 0 if self.pending is None else self.pending.n
 
     def nbytes(self) -> int:
-        tensors = [self.sinks, self.pending, self.static_scale, self.static_zero]
+        tensors = [self.static_scale, self.static_zero]
         total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        total += sum(r.nbytes for r in (self.sinks, self.pending) if r is not None)
         return total + sum(c.nbytes for c in self.chunks)
 
 
@@ -199,16 +200,15 @@ class KverrLayer(CacheLayerMixin):
         return self.rotary(torch.arange(lo, hi, device=self.device))
 
     def _append(self, which: str, x: torch.Tensor) -> None:
-        wdt = TORCH_DTYPES[self.config.window_dtype]
         for g in self.groups[which]:
-            part = x[:, g.heads].to(wdt)
-            take = max(0, min(self.config.sinks - g.n_sinks, part.shape[2]))
+            part = WindowRows.store(x[:, g.heads].float(), self.config.window_dtype)
+            take = max(0, min(self.config.sinks - g.n_sinks, part.n))
             if take:
-                head = part[:, :, :take]
-                g.sinks = head if g.sinks is None else torch.cat([g.sinks, head], dim=2)
-                part = part[:, :, take:]
-            if part.shape[2]:
-                g.pending = part if g.pending is None else torch.cat([g.pending, part], dim=2)
+                head = part.tokens(0, take)
+                g.sinks = head if g.sinks is None else g.sinks.cat(head)
+                part = part.tokens(take)
+            if part.n:
+                g.pending = part if g.pending is None else g.pending.cat(part)
 
     def _flush(self, respect_window: bool) -> None:
         P = self.config.page_size
@@ -219,8 +219,8 @@ class KverrLayer(CacheLayerMixin):
                 n = max(0, avail) // tb * tb
                 if n == 0:
                     continue
-                block = g.pending[:, :, :n].float()
-                g.pending = g.pending[:, :, n:]
+                block = g.pending.tokens(0, n).float()
+                g.pending = g.pending.tokens(n)
                 g.chunks.append(self._quantize(w, g, block))
 
     def _quantize(self, which: str, g: _Group, x: torch.Tensor) -> QTensor:
@@ -249,7 +249,7 @@ class KverrLayer(CacheLayerMixin):
             for i in range(len(g.decoded), len(g.chunks)):
                 g.decoded.append(dequantize(g.chunks[i]))
             parts += g.decoded
-            if g.pending is not None and g.pending.shape[2]:
+            if g.pending is not None and g.pending.n:
                 parts.append(g.pending.float())
             x = torch.cat(parts, dim=2)
             if out is None:

@@ -3,7 +3,8 @@
 A :class:`CacheConfig` holds a model-wide default format for keys and for values, optional
 overrides per layer and per ``(layer, kv_head)``, and the model-wide token policy: the first
 ``sinks`` tokens and the ``window`` most recent tokens stay in full precision
-(``window_dtype``); keys are quantized before RoPE when ``key_pre_rope``; the quantized tokens
+(``window_dtype``: a plain float, or ``int8`` rows with a scale each, see
+:func:`kverr.quant.formats.window_format`); keys are quantized before RoPE when ``key_pre_rope``; the quantized tokens
 live in pages of ``page_size`` tokens whose sections are aligned to ``align`` bytes.
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
@@ -39,7 +40,7 @@ from typing import Any, Literal
 
 from kverr.errors import ConfigError
 from kverr.quant.formats import (
-    FLOAT_DTYPES,
+    WINDOW_DTYPES,
     PerChannel,
     PerHead,
     PerPage,
@@ -127,9 +128,9 @@ class CacheConfig:
             raise ConfigError(f"align={self.align} is not allowed; a power of two number of bytes")
         if not isinstance(self.key_pre_rope, bool):
             raise ConfigError(f"key_pre_rope={self.key_pre_rope!r} is not allowed; true or false")
-        if self.window_dtype not in FLOAT_DTYPES:
+        if self.window_dtype not in WINDOW_DTYPES:
             raise ConfigError(
-                f"window_dtype={self.window_dtype!r} is not allowed; one of {', '.join(FLOAT_DTYPES)}"
+                f"window_dtype={self.window_dtype!r} is not allowed; one of {', '.join(WINDOW_DTYPES)}"
             )
         if self.name is not None and not isinstance(self.name, str):
             raise ConfigError(f"name={self.name!r} must be a string")

@@ -18,7 +18,7 @@ from typing import Any
 
 from kverr.config import WHICH, CacheConfig
 from kverr.errors import ConfigError, ModelError, ShapeError
-from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static
+from kverr.quant.formats import QuantFormat, is_static, window_format
 from kverr.quant.reference import block_shape, codes_nbytes, scale_shape
 from kverr.quant.store import align_up, token_regions
 
@@ -200,12 +200,16 @@ def _group_bytes(
     n_q = end - start
     rows = batch * h
     pages = -(-n_q // P)
-    # Full-precision tokens, one aligned row per (sequence, head).
-    wb = TORCH_DTYPES[config.window_dtype].itemsize
+    # Full-precision tokens, one aligned row per (sequence, head); int8: a row of codes and a
+    # row of scales (one per token), each aligned.
+    wf = window_format(config.window_dtype)
     n_sink, n_win = start, T - end
-    b.sinks = rows * n_sink * D * wb
-    b.window = rows * n_win * D * wb
-    b.padding += rows * (align_up((n_sink + n_win) * D * wb, A) - (n_sink + n_win) * D * wb)
+    n_fp = n_sink + n_win
+    sections = [D * wf.bits // 8] if wf.is_float else [D, wf.scale_bytes]
+    per_token = sum(sections)
+    b.sinks = rows * n_sink * per_token
+    b.window = rows * n_win * per_token
+    b.padding += rows * sum(align_up(n_fp * e, A) - n_fp * e for e in sections)
     # Codes, in pages.
     cb = codes_nbytes(fmt, D)
     b.payload = rows * n_q * cb

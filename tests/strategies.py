@@ -116,7 +116,7 @@ def configs(draw, n_layers: int = 2, n_kv_heads: int = 3, head_dim: int = 16) ->
         sinks=draw(st.sampled_from([0, 1, 4])),
         key_pre_rope=draw(st.booleans()),
         page_size=page,
-        window_dtype=draw(st.sampled_from(["fp16", "bf16", "fp32"])),
+        window_dtype=draw(st.sampled_from(["fp16", "bf16", "fp32", "int8"])),
         align=draw(st.sampled_from([1, 16, 128])),
         layers=layers,
         heads=heads,

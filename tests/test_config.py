@@ -94,7 +94,7 @@ def mutate(path: str, value) -> dict:
         ("page_size", 48, r"k\.granularity\.tokens=32 does not fit whole pages of page_size=48"),
         ("page_size", 0, r"page_size=0 is not allowed"),
         ("align", 24, r"align=24 is not allowed; a power of two"),
-        ("window_dtype", "int8", r"window_dtype='int8' is not allowed; one of fp16, bf16, fp32"),
+        ("window_dtype", "int4", r"window_dtype='int4' is not allowed; one of fp16, bf16, fp32, int8"),
         ("key_pre_rope", "yes", r"key_pre_rope='yes' is not allowed; true or false"),
         ("version", 2, r"version=2 is not allowed; this kverr reads config version 1"),
         ("version", KeyError, r"missing field config\.version"),

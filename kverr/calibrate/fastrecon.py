@@ -1,7 +1,8 @@
 """The oracle's reconstruction of one layer under many candidate formats, sharing the work.
 
 Calibration asks :func:`kverr.quant.reconstruct` for the same tensor (a layer's keys and values
-stacked on the head axis) under ~70 formats. Each call casts the input to ``window_dtype``,
+stacked on the head axis) under ~70 formats. Each call casts the input to ``window_dtype``
+(:func:`kverr.quant.store.receive`),
 checks it finite, rotates it (Hadamard formats), regroups it into scale blocks and takes the
 clip range of every block, then encodes and decodes. :class:`SharedReconstruct` does the
 format-independent part once per tensor (cast, check, rotation) and once per scale block shape
@@ -32,7 +33,7 @@ from kverr.quant.reference import (
     hadamard_rotate,
     mse_search,
 )
-from kverr.quant.store import reconstruct
+from kverr.quant.store import receive, reconstruct
 
 
 class SharedReconstruct:
@@ -54,7 +55,7 @@ class SharedReconstruct:
         self.page_size, self.window_dtype = page_size, window_dtype
         self.x = x32
         # reconstruct: the cache receives the values in window_dtype
-        self.x4 = x32[None].to(TORCH_DTYPES[window_dtype]).to(torch.float32)
+        self.x4 = receive(x32[None], window_dtype)
         self._rot: torch.Tensor | None = None
         self._groups: dict = {}
         self._ranges: dict = {}

@@ -52,6 +52,10 @@ ELEMENT_BITS: dict[str, tuple[int, ...]] = {
 FLOAT_DTYPES = ("fp16", "bf16", "fp32")
 #: Scale / zero-point dtypes.
 SCALE_DTYPES = ("fp32", "fp16", "bf16")
+#: Dtypes of the tokens a cache keeps outside its pages (sinks, window, a pending token block):
+#: the plain floats, or ``int8`` -- one symmetric absmax int8 row per (token, kv head) with an
+#: fp16 scale (:func:`window_format`), half the bytes of fp16 for a relative error of ~0.2 %.
+WINDOW_DTYPES = (*FLOAT_DTYPES, "int8")
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
@@ -534,3 +538,16 @@ def fp8_max(dtype: str) -> float:
     """Largest finite value of an fp8 element format."""
     return float(torch.finfo(TORCH_DTYPES[dtype]).max)
 
+
+
+def window_format(window_dtype: str) -> QuantFormat:
+    """The format a cache stores its full-precision tokens in (sinks, window, pending block).
+
+    A plain float dtype, or for ``"int8"`` symmetric int8 with one absmax fp16 scale per
+    (token, kv head): ``D + 2`` bytes a row instead of ``2 D``.
+    """
+    if window_dtype == "int8":
+        return int_format(8, PerToken(), symmetric=True, scale_dtype="fp16")
+    if window_dtype in FLOAT_DTYPES:
+        return float_format(window_dtype)
+    raise _fail("window_dtype", window_dtype, f"one of {', '.join(WINDOW_DTYPES)}")

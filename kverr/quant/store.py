@@ -1,7 +1,9 @@
 """Token policy and the reference store: what a cache holds for a config, laid out in pages.
 
-The cache receives keys and values in its own dtype (``window_dtype``, fp16 by default): every
-stored number derives from those values, as in a serving engine whose model runs in that dtype.
+The cache receives keys and values in its own dtype (``window_dtype``, fp16 by default; for
+``int8`` the round trip through one int8 row per token and kv head, :func:`receive`): every
+stored number derives from those values, as in a serving engine whose model runs in that dtype,
+or one that keeps its window in int8 and quantizes a token from that copy when it leaves.
 
 Token policy for a sequence of ``T`` tokens and one format (see :func:`token_regions`):
 the first ``sinks`` tokens and the most recent ones stay in full precision (``window_dtype``);
@@ -18,7 +20,8 @@ Page layout, per ``(layer, K|V, kv_head)`` and page of ``page_size`` tokens: a c
 ``page_size * codes_nbytes(fmt, D)`` bytes, then (unless the scales are static) a scales section
 and, for asymmetric formats, a zero-points section, each padded to ``align`` bytes. Scale
 entries in a page are ordered by token block, then channel block. The full-precision tokens of a
-``(sequence, layer, K|V, kv_head)`` are one row padded to ``align`` bytes. Static scales
+``(sequence, layer, K|V, kv_head)`` are one row padded to ``align`` bytes (``int8``: a row of
+codes and a row of fp16 scales, each padded). Static scales
 (``tensor``, ``head``, ``channel`` over all tokens) are stored once per layer, not per sequence.
 """
 
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kverr.errors import ShapeError
-from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static, token_block
+from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static, token_block, window_format
 from kverr.quant.reference import (
     QTensor,
     ArrayLike,
@@ -49,6 +52,65 @@ if TYPE_CHECKING:  # config imports kverr.quant; avoid the cycle at run time
 def align_up(n: int, align: int) -> int:
     """``n`` rounded up to a multiple of ``align``."""
     return -(-n // align) * align
+
+
+def receive(x: torch.Tensor, window_dtype: str) -> torch.Tensor:
+    """What a cache receives of ``x [..., H, T, D]`` (float32): its values in ``window_dtype``.
+
+    A plain float dtype is a cast; ``int8`` is the round trip through one symmetric absmax
+    int8 row per (token, kv head) with an fp16 scale. The round trip is idempotent, so a token
+    quantized straight from the input and one quantized later from its window copy get the same
+    codes. Every number a cache stores derives from these values.
+    """
+    fmt = window_format(window_dtype)
+    if fmt.is_float:
+        return x.to(TORCH_DTYPES[window_dtype]).to(torch.float32)
+    return fake_quantize(x, fmt)
+
+
+@dataclass(frozen=True, eq=False)
+class WindowRows:
+    """Tokens a cache keeps outside its pages (sinks, window, a pending block), as stored.
+
+    ``data`` ``[..., h, n, D]`` in the window dtype (``int8``: the oracle's uint8 codes) and, for
+    ``int8``, ``scale`` ``[..., h, n, 1]`` fp16. :meth:`float` gives :func:`receive`'s values.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    window_dtype: str
+
+    @classmethod
+    def store(cls, x: torch.Tensor, window_dtype: str) -> WindowRows:
+        fmt = window_format(window_dtype)
+        if fmt.is_float:
+            return cls(x.to(TORCH_DTYPES[window_dtype]), None, window_dtype)
+        qt = quantize(x, fmt)
+        return cls(qt.codes, qt.scale, window_dtype)
+
+    @property
+    def n(self) -> int:
+        return int(self.data.shape[-2])
+
+    def tokens(self, lo: int | None = None, hi: int | None = None) -> WindowRows:
+        """Tokens ``[lo, hi)``."""
+        return WindowRows(self.data[..., lo:hi, :], None if self.scale is None else self.scale[..., lo:hi, :],
+                          self.window_dtype)
+
+    def cat(self, other: WindowRows) -> WindowRows:
+        """These tokens followed by ``other``'s."""
+        scale = None if self.scale is None else torch.cat([self.scale, other.scale], dim=-2)
+        return WindowRows(torch.cat([self.data, other.data], dim=-2), scale, self.window_dtype)
+
+    def float(self) -> torch.Tensor:
+        if self.scale is None:
+            return self.data.float()
+        fmt = window_format(self.window_dtype)
+        return dequantize(QTensor(self.data, self.scale, None, fmt, tuple(self.data.shape), None))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
 
 
 def token_regions(T: int, config: CacheConfig, fmt: QuantFormat) -> tuple[int, int]:
@@ -114,8 +176,8 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) 
         raise ShapeError(f"{which} must be [..., kv_head, token, channel], got {tuple(x32.shape)}")
     *lead, H, T, D = x32.shape
     # The cache receives K/V in its own dtype (window_dtype); every stored number derives from
-    # those values, as in a serving engine whose model runs in that dtype.
-    x4 = x32.reshape(-1, H, T, D).to(TORCH_DTYPES[config.window_dtype]).to(torch.float32)
+    # those values.
+    x4 = receive(x32.reshape(-1, H, T, D), config.window_dtype)
     out = x4.clone()
     for fmt, heads in config.head_groups(layer, H, which):
         fmt.check_head_dim(D, which)
@@ -145,7 +207,10 @@ class HeadGroupStore:
     static_scale, static_zero
         Static metadata stored once, or ``None``.
     fp
-        ``[B * h, align_up(n_fp * D)]`` in ``window_dtype``: sink tokens then window tokens.
+        ``[B * h, align_up(n_fp * D)]`` in ``window_dtype`` (``int8``: uint8 codes): sink tokens
+        then window tokens.
+    fp_scale
+        ``int8`` windows: ``[B * h, align_up(n_fp)]`` fp16, a scale per token; else ``None``.
     """
 
     fmt: QuantFormat
@@ -161,17 +226,27 @@ class HeadGroupStore:
     static_scale: torch.Tensor | None
     static_zero: torch.Tensor | None
     fp: torch.Tensor
+    fp_scale: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [
             t
-            for t in (self.codes, self.scales, self.zeros, self.static_scale, self.static_zero, self.fp)
+            for t in (self.codes, self.scales, self.zeros, self.static_scale, self.static_zero, self.fp,
+                      self.fp_scale)
             if t is not None
         ]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _aligned_rows(rows: torch.Tensor, align: int) -> torch.Tensor:
+    """``[R, n]`` entries, each row zero-padded to a multiple of ``align`` bytes."""
+    eb = rows.element_size()
+    out = torch.zeros((rows.shape[0], align_up(rows.shape[1] * eb, align) // eb), dtype=rows.dtype)
+    out[:, : rows.shape[1]] = rows
+    return out
 
 
 def _to_pages(rows: torch.Tensor, pages: int, per_page: int, padded: int) -> torch.Tensor:
@@ -207,7 +282,7 @@ class ReferenceStore:
         self.shape: tuple[int, ...] | None = None
         for layer, (k, v) in enumerate(zip(keys, values)):
             for which, x in (("k", k), ("v", v)):
-                x32 = as_float_tensor(x, which).to(TORCH_DTYPES[config.window_dtype]).float()
+                x32 = receive(as_float_tensor(x, which), config.window_dtype)
                 if x32.ndim != 4:
                     raise ShapeError(f"layer {layer} {which}: want [B, kv_head, token, channel], got {tuple(x32.shape)}")
                 if self.shape is None:
@@ -227,11 +302,9 @@ class ReferenceStore:
         pages = -(-n_q // P)
         R = B * h
         # Full-precision tokens: sinks then window, one aligned row per (sequence, head).
-        wdt = TORCH_DTYPES[cfg.window_dtype]
-        fp_vals = torch.cat([x[:, :, :start], x[:, :, end:]], dim=2).to(wdt).reshape(R, -1)
-        wb = fp_vals.element_size()
-        fp = torch.zeros((R, align_up(fp_vals.shape[1] * wb, A) // wb), dtype=wdt)
-        fp[:, : fp_vals.shape[1]] = fp_vals
+        rows = WindowRows.store(torch.cat([x[:, :, :start], x[:, :, end:]], dim=2), cfg.window_dtype)
+        fp = _aligned_rows(rows.data.reshape(R, -1), A)
+        fp_scale = None if rows.scale is None else _aligned_rows(rows.scale.reshape(R, -1), A)
         cb = codes_nbytes(fmt, D)
         codes_dtype = TORCH_DTYPES[fmt.dtype] if fmt.is_float else torch.uint8
         esize = torch.tensor([], dtype=codes_dtype).element_size()
@@ -255,7 +328,7 @@ class ReferenceStore:
                     if qt.zero is not None:
                         zeros = _to_pages(qt.zero.reshape(R, -1), pages, entries, padded)
         return HeadGroupStore(
-            fmt, heads, B, T, start, end, pages, codes, scales, zeros, static_scale, static_zero, fp
+            fmt, heads, B, T, start, end, pages, codes, scales, zeros, static_scale, static_zero, fp, fp_scale
         )
 
     @property
@@ -278,7 +351,8 @@ class ReferenceStore:
             h = len(g.heads)
             R = B * h
             n_fp = T - (g.end - g.start)
-            fp = g.fp[:, : n_fp * D].float().reshape(B, h, n_fp, D)
+            fp_scale = None if g.fp_scale is None else g.fp_scale[:, :n_fp].reshape(B, h, n_fp, 1)
+            fp = WindowRows(g.fp[:, : n_fp * D].reshape(B, h, n_fp, D), fp_scale, self.config.window_dtype).float()
             out[:, g.heads, : g.start] = fp[:, :, : g.start]
             out[:, g.heads, g.end :] = fp[:, :, g.start :]
             n_q = g.end - g.start
