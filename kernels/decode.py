@@ -118,6 +118,17 @@ def _rope_rows(k, t, nmask, COS, SIN, N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _fp_rows(base, sbase, st, slot, mask, c, FP_Q: tl.constexpr):
+    """fp32 ``[N, D]`` rows ``slot`` of a full-precision buffer (``FP_Q``: int8 codes biased by 128,
+    times the row's fp16 scale -- the oracle's decode, exact in fp32)."""
+    x = tl.load(base + slot[:, None] * st + c[None, :], mask=mask[:, None], other=0).to(tl.float32)
+    if FP_Q:
+        s = tl.load(sbase + slot, mask=mask, other=0.0).to(tl.float32)
+        x = (x - 128.0) * s[:, None]
+    return x
+
+
+@triton.jit
 def _scores(q, k, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
     if USE_DOT:
         if DOT_FP16:
@@ -146,6 +157,7 @@ def paged_decode_kernel(
     VC, svc_p, svc_h, VS, VZ, svs_p, svs_h,  # value pools
     KF, skf_b, skf_h, skf_t,  # key full-precision buffer [slots, hK, sinks + cap_k, D]
     VF, svf_b, svf_h, svf_t,
+    KFS, skfs_b, skfs_h, VFS, svfs_b, svfs_h,  # FP_Q: their int8 rows' fp16 scales [slots, h, sinks + cap]
     PO, PM, PL,  # partials [B, Hq, NSP, D], [B, Hq, NSP], [B, Hq, NSP] fp32
     COS, SIN,  # [max_tokens, D] fp32 RoPE tables of the positions (used when K_PRE)
     qk_scale,  # softmax scale * log2(e)
@@ -158,7 +170,7 @@ def paged_decode_kernel(
     V_STATIC: tl.constexpr, V_CB: tl.constexpr,
     K_ROT: tl.constexpr, V_ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, K_PRE: tl.constexpr,
     TAIL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
-    QM: tl.constexpr, QB: tl.constexpr,
+    QM: tl.constexpr, QB: tl.constexpr, FP_Q: tl.constexpr,
 ):
     """Grid ``(B * QB, n, NS)`` (main: quantized tokens, split ``pid2``) or ``(B * QB, n, 1)`` (``TAIL``).
 
@@ -231,8 +243,8 @@ def paged_decode_kernel(
         if K_ROT and not ROT_Q:
             k = fwht(k, BLOCK_N, D, LOG2D, RSCALE)
         if TAIL:
-            kf = tl.load(KF + b64 * skf_b + hk * skf_h + k_slot[:, None] * skf_t + c[None, :],
-                         mask=(nmask & ~k_pg)[:, None], other=0.0).to(tl.float32)
+            kf = _fp_rows(KF + b64 * skf_b + hk * skf_h, KFS + b64 * skfs_b + hk * skfs_h, skf_t, k_slot,
+                          nmask & ~k_pg, c, FP_Q)
             k = tl.where(k_pg[:, None], k, kf)
         if K_PRE:
             k = _rope_rows(k, t, nmask, COS, SIN, BLOCK_N, D)
@@ -257,8 +269,8 @@ def paged_decode_kernel(
         if TAIL:
             if V_ROT:
                 v = fwht(v, BLOCK_N, D, LOG2D, RSCALE)
-            vf = tl.load(VF + b64 * svf_b + hv * svf_h + v_slot[:, None] * svf_t + c[None, :],
-                         mask=(nmask & ~v_pg)[:, None], other=0.0).to(tl.float32)
+            vf = _fp_rows(VF + b64 * svf_b + hv * svf_h, VFS + b64 * svfs_b + hv * svfs_h, svf_t, v_slot,
+                          nmask & ~v_pg, c, FP_Q)
             v = tl.where(v_pg[:, None], v, vf)
         acc = acc * alpha[:, None] + _pv(p, v, USE_DOT, DOT_FP16)
         m_i = m_new

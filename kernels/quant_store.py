@@ -237,6 +237,7 @@ def _choose_params(x3, lo, hi, r3, RATIOS, CLIP_N: tl.constexpr, KIND: tl.conste
 def quant_store_kernel(
     X, sx_n, sx_h,  # new tokens [N, H, D] (any float dtype)
     FP, sf_b, sf_h, sf_t,  # full-precision buffer [slots, h, sinks + cap, D] of this head group
+    FPS, sfs_b, sfs_h,  # FP_Q: the fp16 scale of each int8 row of FP [slots, h, sinks + cap]
     HEADS,  # [h] int32: global kv head of each local head
     JOB_PAGE, JOB_ROW0, JOB_NROWS, JOB_B,  # [J] int32
     SRC_NEW, SRC_SLOT,  # [J, BLOCK_R] int32: row of X, or slot of FP, or -1
@@ -247,8 +248,12 @@ def quant_store_kernel(
     KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
     GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
     ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, CLIP_N: tl.constexpr,
+    FP_Q: tl.constexpr,
 ):
     """One program quantizes the rows of one job (consecutive tokens of one page) for one head.
+
+    ``FP_Q``: the window is int8 (one biased int8 row per slot, its fp16 scale in ``FPS``) and
+    ``X`` holds the values the cache received (the int8 round trip, :func:`kverr.quant.store.receive`).
 
     Grid ``(J, h)``.
     """
@@ -273,10 +278,15 @@ def quant_store_kernel(
     ).to(tl.float32)
     xb = tl.load(
         FP + b * sf_b + hl * sf_h + src_slot.to(tl.int64)[:, None] * sf_t + c[None, :],
-        mask=from_fp[:, None], other=0.0,
+        mask=from_fp[:, None], other=0,
     ).to(tl.float32)
-    # the cache receives K/V in its own dtype (the window dtype of FP), as the oracle does
-    x = tl.where(from_x[:, None], _round_to(xa, FP.dtype.element_ty), xb)
+    if FP_Q:
+        # int8 rows: the oracle's decode, (u - 128) * s, exact in fp32; X is already received
+        sb = tl.load(FPS + b * sfs_b + hl * sfs_h + src_slot.to(tl.int64), mask=from_fp, other=0.0)
+        x = tl.where(from_x[:, None], xa, (xb - 128.0) * sb.to(tl.float32)[:, None])
+    else:
+        # the cache receives K/V in its own dtype (the window dtype of FP), as the oracle does
+        x = tl.where(from_x[:, None], _round_to(xa, FP.dtype.element_ty), xb)
 
     rows = (row0 + r).to(tl.int64)
     code_base = CODES + page * sc_p + hl * sc_h + rows[:, None] * CB

@@ -12,7 +12,8 @@ when
   ``tol`` (default 1e-3; the kernel multiplies in fp32 unless ``dot_fp16``).
 
 Keys and values reach both paths as they are; both round them to the config's ``window_dtype``
-first (the cache receives K/V in its own dtype, as a model running in that dtype produces them). On a machine without CUDA the kernels run in the Triton interpreter; set
+first (the cache receives K/V in its own dtype, as a model running in that dtype produces them;
+an ``int8`` window: the oracle's int8 row round trip, :func:`kverr.quant.store.receive`). On a machine without CUDA the kernels run in the Triton interpreter; set
 ``TRITON_INTERPRET=1`` before anything imports :mod:`kverr_kernels` (the ``kverr validate`` command
 does this itself).
 """

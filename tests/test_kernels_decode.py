@@ -67,6 +67,19 @@ def run_decode(cfg, lens, *, H=2, Hq=6, L=1, seed=0, num_splits=3, dot_fp16=Fals
 KIVI2 = CacheConfig(k=int_format(2, PerChannel(8)), v=int_format(2, PerTokenGroup(8)), page_size=P, window=5, sinks=2)
 
 
+def test_decode_int8_window():
+    """An int8 window (sinks, window and pending key blocks as int8 rows with fp16 scales): decode
+    matches reference attention over what the oracle reconstructs, which differs from the fp16
+    window's (the test sees the int8 rounding)."""
+    cfg = KIVI2.with_(window_dtype="int8")
+    worst, _ = run_decode(cfg, [45, 3, 30], num_splits=2)
+    assert worst <= 1e-3
+    _, k, _ = _data(1, 1, 6, 2, 45, 0)
+    a = reconstruct(k[0, 0], cfg, layer=0, which="k")
+    b = reconstruct(k[0, 0], KIVI2, layer=0, which="k")
+    assert not torch.equal(a[:, -5:], b[:, -5:]) and rel_rms(a[:, -5:], b[:, -5:]) < 1e-2
+
+
 def test_decode_gqa_split_k_unequal_lengths():
     """K quantized in blocks of 8 tokens, V per token: their quantized ranges end differently, so
     the tail program mixes paged and full-precision rows; one sequence is shorter than the sinks."""
@@ -137,16 +150,20 @@ def test_decode_hadamard_rotated_and_mse_clipped_formats():
     assert worst <= 1e-3
 
 
-@pytest.mark.parametrize("kf", [int_format(4, PerToken()), int_format(2, PerChannel(8), rotate="hadamard",
-                                                                      clip=MSEClip(grid=5, min_ratio=0.6))],
-                         ids=["int4a-tok", "int2a-ch8-had-mse"])
-def test_decode_pre_rope_keys(kf):
+_KIVI_HAD = int_format(2, PerChannel(8), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6))
+
+
+@pytest.mark.parametrize("kf,wdt", [(int_format(4, PerToken()), "fp16"), (_KIVI_HAD, "fp16"), (_KIVI_HAD, "int8")],
+                         ids=["int4a-tok", "int2a-ch8-had-mse", "int2a-ch8-had-mse-int8-window"])
+def test_decode_pre_rope_keys(kf, wdt):
     """Keys stored before RoPE: the kernel rotates each key row (paged codes, sinks and window) to
-    its position; the reference applies RoPE to what the oracle reconstructs of the pre-RoPE keys."""
+    its position; the reference applies RoPE to what the oracle reconstructs of the pre-RoPE keys.
+    With an int8 window the kernel decodes the window's int8 rows before rotating them."""
     from kverr.rope import default_inv_freq, rope_cos_sin
     from kverr.cache import apply_rope
 
-    cfg = CacheConfig(k=kf, v=int_format(4, PerTokenGroup(16)), page_size=P, window=5, sinks=2, key_pre_rope=True)
+    cfg = CacheConfig(k=kf, v=int_format(4, PerTokenGroup(16)), page_size=P, window=5, sinks=2, key_pre_rope=True,
+                      window_dtype=wdt)
     lens, H, Hq = [63, 1, 40], 2, 4
     B, T = len(lens), max(lens)
     q, k_pre, v = _data(1, B, Hq, H, T, 7)
@@ -178,7 +195,8 @@ def test_decode_pre_rope_keys(kf):
     KIVI2,
     CacheConfig(k=int_format(4, PerToken(), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6)),
                 v=int_format(3, PerChannel(16), symmetric=True), page_size=P, window=3, sinks=1),
-], ids=["kivi2", "had-mse"])
+    KIVI2.with_(window_dtype="int8"),
+], ids=["kivi2", "had-mse", "kivi2-int8-window"])
 def test_chunked_prefill_over_the_quantized_cache(cfg):
     """A second chunk of queries (unequal per sequence, one sequence with none, one chunk longer
     than the window so its own early tokens are already quantized) attends causally to the cache

@@ -14,7 +14,6 @@ import torch
 from kverr.config import CacheConfig
 from kverr.errors import KernelError, ShapeError
 from kverr.gpu import PagedKVCache, calibrate_static_scales
-from kverr.quant.formats import TORCH_DTYPES
 from kverr.quant import (
     MSEClip,
     Percentile,
@@ -30,6 +29,7 @@ from kverr.quant import (
     quantize,
     reconstruct,
 )
+from kverr.quant.store import receive
 
 H, D, P = 2, 32, 16
 
@@ -60,7 +60,11 @@ def sentinel(cache: PagedKVCache) -> None:
                 for t in (p.scale, p.zero):
                     if t is not None and not p.spec.static:
                         t.fill_(float("nan"))
-                p.fp.fill_(float("nan"))
+                if p.fp_scale is None:
+                    p.fp.fill_(float("nan"))
+                else:  # int8 window
+                    p.fp.fill_(0xA5)
+                    p.fp_scale.fill_(float("nan"))
 
 
 def fill(cache: PagedKVCache, ks, vs, schedule) -> None:
@@ -92,7 +96,7 @@ def check_exact(cache: PagedKVCache, cfg: CacheConfig, ks, vs, static=None) -> i
                     if end == start:
                         continue
                     # the cache receives K/V in its window dtype (as reconstruct() does)
-                    region = x.to(TORCH_DTYPES[cfg.window_dtype]).float()[heads, start:end]
+                    region = receive(x, cfg.window_dtype)[heads, start:end]
                     key = (layer, which, heads[0])
                     if static and key in static:
                         s, z = static[key]
@@ -156,6 +160,36 @@ def test_store_bit_exact_unequal_batch(kname, kf, vname, vf):
     assert [sum(s[b] for s in schedule) for b in range(3)] == lens
     fill(cache, ks, vs, schedule)
     assert check_exact(cache, cfg, ks, vs) >= 3
+
+
+# int8 windows: every token-block size the store kernel reads back from the window (one token,
+# channel groups, pages), rotated and MSE-clipped formats, fp and int sinks
+INT8_WINDOW_PAIRS = [
+    (int_format(2, PerChannel(8)), int_format(4, PerToken(), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6))),
+    (int_format(3, PerPage(), symmetric=True), float_format("fp16")),
+]
+
+
+@pytest.mark.parametrize("kf,vf", INT8_WINDOW_PAIRS, ids=[f"{a.label()}+{b.label()}" for a, b in INT8_WINDOW_PAIRS])
+def test_store_int8_window_bit_exact(kf, vf):
+    """An int8 window: the window slots hold the oracle's int8 rows, and every token quantized
+    from them when its block fills, or straight from the input, gets the oracle's codes."""
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2, window_dtype="int8")
+    lens = [63, 17, 40]
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
+    sentinel(cache)
+    x, y = data(3, 63, 5), data(3, 63, 6)
+    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
+    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
+    fill(cache, ks, vs, [[30, 10, 27], [20, 0, 1]] + [[1, 1, 1]] * 6 + [[7, 1, 6]])
+    assert check_exact(cache, cfg, ks, vs) >= 3
+    pool = cache.pools[0]["k"][0]
+    assert pool.fp.dtype == torch.uint8 and pool.fp_scale.dtype == torch.float16
+    # the window rows are the oracle's: codes and scales of the last five tokens of sequence 0
+    slots = [2 + (t - 2) % pool.cap for t in range(58, 63)]
+    ref = quantize(x[0, :, 58:63], int_format(8, PerToken(), symmetric=True))
+    assert torch.equal(pool.fp[0][:, slots], ref.codes)
+    assert torch.equal(pool.fp_scale[0][:, slots], ref.scale[..., 0])
 
 
 # MSE clip search on heavy-tailed data, where it moves off the first (absmax) ratio: symmetric

@@ -128,15 +128,17 @@ def _codes_ptr(spec: KernelSpec) -> str:
     return _PTR["fp16"] if spec.kind == 4 else "*u8"
 
 
-def store_signature(spec: KernelSpec) -> dict:
-    sig = {"X": "*fp16", "sx_n": "i32", "sx_h": "i32", "FP": "*fp16", "sf_b": "i32", "sf_h": "i32", "sf_t": "i32",
+def store_signature(spec: KernelSpec, fp_q: bool = False) -> dict:
+    """``fp_q``: an int8 window (uint8 rows in ``FP``, fp32 received rows in ``X``)."""
+    sig = {"X": "*fp32" if fp_q else "*fp16", "sx_n": "i32", "sx_h": "i32", "FP": "*u8" if fp_q else "*fp16", "sf_b": "i32", "sf_h": "i32", "sf_t": "i32",
+           "FPS": "*fp16", "sfs_b": "i32", "sfs_h": "i32",
            "HEADS": "*i32", "JOB_PAGE": "*i32", "JOB_ROW0": "*i32", "JOB_NROWS": "*i32", "JOB_B": "*i32",
            "SRC_NEW": "*i32", "SRC_SLOT": "*i32", "CODES": _codes_ptr(spec), "sc_p": "i32", "sc_h": "i32",
            "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32", "RATIOS": "*fp32"}
     return sig
 
 
-def decode_signature(ks: KernelSpec, vs: KernelSpec) -> dict:
+def decode_signature(ks: KernelSpec, vs: KernelSpec, fp_q: bool = False) -> dict:
     sig = {"Q": "*fp16", "sq_b": "i32", "sq_h": "i32", "QSTART": "*i32", "QN": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "sbt_b": "i32",
            "HEADS": "*i32", "KMAP": "*i32", "VMAP": "*i32"}
     for p, s in (("K", ks), ("V", vs)):
@@ -145,7 +147,10 @@ def decode_signature(ks: KernelSpec, vs: KernelSpec) -> dict:
                     f"{p}Z": _sdt_ptr(s), f"s{low}s_p": "i32", f"s{low}s_h": "i32"})
     for p in ("K", "V"):
         low = p.lower()
-        sig.update({f"{p}F": "*fp16", f"s{low}f_b": "i32", f"s{low}f_h": "i32", f"s{low}f_t": "i32"})
+        sig.update({f"{p}F": "*u8" if fp_q else "*fp16", f"s{low}f_b": "i32", f"s{low}f_h": "i32", f"s{low}f_t": "i32"})
+    for p in ("K", "V"):
+        low = p.lower()
+        sig.update({f"{p}FS": "*fp16", f"s{low}fs_b": "i32", f"s{low}fs_h": "i32"})
     sig.update({"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "COS": "*fp32", "SIN": "*fp32", "qk_scale": "fp32"})
     for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0"):
         sig[n] = "i32"
@@ -202,6 +207,13 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
         block_r = 16 if s.tb == 1 else s.tb
         jobs.append(("quant_store", s.fmt.label(), quant_store.quant_store_kernel, store_signature(s),
                      store_constexprs(s, D, block_r)))
+    # int8 windows: the store kernel's window read for each token-block size, the decode tail
+    int8_window = ("int2a/ch32/fp16", "int4a/tok/fp16/mse/had")
+    for s in specs:
+        if s.fmt.label() in int8_window:
+            block_r = 16 if s.tb == 1 else s.tb
+            jobs.append(("quant_store", f"{s.fmt.label()} int8 window", quant_store.quant_store_kernel,
+                         store_signature(s, True), store_constexprs(s, D, block_r, True)))
     pairs = [(s, s, False) for s in specs]
     by = {s.fmt.label(): s for s in specs}
     for a, b in (("int2a/ch32/fp16", "int2a/tg32/fp16"), ("int4a/ch32/fp16", "int4a/tg32/fp16"),
@@ -228,6 +240,14 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
                          decode.paged_decode_kernel, decode_signature(ks, vs),
                          decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P, tail=tail,
                                             dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1)))
+    for ks, vs, kpre, m in ((by["int2a/ch32/fp16"], by["int4a/tok/fp16/mse/had"], True, 1),
+                            (by["int2a/ch32/fp16"], by["int4a/tok/fp16/mse/had"], True, qm)):
+        name = "decode_tail" if m == 1 else "prefill_tail"
+        jobs.append((name, f"K {ks.fmt.label()} pre-RoPE V {vs.fmt.label()} int8 window", decode.paged_decode_kernel,
+                     decode_signature(ks, vs, True),
+                     decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P,
+                                       tail=True, dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1,
+                                       fp_q=True)))
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
         attn = kname.startswith(("decode", "prefill"))
         warps = DECODE_WARPS if attn else store_warps(cx["BLOCK_R"], D)

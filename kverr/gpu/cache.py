@@ -13,12 +13,16 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
   granularities hold ``[h, D // bd]`` once;
 * ``fp`` ``[max_batch, h, sinks + window + tb, D]`` in ``window_dtype``: the sink tokens in slots
   ``[0, sinks)`` and the full-precision window as a ring (token ``t`` in slot
-  ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data.
+  ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data. An
+  ``int8`` window holds the oracle's uint8 codes there and a scale per slot in ``fp_scale``
+  ``[max_batch, h, sinks + window + tb]`` fp16.
 
 Token policy is exactly :func:`kverr.quant.token_regions`: page ``p`` holds quantized tokens
 ``sinks + p*P .. sinks + (p+1)*P``. As in the oracle, the cache receives K/V in its own dtype
-(``window_dtype``): inputs are rounded to it first, so a token quantized straight from the input
-and one quantized from its window copy when its block fills get the same, reference, codes.
+(``window_dtype``, :func:`kverr.quant.store.receive`): inputs are rounded to it first (for an
+``int8`` window, quantized and decoded by the oracle on the host side of the launch), so a token
+quantized straight from the input and one quantized from its window copy when its block fills get
+the same, reference, codes.
 
 With ``config.key_pre_rope`` the cache stores the keys it is given -- pre-RoPE keys -- and the
 decode kernel rotates every key row to its position (``t`` = the token's index in its sequence)
@@ -47,9 +51,9 @@ import torch
 
 from kverr.errors import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec
-from kverr.quant.formats import TORCH_DTYPES, is_static
-from kverr.quant.reference import QTensor, dequantize
-from kverr.quant.store import quantize_region
+from kverr.quant.formats import TORCH_DTYPES, is_static, window_format
+from kverr.quant.reference import QTensor, dequantize, quantize
+from kverr.quant.store import WindowRows, quantize_region, receive
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +80,14 @@ class Pool:
     scale: torch.Tensor | None
     zero: torch.Tensor | None
     fp: torch.Tensor
+    fp_scale: torch.Tensor | None  # int8 windows: [max_batch, h, sinks + cap] fp16, else None
     cap: int
     ratios: torch.Tensor  # fp32 MSE clip ratios for the store kernel (one unused 1.0 when absmax)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero, self.fp) if t is not None)
+        tensors = (self.codes, self.scale, self.zero, self.fp, self.fp_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass(eq=False)
@@ -157,10 +163,9 @@ def layer_static_scales(config, layer: int, k, v) -> dict[tuple[int, str, int], 
     """:func:`calibrate_static_scales` of one layer (``k, v [B, kv_head, token, channel]``)."""
     from kverr.quant.store import token_regions
 
-    wdt = TORCH_DTYPES[config.window_dtype]
     out = {}
     for which, x in (("k", k), ("v", v)):
-        x = torch.as_tensor(x).float().to(wdt).float()  # the cache receives K/V in window_dtype
+        x = receive(torch.as_tensor(x).float(), config.window_dtype)  # the cache receives K/V in window_dtype
         H, T = x.shape[1], x.shape[2]
         for fmt, heads in config.head_groups(layer, H, which):
             if fmt.is_float or not is_static(fmt.granularity):
@@ -240,7 +245,9 @@ class PagedKVCache:
         self.block_n = block_n or (32 if head_dim <= 64 else 16)
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise KernelError(f"block_n={self.block_n} must be a power of two >= 16")
-        wdt = TORCH_DTYPES[config.window_dtype]
+        self.window_format = window_format(config.window_dtype)
+        fp_q = not self.window_format.is_float
+        wdt = torch.uint8 if fp_q else TORCH_DTYPES[config.window_dtype]
         deferred = isinstance(static_scales, str)
         if deferred and static_scales != "first":
             raise ConfigError(f"static_scales={static_scales!r}: give a dict of scales or 'first'")
@@ -293,9 +300,11 @@ class PagedKVCache:
                                 zero = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
                     cap = self.W + spec.tb
                     fp = torch.zeros((max_batch, h, self.S + cap, head_dim), dtype=wdt, device=dev)
+                    fp_scale = (torch.zeros((max_batch, h, self.S + cap), dtype=torch.float16, device=dev)
+                                if fp_q else None)
                     ratios = torch.tensor(spec.clip_ratios or (1.0,), dtype=torch.float32, device=dev)
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
-                                           codes, scale, zero, fp, cap, ratios))
+                                           codes, scale, zero, fp, fp_scale, cap, ratios))
             self.pools.append(per)
             self.launches.append(self._make_launches(per))
         # decode serves query row b of sequence b: fixed, made once
@@ -517,14 +526,27 @@ class PagedKVCache:
             raise KernelError(f"layer {layer}: static scales of {waiting} are not set yet (set_static_scales)")
         for which, x in (("k", k), ("v", v)):
             x = self._rows(x, step, which)
+            codes = scale = None
+            if not self.window_format.is_float:
+                # an int8 window: the cache receives every row as the oracle's int8 row (codes and
+                # scale for the window, their decoded values for the store kernel)
+                qx = quantize(x.float().unsqueeze(2), self.window_format)  # [N, H, 1, D]
+                codes, scale = qx.codes[:, :, 0], qx.scale[:, :, 0, 0]
+                x = dequantize(qx)[:, :, 0]
             for pool in self.pools[layer][which]:
                 jobs = step.store[pool.spec.tb]
                 # quantize first: a job may read a window slot this step's new tokens overwrite
                 if jobs.n_jobs:
                     launch_store(pool, jobs, x, self.D, self.P)
                 if jobs.n_fp:
-                    vals = x.index_select(0, jobs.fp_row).index_select(1, pool.heads_t.long())
-                    pool.fp[jobs.fp_seq, :, jobs.fp_slot] = vals.to(pool.fp.dtype)
+                    heads = pool.heads_t.long()
+                    if codes is None:
+                        vals = x.index_select(0, jobs.fp_row).index_select(1, heads)
+                        pool.fp[jobs.fp_seq, :, jobs.fp_slot] = vals.to(pool.fp.dtype)
+                    else:
+                        pool.fp[jobs.fp_seq, :, jobs.fp_slot] = codes.index_select(0, jobs.fp_row).index_select(1, heads)
+                        pool.fp_scale[jobs.fp_seq, :, jobs.fp_slot] = (
+                            scale.index_select(0, jobs.fp_row).index_select(1, heads))
 
     def decode(self, step: StepPlan, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -688,6 +710,8 @@ class PagedKVCache:
                 res[heads, start:end] = dequantize(qt)
             t = np.concatenate([np.arange(0, start), np.arange(end, T)]).astype(np.int64)
             slot = np.where(t < self.S, t, self.S + (t - self.S) % pool.cap)
-            fp = pool.fp[seq][:, torch.from_numpy(slot).to(self.device)].float().cpu()
+            sl = torch.from_numpy(slot).to(self.device)
+            fs = None if pool.fp_scale is None else pool.fp_scale[seq][:, sl, None].cpu()
+            fp = WindowRows(pool.fp[seq][:, sl].cpu(), fs, self.config.window_dtype).float()
             res[torch.tensor(heads)[:, None], torch.from_numpy(t)[None, :]] = fp
         return res

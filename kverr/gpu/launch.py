@@ -44,10 +44,17 @@ def rotation_constexprs(D: int) -> dict:
     return dict(LOG2D=D.bit_length() - 1, RSCALE=hadamard_scale(D))
 
 
-def store_constexprs(spec: KernelSpec, D: int, block_r: int) -> dict:
+def store_constexprs(spec: KernelSpec, D: int, block_r: int, fp_q: bool = False) -> dict:
     return dict(D=D, CB=spec.cb, BLOCK_R=block_r, KIND=spec.kind, BITS=spec.bits, SDT=spec.sdt,
                 GRAN=spec.gran, BD=spec.bd, BT_S=spec.bts, ROT=spec.rot, CLIP_N=spec.clip_n,
-                **rotation_constexprs(D))
+                **rotation_constexprs(D), FP_Q=fp_q)
+
+
+def _fp_scale_args(pool) -> tuple:
+    """The fp16 scales of an int8 window (``pool.fp_scale`` ``[slots, h, sinks + cap]``) and
+    their batch and head strides; a float window passes its buffer, unread."""
+    fs = pool.fp_scale
+    return (pool.fp, 0, 0) if fs is None else (fs, fs.stride(0), fs.stride(1))
 
 
 #: The store kernel is launched without fp contraction: ``u * s + m`` in the MSE clip search
@@ -68,11 +75,12 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
     qs.quant_store_kernel[grid](
         x, x.stride(0), x.stride(1),
         pool.fp, pool.fp.stride(0), pool.fp.stride(1), pool.fp.stride(2),
+        *_fp_scale_args(pool),
         pool.heads_t,
         jobs.page, jobs.row0, jobs.nrows, jobs.seq, jobs.src_new, jobs.src_slot,
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),
         scale, zero, ss_p, ss_h, pool.ratios,
-        **store_constexprs(spec, D, jobs.block_r),
+        **store_constexprs(spec, D, jobs.block_r, pool.fp_scale is not None),
         num_warps=store_warps(jobs.block_r, D), maxnreg=DECODE_MAXNREG, **STORE_OPTIONS,
     )
 
@@ -92,13 +100,13 @@ def _fmt_args(pool):
 
 def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, rep: int, block_n: int,
                       P: int, tail: bool, dot_fp16: bool, key_pre_rope: bool = False, qm: int = 1,
-                      qb: int = 1) -> dict:
+                      qb: int = 1, fp_q: bool = False) -> dict:
     return dict(
         HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep * qm)), BLOCK_N=block_n, P=P,
         K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb,
         V_KIND=vspec.kind, V_BITS=vspec.bits, V_BD=vspec.bd, V_BTS=vspec.bts, V_STATIC=vspec.static, V_CB=vspec.cb,
         K_ROT=kspec.rot, V_ROT=vspec.rot, **rotation_constexprs(D), K_PRE=key_pre_rope,
-        TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16, QM=qm, QB=qb,
+        TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16, QM=qm, QB=qb, FP_Q=fp_q,
     )
 
 
@@ -142,6 +150,7 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         *_fmt_args(kp), *_fmt_args(vp),
         kf, kf.stride(0), kf.stride(1), kf.stride(2),
         vf, vf.stride(0), vf.stride(1), vf.stride(2),
+        *_fp_scale_args(kp), *_fp_scale_args(vp),
         po, pm, pl,
         cache.rope_cos if cache.key_pre_rope else po,
         cache.rope_sin if cache.key_pre_rope else po,
@@ -149,7 +158,8 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
         ns if tail else 0,
         **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=decode_block_n(kp.spec, vp.spec, cache.block_n),
-                            P=cache.P, tail=tail, dot_fp16=cache.dot_fp16, key_pre_rope=cache.key_pre_rope, qm=qm, qb=qb),
+                            P=cache.P, tail=tail, dot_fp16=cache.dot_fp16, key_pre_rope=cache.key_pre_rope, qm=qm, qb=qb,
+                            fp_q=kp.fp_scale is not None),
         num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
     )
 
