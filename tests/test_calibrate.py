@@ -310,11 +310,13 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     real = kc.calibrate
 
     lib_noise = inspect.signature(real).parameters["sensitivity_noise"].default
+    lib_wdt = inspect.signature(real).parameters["window_dtype"].default
 
     def spy(*a, **kw):
         seen.append(tuple(kw["options"]))
         assert kw["decode"] == DEFAULT_DECODE  # the CLI's defaults are the library's
         assert kw["sensitivity_noise"] == lib_noise
+        assert kw["window_dtype"] == lib_wdt == "int8"
         return real(*a, **kw)
 
     monkeypatch.setattr(kc, "calibrate", spy)
@@ -332,11 +334,13 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     from kverr.calibrate.candidates import CANDIDATE_SETS
     from kverr.calibrate.sensitivity import NOISE_SITES
     from kverr.cli import build_parser
+    from kverr.quant.formats import WINDOW_DTYPES
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["calibrate"]
     choices = {a.dest: a.choices for a in sub._actions}
     assert tuple(choices["candidates"]) == CANDIDATE_SETS
     assert tuple(choices["sensitivity_noise"]) == tuple(NOISE_SITES)
+    assert set(choices["window_dtype"]) == set(WINDOW_DTYPES)
 
 
 def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):
@@ -583,10 +587,11 @@ def test_cli_calibrate_objectives(tiny_capture, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layer,T", [(0, 437), (29, 512)])
-def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer, T):
+@pytest.mark.parametrize("layer,T,wdt", [(0, 437, "fp16"), (29, 512, "int8")])
+def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer, T, wdt):
     """Real keys and values (the bundled capture, layer 0 or 29), every default candidate plus
-    static, percentile and symmetric formats, a length that leaves partial token blocks."""
+    static, percentile and symmetric formats, a length that leaves partial token blocks; the
+    cache receiving fp16, or int8 rows."""
     from kverr.calibrate.fastrecon import SharedReconstruct
     from kverr.io import open_capture
     from kverr.quant import Percentile
@@ -598,8 +603,8 @@ def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer,
                         .candidates.CALIBRATION_MSE_CLIP), float_format("bf16"))
     sel = cap.sel(layer=layer)
     x = torch.cat([torch.as_tensor(sel["k"].values[:, :T]), torch.as_tensor(sel["v"].values[:, :T])])
-    shared = SharedReconstruct(x)
+    shared = SharedReconstruct(x, window_dtype=wdt)
     for f in (*default_candidates(64), *extra):
-        want = reconstruct(x, CacheConfig(k=f, v=f), layer=0, which="k")
+        want = reconstruct(x, CacheConfig(k=f, v=f, window_dtype=wdt), layer=0, which="k")
         got = shared(f)
         assert got.dtype == torch.float32 and torch.equal(got, want), f.label()

@@ -40,6 +40,8 @@ def test_hf_backends(bits, backend):
         (PRESETS["fp8-e4m3-head"], "integer codes only"),
         (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(2, PerTokenGroup(32))), "one nbits"),
         (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(32)), sinks=4), "sinks=4"),
+        (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(32)), window=8,
+                     window_dtype="int8"), "window_dtype=int8"),
         (CacheConfig(k=int_format(4, PerTokenGroup(32), rotate="hadamard"), v=int_format(4, PerTokenGroup(32))), "Hadamard"),
         (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(32)),
                      heads={(1, 0): Override(k=int_format(8, PerTokenGroup(32)))}), "keys use 2 formats"),
@@ -90,6 +92,8 @@ def test_vllm_refusals(tmp_path, capture):
         check_vllm(CacheConfig(k=f, v=f), 2, 3)
     with pytest.raises(ConfigError, match="window=128"):
         check_vllm(PRESETS["fp8-e4m3-head"].with_(window=128), 2, 3)
+    with pytest.raises(ConfigError, match="window_dtype=int8"):
+        check_vllm(PRESETS["fp8-e4m3-head"].with_(window_dtype="int8"), 2, 3)
     with pytest.raises(ConfigError, match="differ"):
         check_vllm(CacheConfig(k=fp8_format(PerHead()), v=fp8_format(PerTensor())), 2, 3)
     with pytest.raises(CaptureError, match="--capture"):

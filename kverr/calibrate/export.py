@@ -69,6 +69,8 @@ def _common_refusals(config: CacheConfig, target: str) -> list[str]:
         p.append(f"sinks={config.sinks} full-precision sink tokens ({target} keeps none)")
     if config.key_pre_rope:
         p.append(f"key_pre_rope=true ({target} stores keys after RoPE)")
+    if config.window_dtype == "int8":
+        p.append(f"window_dtype=int8 ({target} keeps the tokens it does not quantize in the model's dtype)")
     return p
 
 

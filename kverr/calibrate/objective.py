@@ -19,7 +19,9 @@ query sees a long context) and form, for each query head, the clean scores ``s =
 reconstructs ``K̂ = K + E_K`` (or ``V̂ = V + E_V``) through the oracle
 (:func:`kverr.quant.reconstruct`). With the model-wide outer option (``S`` sinks, ``R``-token
 window) a query at ``p`` sees the error only on its quantized keys, ``S <= t <= p - R``
-(mask ``M``). With ``decode`` (:func:`decode_steps`) the token policy is that of
+(mask ``M``; the sinks' and window's own rounding to ``window_dtype`` -- for int8 at most half
+a step of 1/127 of a row's absmax -- is left out, while every quantized token is quantized from
+the values the cache received). With ``decode`` (:func:`decode_steps`) the token policy is that of
 :mod:`kverr.evaluate` and of a server that quantizes a prompt whole when it is prefilled: the
 queries are decode steps ``d`` spread evenly over ``decode`` steps, and the window of step ``d``
 holds only the ``min(R, d + 1)`` newest tokens (``S <= t <= p - min(R, d + 1)``).
@@ -63,7 +65,8 @@ OBJECTIVE_NAME = "rel_attn_out_sq"
 OBJECTIVE_DOC = (
     "sum over layers, kv heads and K|V of mean_q ||term||^2 / (n_q_heads * mean_q ||o||^2), "
     "term = key term (a'-a)V for K errors, value term a E_V for V errors (kverr.error.decompose "
-    "definitions), sampled queries over the capture, sinks and per-query window masked; with "
+    "definitions), sampled queries over the capture, sinks and per-query window masked (their own "
+    "window_dtype rounding left out); with "
     "decode_steps N the queries are decode steps d spread over N after a prompt quantized whole, "
     "whose window holds the min(R, d + 1) newest tokens"
 )

@@ -61,6 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")
+    p.add_argument("--window-dtype", choices=("int8", "fp16", "bf16", "fp32"), default="int8",
+                   help="dtype of the sinks, window and pending tokens: int8 (a row of int8 codes and an "
+                        "fp16 scale per token and kv head: D + 2 bytes instead of fp16's 2 D; held out it "
+                        "beat fp16 at 3 and 4.5 bits, see the README) or a float (default: %(default)s)")
     p.add_argument("--candidates", choices=("auto", "all", "dynamic"), default="auto",
                    help="candidate formats: 'all' 78, 'dynamic' the 60 without static per-channel "
                         "scales, 'auto' (default) all below 3.5 bits and dynamic from there on "
@@ -118,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         base = next(iter(cals.values()), None)
         cal = calibrate(capture, min(b for b in budgets if set_of[b] == name), context=args.context,
                         options=options, queries=args.queries, cands_k=cands, cands_v=cands,
+                        window_dtype=args.window_dtype,
                         decode=args.decode or None, max_bits=max(args.max_bits, *budgets),
                         workers=args.workers, progress=progress, capture_path=args.capture, name=args.name,
                         objective=args.objective, model=args.model, sensitivity_tokens=args.sensitivity_tokens,
