@@ -321,7 +321,9 @@ class CacheConfig:
 
 
 def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary file and a rename: never half-written."""
+    """Write ``text`` to ``path`` via a temporary file and a rename: never half-written. The file
+    gets the permissions a plain ``open`` would give it (``0o666`` less the umask), not the
+    temporary file's private ``0o600``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -329,6 +331,9 @@ def atomic_write_text(path: Path, text: str) -> Path:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -167,6 +167,15 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
 
 
+def test_saved_files_get_the_umask_permissions_not_the_temporary_files(tmp_path):
+    old = os.umask(0o027)
+    try:
+        path = PRESETS["kivi-4"].save(tmp_path / "c.json")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
 def test_select_layers_maps_a_layer_subset_to_positions():
     d, o29, o15 = int_format(4, PerToken()), int_format(8, PerToken()), int_format(2, PerToken())
     cfg = CacheConfig(k=d, v=d, layers={29: Override(k=o29), 3: Override(k=o15)}, heads={(15, 1): Override(v=o15)})
