@@ -241,6 +241,31 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
     assert cal2.config == cfg
 
 
+def test_window_dtype_rule_and_scores_of_another_window_dtype_are_refused(tiny_capture):
+    """``auto`` keeps int8 windows below INT8_WINDOW_BELOW_BITS, fp16 from there on; an int8
+    window costs fewer bytes for the same formats; damage tables are tied to the dtype the cache
+    received its input in."""
+    from kverr.calibrate.candidates import INT8_WINDOW_BELOW_BITS, window_dtype_for_budget
+
+    assert window_dtype_for_budget(INT8_WINDOW_BELOW_BITS - 0.01) == "int8"
+    assert window_dtype_for_budget(INT8_WINDOW_BELOW_BITS) == "fp16"
+    assert window_dtype_for_budget(2.0, "bf16") == "bf16"
+    with pytest.raises(ConfigError, match="window_dtype='int4' is not known"):
+        window_dtype_for_budget(3.0, "int4")
+    cap, _, loaded = tiny_capture
+    opts = (OuterOption(sinks=4, window=8),)
+    cal = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8)
+    assert cal.config.window_dtype == "int8" and cal.scores.window_dtype == "int8"
+    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
+    assert account(cal.config, shape, 160).total_bytes < account(cal.config.with_(window_dtype="fp16"), shape, 160).total_bytes
+    hi = calibrate(cap, 7.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+                   sensitivity=cal.sensitivity)
+    assert hi.config.window_dtype == "fp16"
+    with pytest.raises(ConfigError, match="window_dtype='int8', not 'fp16'"):
+        calibrate(cap, 5.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+                  scores=cal.scores, window_dtype="fp16")
+
+
 def test_calibrate_bad_input(tiny_capture):
     cap, _, _ = tiny_capture
     with pytest.raises(ConfigError, match=r"infeasible.*cheapest possible config costs \d+\.\d+ effective bits"):
@@ -264,10 +289,10 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
 
     cap, path, loaded = tiny_capture
     out = tmp_path / "cal-{bits}b.json"
-    code = main(["calibrate", "--capture", str(path), "--budget-bits", "3,5", "--out", str(out),
+    code = main(["calibrate", "--capture", str(path), "--budget-bits", "3,5,7", "--out", str(out),
                  "--frontier", str(tmp_path / "f.csv"), "--queries", "8", "--workers", "1"])
     o, _ = capsys.readouterr()
-    assert code == 0 and "budget 3 bits" in o and "budget 5 bits" in o
+    assert code == 0 and "budget 3 bits" in o and "budget 5 bits" in o and "budget 7 bits" in o
     c3 = CacheConfig.load(tmp_path / "cal-3b.json")
     assert c3.provenance["effective_bits"] <= 3.0
     assert (tmp_path / "f.csv").read_text().startswith("option,")
@@ -285,6 +310,10 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
                    for l in range(L) for h in range(H) for w in "kv")
     fr = __import__("pandas").read_csv(tmp_path / "f.csv")
     assert set(fr["candidates"]) == {"all", "dynamic"}
+    # --window-dtype auto: int8 windows below 6.5 bits, fp16 from there on (its own frontier)
+    c7 = CacheConfig.load(tmp_path / "cal-7b.json")
+    assert (c3.window_dtype, c5.window_dtype, c7.window_dtype) == ("int8", "int8", "fp16")
+    assert set(zip(fr["window_dtype"], fr["candidates"])) == {("int8", "all"), ("int8", "dynamic"), ("fp16", "dynamic")}
     code = main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "d.json"),
                  "--queries", "8", "--workers", "1", "--candidates", "dynamic"])
     assert code == 0
@@ -302,6 +331,7 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     S4/R64), with pre-RoPE keys when the capture has them (--key-rope both: each post and pre);
     --sinks/--window cross instead."""
     import kverr.calibrate as kc
+    from kverr.calibrate.candidates import window_dtype_for_budget
     from kverr.calibrate.objective import DEFAULT_DECODE
     from kverr.calibrate.search import DEFAULT_OPTIONS
     from kverr.cli import main
@@ -316,7 +346,7 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
         seen.append(tuple(kw["options"]))
         assert kw["decode"] == DEFAULT_DECODE  # the CLI's defaults are the library's
         assert kw["sensitivity_noise"] == lib_noise
-        assert kw["window_dtype"] == lib_wdt == "int8"
+        assert kw["window_dtype"] == window_dtype_for_budget(5.0, lib_wdt) and lib_wdt == "auto"
         return real(*a, **kw)
 
     monkeypatch.setattr(kc, "calibrate", spy)
@@ -331,16 +361,15 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     capsys.readouterr()
     assert len(DEFAULT_OPTIONS) == 8 and {o.key_pre_rope for o in DEFAULT_OPTIONS} == {False, True}
     # the CLI's literal choices (it does not import the torch-heavy modules to register) are the library's
-    from kverr.calibrate.candidates import CANDIDATE_SETS
+    from kverr.calibrate.candidates import CALIBRATION_WINDOW_DTYPES, CANDIDATE_SETS
     from kverr.calibrate.sensitivity import NOISE_SITES
     from kverr.cli import build_parser
-    from kverr.quant.formats import WINDOW_DTYPES
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["calibrate"]
     choices = {a.dest: a.choices for a in sub._actions}
     assert tuple(choices["candidates"]) == CANDIDATE_SETS
     assert tuple(choices["sensitivity_noise"]) == tuple(NOISE_SITES)
-    assert set(choices["window_dtype"]) == set(WINDOW_DTYPES)
+    assert tuple(choices["window_dtype"]) == CALIBRATION_WINDOW_DTYPES
 
 
 def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):

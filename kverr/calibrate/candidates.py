@@ -51,6 +51,7 @@ from kverr.quant.formats import (
     PerTensor,
     PerToken,
     PerTokenGroup,
+    WINDOW_DTYPES,
     QuantFormat,
     float_format,
     fp8_format,
@@ -92,6 +93,29 @@ def candidate_set(budget_bits: float, which: str = "auto") -> str:
     if which != "auto":
         return which
     return "all" if budget_bits < STATIC_BELOW_BITS else "dynamic"
+
+
+#: Budgets (effective bits) below which ``window_dtype="auto"`` keeps sinks, window and pending
+#: token blocks in int8 rows (:func:`kverr.quant.formats.window_format`), fp16 from there on. An
+#: int8 window halves the bytes of the tokens it holds, but every token the cache quantizes later
+#: is quantized from its int8 copy: at high budgets that rounding is no longer small beside the
+#: format's own. On the default model's pydoc capture the objective's frontiers cross at ~6.8
+#: bits (int8 predicts 0.49x fp16's damage at 3 bits, 0.78x at 6, 1.08x at 7, 2.3x at 8;
+#: bench/results/calibrate-window-dtype-frontiers-2026-11-29.txt), and the objective leaves the
+#: window's own rounding out, so the rule switches a little earlier.
+INT8_WINDOW_BELOW_BITS = 6.5
+#: Window dtypes by name for calibration: ``auto`` picks one per budget (:func:`window_dtype_for_budget`).
+CALIBRATION_WINDOW_DTYPES = ("auto", *WINDOW_DTYPES)
+
+
+def window_dtype_for_budget(budget_bits: float, which: str = "auto") -> str:
+    """The window dtype ``which`` means at a budget (``auto``: ``int8`` below
+    :data:`INT8_WINDOW_BELOW_BITS` effective bits, ``fp16`` from there on)."""
+    if which not in CALIBRATION_WINDOW_DTYPES:
+        raise ConfigError(f"window_dtype={which!r} is not known; use one of {', '.join(CALIBRATION_WINDOW_DTYPES)}")
+    if which != "auto":
+        return which
+    return "int8" if budget_bits < INT8_WINDOW_BELOW_BITS else "fp16"
 
 
 def candidates_for_budget(budget_bits: float, head_dim: int = 64, which: str = "auto") -> tuple[QuantFormat, ...]:

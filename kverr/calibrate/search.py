@@ -24,7 +24,7 @@ from kverr.config import CacheConfig, Override
 from kverr.errors import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 
-from .candidates import OuterOption, candidates_for_budget, check_candidates, head_bytes
+from .candidates import OuterOption, candidates_for_budget, check_candidates, head_bytes, window_dtype_for_budget
 from .knapsack import Frontier, solve
 from .sensitivity import DEFAULT_TOKENS, NOISE_SITES, check_capture_model, sensitivity_for_capture
 from .objective import (
@@ -50,12 +50,12 @@ log = logging.getLogger(__name__)
 #: when the capture holds pre-RoPE keys (104 s instead of 152 s on two idle cores, default model,
 #: 4096-token capture).
 DEFAULT_SINKS_WINDOWS = ((0, 0), (4, 16), (4, 32), (4, 64))
-#: The dtype calibrated configs keep their sinks, window and pending token blocks in: int8 rows
-#: with an fp16 scale each (:func:`kverr.quant.formats.window_format`), D + 2 bytes a row instead
-#: of fp16's 2 D. The objective leaves the window's own rounding out (it masks the window), which
-#: at int8 is ~1/250 of a row's absmax; held out, the int8 window lowered the 3-bit config's KL by
-#: ~30 % and the 4.5-bit one's by ~10 % against fp16 on two validation texts (README).
-DEFAULT_WINDOW_DTYPE = "int8"
+#: The dtype calibrated configs keep their sinks, window and pending token blocks in: ``auto``,
+#: int8 rows with an fp16 scale each (:func:`kverr.quant.formats.window_format`, D + 2 bytes a
+#: row instead of fp16's 2 D) below :data:`~.candidates.INT8_WINDOW_BELOW_BITS`, fp16 from there
+#: on (:func:`~.candidates.window_dtype_for_budget`). Held out, the int8 window lowered the 3-bit
+#: config's KL by ~30 % and the 4.5-bit one's by ~12 % against fp16 on two validation texts (README).
+DEFAULT_WINDOW_DTYPE = "auto"
 DEFAULT_OPTIONS = tuple(OuterOption(window=r, sinks=s_, key_pre_rope=pre)
                         for pre in (False, True) for s_, r in DEFAULT_SINKS_WINDOWS)
 
@@ -92,6 +92,7 @@ class Scores:
     queries: int
     cpu_seconds: float = 0.0
     decode: int | None = DEFAULT_DECODE
+    window_dtype: str = "fp16"  # the dtype the cache received the candidates' input in
 
     def subset(self, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat]) -> Scores:
         """The tables of a subset of the candidates (in the order given)."""
@@ -101,7 +102,7 @@ class Scores:
         except ValueError:
             raise ConfigError("a subset's candidates must all have been scored") from None
         return Scores(self.k[:, :, ik], self.v[:, :, iv], self.layers, tuple(cands_k), tuple(cands_v),
-                      self.options, self.queries, self.cpu_seconds, self.decode)
+                      self.options, self.queries, self.cpu_seconds, self.decode, self.window_dtype)
 
 
 @dataclass
@@ -182,7 +183,7 @@ def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
 
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
           options: Sequence[OuterOption], queries: int = 64, page_size: int = 64,
-          window_dtype: str = DEFAULT_WINDOW_DTYPE, workers: int = 1, progress: bool = False,
+          window_dtype: str = "int8", workers: int = 1, progress: bool = False,
           capture_path: str | os.PathLike | None = None, meanwhile=None,
           decode: int | None = DEFAULT_DECODE) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
@@ -234,7 +235,8 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
             bar.update()
     bar.close()
     log.info("scored %d layers: %.1f s CPU in the scoring processes", len(layers), cpu)
-    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), cpu, decode)
+    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), cpu, decode,
+                  window_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,9 +310,11 @@ def calibrate(
     queries : int
         Sampled query positions per layer for the objective.
     window_dtype : str
-        What the config keeps its sinks, window and pending token blocks in
-        (:data:`DEFAULT_WINDOW_DTYPE`, int8 rows; or a float dtype); the cache receives every
-        token in it, so the candidates are scored on the values it leaves.
+        What the config keeps its sinks, window and pending token blocks in: ``"auto"``
+        (:func:`~.candidates.window_dtype_for_budget` of ``budget_bits``: int8 rows at low
+        budgets, fp16 at high ones), ``"int8"`` or a float dtype. The cache receives every token
+        in it, so the candidates are scored on the values it leaves; the frontier and every
+        config taken from this calibration use it.
     max_bits : float
         The frontier is computed up to ``max(max_bits, budget_bits)`` effective bits.
     workers : int
@@ -364,6 +368,7 @@ def calibrate(
         raise ConfigError(f"sensitivity_noise={sensitivity_noise!r} is not known; use one of {', '.join(NOISE_SITES)}")
     if objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
+    window_dtype = window_dtype_for_budget(budget_bits, window_dtype)
     cands_k = tuple(cands_k or candidates_for_budget(budget_bits, head_dim))
     cands_v = tuple(cands_v or candidates_for_budget(budget_bits, head_dim))
     check_candidates(cands_k, head_dim, page_size, "key")
@@ -406,6 +411,9 @@ def calibrate(
     else:
         if scores.decode != decode:
             raise ConfigError(f"the scores were computed with decode={scores.decode}, not {decode}")
+        if scores.window_dtype != window_dtype:
+            raise ConfigError(f"the scores were computed with window_dtype={scores.window_dtype!r}, "
+                              f"not {window_dtype!r}")
         if need_sens:
             _measure()
     sensitivity = sens_box["s"]

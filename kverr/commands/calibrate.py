@@ -61,10 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")
-    p.add_argument("--window-dtype", choices=("int8", "fp16", "bf16", "fp32"), default="int8",
+    p.add_argument("--window-dtype", choices=("auto", "fp16", "bf16", "fp32", "int8"), default="auto",
                    help="dtype of the sinks, window and pending tokens: int8 (a row of int8 codes and an "
-                        "fp16 scale per token and kv head: D + 2 bytes instead of fp16's 2 D; held out it "
-                        "beat fp16 at 3 and 4.5 bits, see the README) or a float (default: %(default)s)")
+                        "fp16 scale per token and kv head: D + 2 bytes instead of fp16's 2 D) or a float; "
+                        "auto (default): int8 below 6.5 effective bits, where it beat fp16 held out, fp16 "
+                        "from there on (every later-quantized token inherits the int8 rounding)")
     p.add_argument("--candidates", choices=("auto", "all", "dynamic"), default="auto",
                    help="candidate formats: 'all' 78, 'dynamic' the 60 without static per-channel "
                         "scales, 'auto' (default) all below 3.5 bits and dynamic from there on "
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kverr.calibrate import calibrate
-    from kverr.calibrate.candidates import candidate_set, default_candidates
+    from kverr.calibrate.candidates import candidate_set, default_candidates, window_dtype_for_budget
     from kverr.calibrate.search import outer_options
     from kverr.config import atomic_write_text
     from kverr.errors import OutputExistsError
@@ -112,24 +113,27 @@ def run(args: argparse.Namespace) -> int:
             raise OutputExistsError(f"{o} exists; pass --overwrite to replace it")
     capture = open_capture(args.capture)
     options = outer_options(capture, args.key_rope, args.sinks, args.window)
-    # budgets grouped by candidate set; "all" is scored first and the "dynamic" search reuses its
-    # damage tables and sensitivity (a subset of them)
-    set_of = {b: candidate_set(b, args.candidates) for b in budgets}
+    # budgets grouped by window dtype and candidate set; within a window dtype "all" is scored
+    # first and the "dynamic" search reuses its damage tables (a subset of them); every search
+    # reuses the first one's sensitivity
+    set_of = {b: (window_dtype_for_budget(b, args.window_dtype), candidate_set(b, args.candidates)) for b in budgets}
     progress = sys.stderr.isatty() or bool(getattr(args, "verbose", False))
     cals: dict = {}
-    for name in sorted(set(set_of.values())):  # "all" (the superset) before "dynamic"
+    for group in sorted(set(set_of.values()), key=lambda g: (g[0] != "int8", g[1])):  # "all" before "dynamic"
+        wdt, name = group
         cands = default_candidates(capture.sizes["channel"], static=name == "all")
-        base = next(iter(cals.values()), None)
-        cal = calibrate(capture, min(b for b in budgets if set_of[b] == name), context=args.context,
+        first = next(iter(cals.values()), None)
+        base = next((c for (w, _), c in cals.items() if w == wdt), None)
+        cal = calibrate(capture, min(b for b in budgets if set_of[b] == group), context=args.context,
                         options=options, queries=args.queries, cands_k=cands, cands_v=cands,
-                        window_dtype=args.window_dtype,
+                        window_dtype=wdt,
                         decode=args.decode or None, max_bits=max(args.max_bits, *budgets),
                         workers=args.workers, progress=progress, capture_path=args.capture, name=args.name,
                         objective=args.objective, model=args.model, sensitivity_tokens=args.sensitivity_tokens,
                         sensitivity_noise=args.sensitivity_noise,
                         scores=None if base is None else base.scores.subset(cands, cands),
-                        sensitivity=None if base is None else base.sensitivity)
-        if base is None and cal.sensitivity is not None:
+                        sensitivity=None if first is None else first.sensitivity)
+        if first is None and cal.sensitivity is not None:
             sv = cal.sensitivity
             r = sv.quadratic_ratio
             ws = (f"w = {sv.weights_k.min():.3g} .. {sv.weights_k.max():.3g} nats per unit relative squared "
@@ -139,22 +143,24 @@ def run(args: argparse.Namespace) -> int:
                   f"{sv.weights_v.min():.3g} .. {sv.weights_v.max():.3g} (layer {int(sv.weights_v.argmax())})")
             print(f"layer sensitivity ({sv.noise} noise) on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
                   f"{ws}; quadratic check (KL/r)(eps2)/(KL/r)(eps1) = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
-        cals[name] = cal
+        cals[group] = cal
     for b, out in zip(budgets, outs):
         cfg = cals[set_of[b]].config_at(b, args.name)
         cfg.save(out)
         pv = cfg.provenance
         print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
-              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, {pv['candidates_k']} candidates, "
+              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, {cfg.window_dtype} window, "
+              f"{pv['candidates_k']} candidates, "
               f"predicted {pv['objective']} {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")
     if args.frontier:
         import pandas as pd
 
-        fr = pd.concat([c.frontier.assign(candidates=n) for n, c in cals.items()], ignore_index=True)
+        fr = pd.concat([c.frontier.assign(candidates=n, window_dtype=w) for (w, n), c in cals.items()],
+                       ignore_index=True)
         atomic_write_text(args.frontier, fr.to_csv(index=False))
-        print(f"wrote the frontier ({len(fr)} points; candidates {', '.join(cals)}) to {args.frontier}")
-    first = next(iter(cals.values()))
-    print(f"scored in {first.seconds['score']:.1f} s, searched in "
+        groups = ", ".join(f"{n} ({w} window)" for w, n in cals)
+        print(f"wrote the frontier ({len(fr)} points; candidates {groups}) to {args.frontier}")
+    print(f"scored in {sum(c.seconds['score'] for c in cals.values()):.1f} s, searched in "
           f"{sum(c.seconds['search'] for c in cals.values()):.1f} s")
     return 0
