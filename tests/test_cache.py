@@ -204,16 +204,19 @@ def _static_pre_rope():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "rotated-mse-pre-rope", "static-pre-rope"])
+@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "rotated-mse-pre-rope", "static-pre-rope",
+                                  "int8-window-pre-rope"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same next-token distributions, through every layer of a real transformers model
     (including Hadamard-rotated, MSE-clipped formats on keys stored before RoPE, and static
-    per-channel scales, which both caches set from the prefill)."""
+    per-channel scales, which both caches set from the prefill, and sinks, window and pending
+    key blocks held as int8 rows)."""
     from kverr.cache import KernelKVCache, cache_for
     from kverr.evaluate import teacher_forced
 
-    named = {"rotated-mse-pre-rope": _rotated_pre_rope, "static-pre-rope": _static_pre_rope}
+    named = {"rotated-mse-pre-rope": _rotated_pre_rope, "static-pre-rope": _static_pre_rope,
+             "int8-window-pre-rope": lambda: _rotated_pre_rope().with_(window_dtype="int8")}
     cfg = (named[name]() if name in named else PRESETS[name]).with_(window=8)
     ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(3))
     ref = teacher_forced(tiny.model, cache_for(tiny.model, cfg), ids, 40, flush=False)
