@@ -4,9 +4,9 @@ Usage::
 
     python bench/calibrate_frontier_plot.py FRONTIER.csv PREDICTED_VS_MEASURED.csv OUT.png [THINNED.csv]
 
-``FRONTIER.csv`` is ``kverr calibrate --frontier`` output (with its ``candidates`` column when
-``--candidates auto`` searched two sets); ``PREDICTED_VS_MEASURED.csv`` is
-``bench/calibrate_heldout.py``'s. Lines: the predicted-KL frontier of each candidate set (the best
+``FRONTIER.csv`` is ``kverr calibrate --frontier`` output (with its ``candidates`` and
+``window_dtype`` columns when ``auto`` searched two candidate sets or window dtypes); ``PREDICTED_VS_MEASURED.csv`` is
+``bench/calibrate_heldout.py``'s. Lines: the predicted-KL frontier of each candidate set and window dtype (the best
 point within every 0.02 bit, steps); markers: the measured held-out mean KL of the calibrated
 configs (filled) and of the presets and peers (open), at their effective bits.
 """
@@ -24,9 +24,12 @@ def thin(frontier: pd.DataFrame, step: float = 0.02) -> pd.DataFrame:
     f = frontier.copy()
     if "candidates" not in f:
         f["candidates"] = "default"
+    if "window_dtype" not in f:
+        f["window_dtype"] = "fp16"
     f["bin"] = np.floor(f["effective_bits"] / step).astype(int)
-    i = f.groupby(["candidates", "bin"])["predicted"].idxmin()
-    return f.loc[i].drop(columns="bin").sort_values(["candidates", "effective_bits"]).reset_index(drop=True)
+    keys = ["window_dtype", "candidates"]
+    i = f.groupby([*keys, "bin"])["predicted"].idxmin()
+    return f.loc[i].drop(columns="bin").sort_values([*keys, "effective_bits"]).reset_index(drop=True)
 
 
 def main() -> None:
@@ -43,10 +46,10 @@ def main() -> None:
         fr.to_csv(rest[0], index=False)
     pvm = pd.read_csv(pvm_path)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    names = {"all": "predicted frontier, 78 candidates (static scales)",
-             "dynamic": "predicted frontier, 60 candidates (no static scales)"}
-    for cset, g in fr.groupby("candidates"):
-        ax.step(g.effective_bits, g.predicted, where="post", lw=1.5, label=names.get(cset, f"predicted ({cset})"))
+    names = {"all": "78 candidates (static scales)", "dynamic": "60 candidates (no static scales)"}
+    for (wdt, cset), g in fr.groupby(["window_dtype", "candidates"]):
+        ax.step(g.effective_bits, g.predicted, where="post", lw=1.5,
+                label=f"predicted frontier, {names.get(cset, cset)}, {wdt} window")
     cal = pvm[pvm.kind == "calibrated"]
     ref = pvm[pvm.kind != "calibrated"]
     ax.scatter(cal.effective_bits, cal.mean_kl, color="k", s=36, zorder=3, label="calibrated, measured held out")

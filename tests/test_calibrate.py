@@ -289,15 +289,16 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
 
     cap, path, loaded = tiny_capture
     out = tmp_path / "cal-{bits}b.json"
-    code = main(["calibrate", "--capture", str(path), "--budget-bits", "3,5,7", "--out", str(out),
+    code = main(["calibrate", "--capture", str(path), "--budget-bits", "3,4,5", "--out", str(out),
                  "--frontier", str(tmp_path / "f.csv"), "--queries", "8", "--workers", "1"])
     o, _ = capsys.readouterr()
-    assert code == 0 and "budget 3 bits" in o and "budget 5 bits" in o and "budget 7 bits" in o
+    assert code == 0 and "budget 3 bits" in o and "budget 4 bits" in o and "budget 5 bits" in o
     c3 = CacheConfig.load(tmp_path / "cal-3b.json")
     assert c3.provenance["effective_bits"] <= 3.0
     assert (tmp_path / "f.csv").read_text().startswith("option,")
-    # --candidates auto: static per-channel scales below 3.5 bits only; the search at 5 bits reuses
-    # the 3-bit run's tables and sensitivity, and equals a run with the dynamic set alone
+    # --candidates auto: static per-channel scales below 3.5 bits only; the search at 4 bits reuses
+    # the 3-bit run's tables (same window dtype), every search its sensitivity; the 5-bit config
+    # equals a run with the dynamic set alone
     from kverr.calibrate.candidates import STATIC_BELOW_BITS, default_candidates
     from kverr.quant import is_static
 
@@ -310,10 +311,11 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
                    for l in range(L) for h in range(H) for w in "kv")
     fr = __import__("pandas").read_csv(tmp_path / "f.csv")
     assert set(fr["candidates"]) == {"all", "dynamic"}
-    # --window-dtype auto: int8 windows below 6.5 bits, fp16 from there on (its own frontier)
-    c7 = CacheConfig.load(tmp_path / "cal-7b.json")
-    assert (c3.window_dtype, c5.window_dtype, c7.window_dtype) == ("int8", "int8", "fp16")
+    # --window-dtype auto: int8 windows below 4.75 bits, fp16 from there on (its own frontier)
+    c4 = CacheConfig.load(tmp_path / "cal-4b.json")
+    assert (c3.window_dtype, c4.window_dtype, c5.window_dtype) == ("int8", "int8", "fp16")
     assert set(zip(fr["window_dtype"], fr["candidates"])) == {("int8", "all"), ("int8", "dynamic"), ("fp16", "dynamic")}
+    assert c4.provenance["candidates_k"] == c5.provenance["candidates_k"]
     code = main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "d.json"),
                  "--queries", "8", "--workers", "1", "--candidates", "dynamic"])
     assert code == 0

@@ -54,7 +54,8 @@ DEFAULT_SINKS_WINDOWS = ((0, 0), (4, 16), (4, 32), (4, 64))
 #: int8 rows with an fp16 scale each (:func:`kverr.quant.formats.window_format`, D + 2 bytes a
 #: row instead of fp16's 2 D) below :data:`~.candidates.INT8_WINDOW_BELOW_BITS`, fp16 from there
 #: on (:func:`~.candidates.window_dtype_for_budget`). Held out, the int8 window lowered the 3-bit
-#: config's KL by ~30 % and the 4.5-bit one's by ~12 % against fp16 on two validation texts (README).
+#: config's KL by ~30 % and the 4.5-bit one's by ~12 % against fp16 on two validation texts, and
+#: raised the 5-bit one's by ~30 % (README).
 DEFAULT_WINDOW_DTYPE = "auto"
 DEFAULT_OPTIONS = tuple(OuterOption(window=r, sinks=s_, key_pre_rope=pre)
                         for pre in (False, True) for s_, r in DEFAULT_SINKS_WINDOWS)

@@ -64,8 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window-dtype", choices=("auto", "fp16", "bf16", "fp32", "int8"), default="auto",
                    help="dtype of the sinks, window and pending tokens: int8 (a row of int8 codes and an "
                         "fp16 scale per token and kv head: D + 2 bytes instead of fp16's 2 D) or a float; "
-                        "auto (default): int8 below 6.5 effective bits, where it beat fp16 held out, fp16 "
-                        "from there on (every later-quantized token inherits the int8 rounding)")
+                        "auto (default): int8 below 4.75 effective bits, where it beat fp16 held out, fp16 "
+                        "from there on")
     p.add_argument("--candidates", choices=("auto", "all", "dynamic"), default="auto",
                    help="candidate formats: 'all' 78, 'dynamic' the 60 without static per-channel "
                         "scales, 'auto' (default) all below 3.5 bits and dynamic from there on "
