@@ -37,14 +37,16 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
 @pytest.mark.parametrize("name", ["calibrated-4b", "calibrated-prerope-3b", "calibrated-3b"])
 def test_validate_calibrated_configs_agree(capsys, name):
     """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
-    keys stored before RoPE, static per-channel scales (calibrated-3b) -- run on the kernel path
-    and agree with the reference."""
+    keys stored before RoPE, static per-channel scales (calibrated-3b), int8 windows
+    (calibrated-3b and -4b) -- run on the kernel path and agree with the reference."""
     pytest.importorskip("zarr")
     path = CAPTURE.parent / "configs" / f"{name}.json"
     text = path.read_text()
     assert '"hadamard"' in text and '"mse"' in text  # the branches this test is for
     if name == "calibrated-3b":
         assert '"tokens": null' in text  # static per-channel scales
+    if name in ("calibrated-3b", "calibrated-4b"):
+        assert '"window_dtype": "int8"' in text
     code = main(["validate", str(path), "--capture", str(CAPTURE), "--tokens", "120", "--batch", "2",
                  "--layers", "0,2", "--steps", "1", "--json"])
     rep = json.loads(capsys.readouterr().out)
