@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kverr.config import PRESETS, CacheConfig
 from kverr.errors import ConfigError, ModelError, ShapeError
 from kverr.memory import DEFAULT_SHAPE, ModelShape, account, model_shape
-from kverr.quant import PerChannel, PerTokenGroup, ReferenceStore, int_format, reconstruct
+from kverr.quant import PerChannel, PerTokenGroup, ReferenceStore, int_format, reconstruct, token_regions
 
 from strategies import configs
 
@@ -35,6 +35,24 @@ def test_accounting_equals_the_bytes_the_reference_store_allocates(cfg, T, B, se
     assert rep.total_bytes == store.nbytes
     for layer in range(L):
         assert rep.layer_total(layer).total == store.nbytes_of(layer)
+
+
+@pytest.mark.parametrize("T", [0, 1, 5, 70])
+def test_int8_window_bytes_at_the_edges(T):
+    """An int8 window: D + 2 bytes per held token (codes, fp16 scale), each row aligned; also with
+    no token yet (a case the drawn configs reach only by chance)."""
+    cfg = CacheConfig(k=int_format(2, PerChannel(8)), v=int_format(2, PerTokenGroup(8)), window=8, sinks=2,
+                      window_dtype="int8")
+    ks, vs = _kv(2, T, 0)
+    store = ReferenceStore(cfg, ks, vs)
+    rep = account(cfg, ModelShape(L, H, D), T, batch=2)
+    assert rep.total_bytes == store.nbytes
+    t = rep.totals
+    held = t.sinks + t.window
+    assert held % (D + 2) == 0 and held // (D + 2) == sum(
+        2 * H * (T - (e - s)) for l in range(L) for w in "kv"
+        for s, e in [token_regions(T, cfg, cfg.format_for(l, 0, w))])
+    assert torch.equal(store.read(0, "k"), reconstruct(ks[0], cfg, layer=0, which="k"))
 
 
 @given(cfg=configs(L, H, D), T=st.integers(1, 90), seed=st.integers(0, 2**16))

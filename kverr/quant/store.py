@@ -27,6 +27,7 @@ codes and a row of fp16 scales, each padded). Static scales
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,8 @@ def receive(x: torch.Tensor, window_dtype: str) -> torch.Tensor:
     fmt = window_format(window_dtype)
     if fmt.is_float:
         return x.to(TORCH_DTYPES[window_dtype]).to(torch.float32)
+    if x.shape[-2] == 0:  # no tokens: nothing to round
+        return x.to(torch.float32)
     return fake_quantize(x, fmt)
 
 
@@ -85,6 +88,9 @@ class WindowRows:
         fmt = window_format(window_dtype)
         if fmt.is_float:
             return cls(x.to(TORCH_DTYPES[window_dtype]), None, window_dtype)
+        if x.shape[-2] == 0:  # no tokens
+            return cls(torch.zeros(x.shape, dtype=torch.uint8, device=x.device),
+                       torch.zeros((*x.shape[:-1], 1), dtype=torch.float16, device=x.device), window_dtype)
         qt = quantize(x, fmt)
         return cls(qt.codes, qt.scale, window_dtype)
 
@@ -103,7 +109,7 @@ class WindowRows:
         return WindowRows(torch.cat([self.data, other.data], dim=-2), scale, self.window_dtype)
 
     def float(self) -> torch.Tensor:
-        if self.scale is None:
+        if self.scale is None or self.n == 0:
             return self.data.float()
         fmt = window_format(self.window_dtype)
         return dequantize(QTensor(self.data, self.scale, None, fmt, tuple(self.data.shape), None))
@@ -177,7 +183,7 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) 
     *lead, H, T, D = x32.shape
     # The cache receives K/V in its own dtype (window_dtype); every stored number derives from
     # those values.
-    x4 = receive(x32.reshape(-1, H, T, D), config.window_dtype)
+    x4 = receive(x32.reshape(math.prod(lead), H, T, D), config.window_dtype)
     out = x4.clone()
     for fmt, heads in config.head_groups(layer, H, which):
         fmt.check_head_dim(D, which)
