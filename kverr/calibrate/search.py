@@ -93,7 +93,7 @@ class Scores:
     queries: int
     cpu_seconds: float = 0.0
     decode: int | None = DEFAULT_DECODE
-    window_dtype: str = "fp16"  # the dtype the cache received the candidates' input in
+    window_dtype: str = "fp16"  # the dtype the cache received the candidates' input in (score() always sets it)
 
     def subset(self, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat]) -> Scores:
         """The tables of a subset of the candidates (in the order given)."""
@@ -183,8 +183,8 @@ def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
 
 
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
-          options: Sequence[OuterOption], queries: int = 64, page_size: int = 64,
-          window_dtype: str = "int8", workers: int = 1, progress: bool = False,
+          options: Sequence[OuterOption], window_dtype: str, queries: int = 64, page_size: int = 64,
+          workers: int = 1, progress: bool = False,
           capture_path: str | os.PathLike | None = None, meanwhile=None,
           decode: int | None = DEFAULT_DECODE) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.

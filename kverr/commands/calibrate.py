@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     set_of = {b: (window_dtype_for_budget(b, args.window_dtype), candidate_set(b, args.candidates)) for b in budgets}
     progress = sys.stderr.isatty() or bool(getattr(args, "verbose", False))
     cals: dict = {}
-    for group in sorted(set(set_of.values()), key=lambda g: (g[0] != "int8", g[1])):  # "all" before "dynamic"
+    # int8-window groups first, and within a window dtype "all" (the superset) before "dynamic"
+    for group in sorted(set(set_of.values()), key=lambda g: (g[0] != "int8", g[0], g[1])):
         wdt, name = group
         cands = default_candidates(capture.sizes["channel"], static=name == "all")
         first = next(iter(cals.values()), None)
