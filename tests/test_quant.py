@@ -445,3 +445,16 @@ def test_fake_quantize_is_dequantize_of_quantize_bit_for_bit(draw):
     x = draw.draw(data())
     fmt = draw.draw(formats(x.shape[-1], PAGE, floats=True))
     assert torch.equal(fake_quantize(x, fmt, page_size=PAGE), dequantize(quantize(x, fmt, page_size=PAGE)))
+
+
+@given(st.data())
+def test_zero_tokens_quantize_to_zero_tokens(draw):
+    """A tensor with no token yet (an empty window, a cache before its first step) goes through
+    quantize, dequantize and fake_quantize as an empty tensor of its shape, for every format."""
+    x = torch.zeros(2, 3, 0, 16)
+    fmt = draw.draw(formats(16, PAGE, floats=True))
+    qt = quantize(x, fmt, page_size=PAGE)
+    assert qt.codes.shape[:-1] == (2, 3, 0)
+    assert dequantize(qt).shape == x.shape and fake_quantize(x, fmt, page_size=PAGE).shape == x.shape
+    if qt.scale is not None:  # per-element metadata, as the error decomposition reads it
+        assert qt.element_metadata()[0].shape == x.shape

@@ -422,7 +422,7 @@ class QTensor:
             if meta is None:
                 out.append(None)
                 continue
-            m = meta.float().reshape(-1, *meta.shape[len(lead):])
+            m = meta.float().reshape(math.prod(lead), *meta.shape[len(lead):])
             m = m.repeat_interleave(block[0], 1).repeat_interleave(block[1], 2).repeat_interleave(block[2], 3)
             out.append(m[:, :, :T, :].reshape(self.shape))
         return out[0], out[1]
@@ -497,7 +497,7 @@ def _encode_grouped(x, fmt, page_size, scale, zero) -> _Grouped:
         return _Grouped(shape, (1, 1, 1), float_values=x32.to(TORCH_DTYPES[fmt.dtype]))
     if fmt.rotate == "hadamard":
         x32 = hadamard_rotate(x32)
-    x4 = x32.reshape(-1, H, T, D)
+    x4 = x32.reshape(math.prod(lead), H, T, D)  # explicit: -1 is ambiguous when T == 0
     block = block_shape(fmt, H, T, D, page_size)
     g = _to_groups(x4, block)
     mask = None  # which grouped entries are real tokens; None when no block is padded
@@ -551,7 +551,7 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, unrotate: boo
     if fmt.is_float:
         return qt.codes.to(dtype)
     *lead, H, T, D = qt.shape
-    u = qt.unpacked_codes().reshape(-1, H, T, D)
+    u = qt.unpacked_codes().reshape(math.prod(lead), H, T, D)
     block = block_shape(fmt, H, T, D, qt.page_size)
     B = u.shape[0]
     s = qt.scale.reshape(B, *qt.scale.shape[len(lead):])

@@ -66,8 +66,6 @@ def receive(x: torch.Tensor, window_dtype: str) -> torch.Tensor:
     fmt = window_format(window_dtype)
     if fmt.is_float:
         return x.to(TORCH_DTYPES[window_dtype]).to(torch.float32)
-    if x.shape[-2] == 0:  # no tokens: nothing to round
-        return x.to(torch.float32)
     return fake_quantize(x, fmt)
 
 
@@ -88,9 +86,6 @@ class WindowRows:
         fmt = window_format(window_dtype)
         if fmt.is_float:
             return cls(x.to(TORCH_DTYPES[window_dtype]), None, window_dtype)
-        if x.shape[-2] == 0:  # no tokens
-            return cls(torch.zeros(x.shape, dtype=torch.uint8, device=x.device),
-                       torch.zeros((*x.shape[:-1], 1), dtype=torch.float16, device=x.device), window_dtype)
         qt = quantize(x, fmt)
         return cls(qt.codes, qt.scale, window_dtype)
 
@@ -109,7 +104,7 @@ class WindowRows:
         return WindowRows(torch.cat([self.data, other.data], dim=-2), scale, self.window_dtype)
 
     def float(self) -> torch.Tensor:
-        if self.scale is None or self.n == 0:
+        if self.scale is None:
             return self.data.float()
         fmt = window_format(self.window_dtype)
         return dequantize(QTensor(self.data, self.scale, None, fmt, tuple(self.data.shape), None))
