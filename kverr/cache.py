@@ -2,8 +2,8 @@
 
 Each layer keeps, per group of kv heads sharing a format, the sink tokens and the pending
 (most recent) tokens in ``window_dtype`` (:class:`kverr.quant.store.WindowRows`) and the tokens
-between as packed codes + scales (:class:`kverr.quant.QTensor` chunks). Memory is really saved: codes are packed bytes; the
-cache reports the bytes it holds (:meth:`KverrCache.nbytes`).
+between as packed codes + scales (:class:`kverr.quant.QTensor` chunks). Memory is really saved:
+codes are packed bytes; the cache reports the bytes it holds (:meth:`KverrCache.nbytes`).
 
 Token policy (the same as :func:`kverr.quant.reconstruct`): after every update, pending tokens
 beyond the ``window`` most recent are quantized in whole token blocks of the format (one token
@@ -201,7 +201,7 @@ class KverrLayer(CacheLayerMixin):
 
     def _append(self, which: str, x: torch.Tensor) -> None:
         for g in self.groups[which]:
-            part = WindowRows.store(x[:, g.heads].float(), self.config.window_dtype)
+            part = WindowRows.store(x[:, g.heads], self.config.window_dtype)
             take = max(0, min(self.config.sinks - g.n_sinks, part.n))
             if take:
                 head = part.tokens(0, take)

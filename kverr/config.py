@@ -4,8 +4,9 @@ A :class:`CacheConfig` holds a model-wide default format for keys and for values
 overrides per layer and per ``(layer, kv_head)``, and the model-wide token policy: the first
 ``sinks`` tokens and the ``window`` most recent tokens stay in full precision
 (``window_dtype``: a plain float, or ``int8`` rows with a scale each, see
-:func:`kverr.quant.formats.window_format`); keys are quantized before RoPE when ``key_pre_rope``; the quantized tokens
-live in pages of ``page_size`` tokens whose sections are aligned to ``align`` bytes.
+:func:`kverr.quant.formats.window_format`); keys are quantized before RoPE when
+``key_pre_rope``; the quantized tokens live in pages of ``page_size`` tokens whose sections are
+aligned to ``align`` bytes.
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
 formats or values raise :class:`kverr.errors.ConfigError` naming the field, the value and what is

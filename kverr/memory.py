@@ -205,7 +205,7 @@ def _group_bytes(
     wf = window_format(config.window_dtype)
     n_sink, n_win = start, T - end
     n_fp = n_sink + n_win
-    sections = [D * wf.bits // 8] if wf.is_float else [D, wf.scale_bytes]
+    sections = [codes_nbytes(wf, D)] + ([] if wf.is_float else [wf.scale_bytes])
     per_token = sum(sections)
     b.sinks = rows * n_sink * per_token
     b.window = rows * n_win * per_token

@@ -52,7 +52,7 @@ import torch
 from kverr.errors import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec
 from kverr.quant.formats import TORCH_DTYPES, is_static, window_format
-from kverr.quant.reference import QTensor, dequantize, quantize
+from kverr.quant.reference import QTensor, dequantize
 from kverr.quant.store import WindowRows, quantize_region, receive
 
 log = logging.getLogger(__name__)
@@ -245,9 +245,8 @@ class PagedKVCache:
         self.block_n = block_n or (32 if head_dim <= 64 else 16)
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise KernelError(f"block_n={self.block_n} must be a power of two >= 16")
-        self.window_format = window_format(config.window_dtype)
-        fp_q = not self.window_format.is_float
-        wdt = torch.uint8 if fp_q else TORCH_DTYPES[config.window_dtype]
+        self.fp_q = not window_format(config.window_dtype).is_float  # int8 rows + a scale per slot
+        wdt = torch.uint8 if self.fp_q else TORCH_DTYPES[config.window_dtype]
         deferred = isinstance(static_scales, str)
         if deferred and static_scales != "first":
             raise ConfigError(f"static_scales={static_scales!r}: give a dict of scales or 'first'")
@@ -301,7 +300,7 @@ class PagedKVCache:
                     cap = self.W + spec.tb
                     fp = torch.zeros((max_batch, h, self.S + cap, head_dim), dtype=wdt, device=dev)
                     fp_scale = (torch.zeros((max_batch, h, self.S + cap), dtype=torch.float16, device=dev)
-                                if fp_q else None)
+                                if self.fp_q else None)
                     ratios = torch.tensor(spec.clip_ratios or (1.0,), dtype=torch.float32, device=dev)
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
                                            codes, scale, zero, fp, fp_scale, cap, ratios))
@@ -527,12 +526,12 @@ class PagedKVCache:
         for which, x in (("k", k), ("v", v)):
             x = self._rows(x, step, which)
             codes = scale = None
-            if not self.window_format.is_float:
+            if self.fp_q:
                 # an int8 window: the cache receives every row as the oracle's int8 row (codes and
                 # scale for the window, their decoded values for the store kernel)
-                qx = quantize(x.float().unsqueeze(2), self.window_format)  # [N, H, 1, D]
-                codes, scale = qx.codes[:, :, 0], qx.scale[:, :, 0, 0]
-                x = dequantize(qx)[:, :, 0]
+                rows = WindowRows.store(x.unsqueeze(2), self.config.window_dtype)  # [N, H, 1, D]
+                codes, scale = rows.data[:, :, 0], rows.scale[:, :, 0, 0]
+                x = rows.float()[:, :, 0]
             for pool in self.pools[layer][which]:
                 jobs = step.store[pool.spec.tb]
                 # quantize first: a job may read a window slot this step's new tokens overwrite
