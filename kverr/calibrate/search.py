@@ -91,9 +91,9 @@ class Scores:
     cands_v: tuple[QuantFormat, ...]
     options: tuple[OuterOption, ...]
     queries: int
+    window_dtype: str  # the dtype the cache received the candidates' input in
     cpu_seconds: float = 0.0
     decode: int | None = DEFAULT_DECODE
-    window_dtype: str = "fp16"  # the dtype the cache received the candidates' input in (score() always sets it)
 
     def subset(self, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat]) -> Scores:
         """The tables of a subset of the candidates (in the order given)."""
@@ -103,7 +103,7 @@ class Scores:
         except ValueError:
             raise ConfigError("a subset's candidates must all have been scored") from None
         return Scores(self.k[:, :, ik], self.v[:, :, iv], self.layers, tuple(cands_k), tuple(cands_v),
-                      self.options, self.queries, self.cpu_seconds, self.decode, self.window_dtype)
+                      self.options, self.queries, self.window_dtype, self.cpu_seconds, self.decode)
 
 
 @dataclass
@@ -236,8 +236,8 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
             bar.update()
     bar.close()
     log.info("scored %d layers: %.1f s CPU in the scoring processes", len(layers), cpu)
-    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), cpu, decode,
-                  window_dtype)
+    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), window_dtype,
+                  cpu, decode)
 
 
 # --------------------------------------------------------------------------------------------
