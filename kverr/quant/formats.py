@@ -54,7 +54,8 @@ FLOAT_DTYPES = ("fp16", "bf16", "fp32")
 SCALE_DTYPES = ("fp32", "fp16", "bf16")
 #: Dtypes of the tokens a cache keeps outside its pages (sinks, window, a pending token block):
 #: the plain floats, or ``int8`` -- one symmetric absmax int8 row per (token, kv head) with an
-#: fp16 scale (:func:`window_format`), half the bytes of fp16 for a relative error of ~0.2 %.
+#: fp16 scale (:func:`window_format`): D + 2 bytes a row instead of 2 D, each element within half
+#: a step (at most 1/254 of its row's largest magnitude) of what the cache received.
 WINDOW_DTYPES = (*FLOAT_DTYPES, "int8")
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
