@@ -74,12 +74,15 @@ class WindowRows:
     """Tokens a cache keeps outside its pages (sinks, window, a pending block), as stored.
 
     ``data`` ``[..., h, n, D]`` in the window dtype (``int8``: the oracle's uint8 codes) and, for
-    ``int8``, ``scale`` ``[..., h, n, 1]`` fp16. :meth:`float` gives :func:`receive`'s values.
+    ``int8``, ``scale`` ``[..., h, n, 1]`` fp16. :meth:`float` gives :func:`receive`'s values;
+    rows made by :meth:`store` keep them (``values``, float32: a compute cache, not storage, so
+    that a cache reading its window every step does not decode it every step).
     """
 
     data: torch.Tensor
     scale: torch.Tensor | None
     window_dtype: str
+    values: torch.Tensor | None = None
 
     @classmethod
     def store(cls, x: torch.Tensor, window_dtype: str) -> WindowRows:
@@ -87,7 +90,7 @@ class WindowRows:
         if fmt.is_float:
             return cls(x.to(TORCH_DTYPES[window_dtype]), None, window_dtype)
         qt = quantize(x, fmt)
-        return cls(qt.codes, qt.scale, window_dtype)
+        return cls(qt.codes, qt.scale, window_dtype, dequantize(qt))
 
     @property
     def n(self) -> int:
@@ -95,22 +98,28 @@ class WindowRows:
 
     def tokens(self, lo: int | None = None, hi: int | None = None) -> WindowRows:
         """Tokens ``[lo, hi)``."""
-        return WindowRows(self.data[..., lo:hi, :], None if self.scale is None else self.scale[..., lo:hi, :],
-                          self.window_dtype)
+        cut = lambda t: None if t is None else t[..., lo:hi, :]  # noqa: E731
+        return WindowRows(cut(self.data), cut(self.scale), self.window_dtype, cut(self.values))
 
     def cat(self, other: WindowRows) -> WindowRows:
         """These tokens followed by ``other``'s."""
-        scale = None if self.scale is None else torch.cat([self.scale, other.scale], dim=-2)
-        return WindowRows(torch.cat([self.data, other.data], dim=-2), scale, self.window_dtype)
+        def join(a, b):
+            return None if a is None or b is None else torch.cat([a, b], dim=-2)
+
+        return WindowRows(join(self.data, other.data), join(self.scale, other.scale), self.window_dtype,
+                          join(self.values, other.values))
 
     def float(self) -> torch.Tensor:
         if self.scale is None:
             return self.data.float()
+        if self.values is not None:
+            return self.values
         fmt = window_format(self.window_dtype)
         return dequantize(QTensor(self.data, self.scale, None, fmt, tuple(self.data.shape), None))
 
     @property
     def nbytes(self) -> int:
+        """Bytes stored (the data and the scales; not the ``values`` cache)."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
 
 
