@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -292,11 +291,21 @@ class CacheConfig:
 
     @classmethod
     def from_json(cls, text: str) -> CacheConfig:
+        too_deep = "not a config: its JSON is nested too deeply to read (a config is a few levels deep)"
         try:
             obj = json.loads(text)
+        except RecursionError:
+            raise ConfigError(too_deep) from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"not valid JSON: {exc}") from None
-        return cls.from_dict(obj)
+        except ValueError as exc:  # an integer of more digits than Python converts
+            raise ConfigError(
+                f"not a config: a number in it is too long to read ({str(exc).split(';')[0]})"
+            ) from None
+        try:
+            return cls.from_dict(obj)
+        except RecursionError:  # e.g. a provenance nested just below json's own limit
+            raise ConfigError(too_deep) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CacheConfig:
@@ -321,28 +330,8 @@ class CacheConfig:
         return replace(self, **changes)
 
 
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary file and a rename: never half-written. The file
-    gets the permissions a plain ``open`` would give it (``0o666`` less the umask), not the
-    temporary file's private ``0o600``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+# The one atomic file writer lives with the other writers in kverr.io; re-exported here.
+from kverr.io import atomic_write_text  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,7 +43,12 @@ class BudgetError(KverrError, ValueError):
     """A memory budget cannot be met by any candidate format."""
 
 
-class OutputExistsError(KverrError, FileExistsError):
+class OutputError(KverrError, OSError):
+    """An output cannot be written there (a read-only folder, a directory where a file is
+    expected, a parent that is a file, a failed write)."""
+
+
+class OutputExistsError(OutputError, FileExistsError):
     """An output path exists and overwriting was not asked for."""
 
 

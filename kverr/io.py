@@ -17,28 +17,49 @@ and the coordinates ``kv_head_of_q`` (q_head), ``sliding_window`` and ``attn_sca
 
 Writes go to a temporary store beside the target, which is renamed into place only once it is
 complete: a crash or an interrupt never leaves a half-written dataset at the final path (at worst
-a ``.NAME.tmp-*`` directory beside it, which no reader opens).
+a ``.NAME.tmp-HOST-PID-RANDOM`` directory beside it, which no reader opens and which the next
+write to the same target removes once its process ``PID`` on this host ``HOST`` is gone). Files
+(:func:`atomic_write_text`, :func:`atomic_write`) and folders of files (:func:`atomic_dir`, e.g.
+exports) are written the same way. :func:`check_output_path` checks an output before any long
+work: that it does not exist (or may be replaced), that it is not a directory where a file is
+expected, and that its folder is writable. A write that fails anyway (disk full, permissions
+changed meanwhile) raises :class:`~kverr.errors.OutputError` and leaves nothing behind.
+
+Capture data is read lazily; a chunk that cannot be read or decoded (a damaged or unreadable
+store) raises :class:`~kverr.errors.CaptureError` naming the capture, whichever computation
+reads it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
+import tempfile
 import uuid
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kverr.dims import CAPTURE_VARS, KV_HEAD_OF_Q, LAYER, Q_HEAD, SCHEMA_VERSION, TOKEN
-from kverr.errors import CaptureError, OutputExistsError
+from kverr.errors import CaptureError, KverrError, OutputError, OutputExistsError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "REQUIRED_ATTRS",
     "TOKEN_CHUNK",
+    "atomic_dir",
+    "atomic_write",
+    "atomic_write_text",
     "check_output_path",
+    "clear_stale_temporaries",
     "open_capture",
     "rope_params",
     "validate_capture",
@@ -66,28 +87,238 @@ def _is_zarr_store(path: Path) -> bool:
     return path.is_dir() and any((path / m).is_file() for m in ("zarr.json", ".zgroup", ".zattrs"))
 
 
-def check_output_path(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-    """Check that a dataset may be written at ``path``; returns it as a Path.
+def check_output_path(
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    kind: Literal["store", "file", "folder"] = "store",
+    own_files: Collection[str] = (),
+) -> Path:
+    """Check, before any long work, that an output may be written at ``path``; returns it.
+
+    Parameters
+    ----------
+    path : path-like
+        The output.
+    overwrite : bool
+        An existing output may be replaced.
+    kind : {"store", "file", "folder"}
+        What is written: a zarr store, a file, or a folder holding the files ``own_files``.
+    own_files : collection of str
+        For ``kind="folder"``: the names such a folder holds; an existing folder holding
+        nothing else is a previous output and may be replaced with ``overwrite``.
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``, with ``~`` expanded.
 
     Raises
     ------
     OutputExistsError
-        ``path`` exists and ``overwrite`` is false, or it exists and is something other than a
-        zarr store, an empty directory or a file (kverr never deletes a directory of other data).
+        ``path`` exists and ``overwrite`` is false, or it exists and is a directory of other
+        data (kverr never deletes a directory it did not write).
+    OutputError
+        ``path`` is a directory where a file is expected, or its folder cannot be written
+        (read-only, or a file where a folder is needed).
     """
     target = Path(path).expanduser()
-    if not target.exists() and not target.is_symlink():
-        return target
-    if not overwrite:
-        raise OutputExistsError(
-            f"output {target} already exists; pass --overwrite (overwrite=True) to replace it"
-        )
-    if target.is_dir() and not _is_zarr_store(target) and any(target.iterdir()):
-        raise OutputExistsError(
-            f"output {target} is a non-empty directory that is not a zarr store; "
-            "refusing to replace it even with --overwrite"
-        )
+    if kind == "file" and target.is_dir():
+        raise OutputError(f"output {target} is a directory; give a file path, e.g. {target / 'NAME'}")
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(
+                f"output {target} already exists; pass --overwrite (overwrite=True) to replace it"
+            )
+        if target.is_dir() and not target.is_symlink():
+            names = {p.name for p in target.iterdir()}
+            if kind == "folder" and not names <= set(own_files):
+                raise OutputExistsError(
+                    f"output {target} is a directory holding files other than "
+                    f"{', '.join(sorted(own_files))}; refusing to replace it even with --overwrite"
+                )
+            if kind != "folder" and names and not _is_zarr_store(target):
+                raise OutputExistsError(
+                    f"output {target} is a non-empty directory that is not a zarr store; "
+                    "refusing to replace it even with --overwrite"
+                )
+    _check_writable(target)
     return target
+
+
+def _check_writable(target: Path) -> None:
+    """Raise OutputError unless a file can be created in the folder that will hold ``target``
+    (its nearest existing ancestor, when folders are still to be made)."""
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputError(f"cannot write {target}: {folder} is a file, not a folder; choose another output path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe-", dir=folder)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write {target}: the folder {folder} is not writable ({exc.strerror or exc}); "
+            "choose another output path or make the folder writable"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def temporary_path(target: Path) -> Path:
+    """A fresh temporary name beside ``target``: ``.NAME.tmp-HOST-PID-RANDOM``, with this
+    process's id and a tag of this host, so that :func:`clear_stale_temporaries` can tell an
+    abandoned temporary from one being written."""
+    return target.with_name(f".{target.name}.tmp-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process, or not a pid we can ask about
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def clear_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries of ``target`` that a killed writer left behind.
+
+    Only names of :func:`temporary_path`'s pattern for this very target are considered, and of
+    those only the ones made on this host by a process that no longer runs.
+
+    Returns
+    -------
+    list of pathlib.Path
+        What was removed.
+    """
+    target = Path(target).expanduser()
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.tmp-([0-9a-f]{{8}})-([0-9]+)-[0-9a-f]{{32}}")
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return []
+    host = _host_tag()
+    removed = []
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None or m.group(1) != host or _pid_alive(int(m.group(2))):
+            continue
+        _remove(entry)
+        log.info("removed %s, left by a writer (pid %s) that no longer runs", entry, m.group(2))
+        removed.append(entry)
+    return removed
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Make ``folder`` and its missing parents; returns the ones made, innermost first."""
+    made = []
+    p = folder
+    while not (p.exists() or p.is_symlink()) and p != p.parent:
+        made.append(p)
+        p = p.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+@contextmanager
+def _staged(target: Path, *, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary path beside ``target`` (not yet created) for the caller to write;
+    rename it to ``target`` when the block ends. On any failure remove it, and the folders
+    made for it, and turn an OSError into an OutputError naming ``target``."""
+    made: list[Path] = []
+    tmp = temporary_path(target)
+    try:
+        made = _make_folders(target.parent)
+        clear_stale_temporaries(target)
+        yield tmp
+        _replace(tmp, target, overwrite=overwrite)
+    except BaseException as exc:
+        _remove(tmp)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        if isinstance(exc, OSError) and not isinstance(exc, KverrError):
+            raise OutputError(
+                f"cannot write {target}: {exc.strerror or exc}; nothing was written. Check the "
+                "folder's permissions and free space, or choose another output path"
+            ) from exc
+        raise
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """Write a file by calling ``write(tmp)`` on a temporary path beside ``path``, then
+    renaming it to ``path`` (replacing a file there): never half-written.
+
+    Raises
+    ------
+    OutputError
+        The write failed (nothing is left behind).
+    """
+    target = Path(path).expanduser()
+    with _staged(target, overwrite=True) as tmp:
+        write(tmp)
+    return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_write`; the file gets the
+    permissions a plain ``open`` gives (``0o666`` less the umask)."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "x", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    return atomic_write(path, write)
+
+
+@contextmanager
+def atomic_dir(
+    path: str | os.PathLike[str], *, overwrite: bool = False, own_files: Collection[str] = ()
+) -> Iterator[Path]:
+    """A folder of files written all or nothing.
+
+    Yields a new empty temporary folder beside ``path``; when the block ends without error it
+    is renamed to ``path`` (replacing a previous output there when ``overwrite``); on an error
+    it is removed and nothing is left at ``path``.
+
+    Parameters
+    ----------
+    path : path-like
+        The folder to write.
+    overwrite : bool
+        Replace an existing folder that holds only ``own_files``.
+    own_files : collection of str
+        The names this kind of folder holds (see :func:`check_output_path`).
+
+    Raises
+    ------
+    OutputExistsError, OutputError
+        As :func:`check_output_path`, or when the write fails.
+    """
+    target = check_output_path(path, overwrite=overwrite, kind="folder", own_files=own_files)
+    with _staged(target, overwrite=overwrite) as tmp:
+        tmp.mkdir()
+        yield tmp
 
 
 def _chunks(ds: Any) -> dict[str, int]:
@@ -130,19 +361,13 @@ def write_dataset(ds: Any, path: str | os.PathLike[str], overwrite: bool = False
     target = check_output_path(path, overwrite=overwrite)
     if any(name in ds.variables for name in CAPTURE_VARS):
         validate_capture(ds)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
     out = ds.copy(deep=False)
     for var in out.variables.values():
         # Encodings from a store this dataset was read from would fight the new chunks.
         var.encoding = {}
     out = out.chunk(_chunks(out))
-    try:
+    with _staged(target, overwrite=overwrite) as tmp:
         out.to_zarr(tmp, mode="w-", consolidated=False)
-        _replace(tmp, target, overwrite=overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("wrote %s", target)
     return target
 
@@ -159,6 +384,9 @@ def _replace(tmp: Path, target: Path, *, overwrite: bool) -> None:
             # Something appeared at the target meanwhile; treat it as an existing output.
     if not overwrite:
         raise OutputExistsError(f"output {target} appeared while writing; not replacing it")
+    if not tmp.is_dir() and not target.is_dir():
+        os.replace(tmp, target)  # a file replaces a file atomically
+        return
     old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
     os.rename(target, old)
     os.rename(tmp, target)
@@ -228,16 +456,69 @@ def open_capture(path: str | os.PathLike[str]) -> Any:
     import xarray as xr
 
     src = Path(path).expanduser()
-    if not src.exists():
-        raise CaptureError(f"no capture at {src}; make one with `kverr capture --out {src}`")
-    if not _is_zarr_store(src):
-        raise CaptureError(f"{src} is not a zarr store (no zarr.json / .zgroup in it)")
     try:
-        ds = xr.open_zarr(src, chunks={}, consolidated=False)
+        if not src.exists():
+            raise CaptureError(f"no capture at {src}; make one with `kverr capture --out {src}`")
+        if not _is_zarr_store(src):
+            raise CaptureError(f"{src} is not a zarr store (no zarr.json / .zgroup in it)")
+        # Every chunk is read through _read_chunk, so that a damaged store fails with one clear
+        # error in whichever computation first reads it.
+        read = {"getitem": partial(_read_chunk, source=str(src))}
+        _quiet_abandoned_zarr_tasks()
+        ds = xr.open_zarr(src, chunks={}, consolidated=False, from_array_kwargs=read)
+    except CaptureError:
+        raise
+    except OSError as exc:
+        raise _unreadable(src, exc) from None
     except Exception as exc:  # zarr raises a variety of errors on damaged stores
-        raise CaptureError(f"cannot open {src} as a zarr dataset: {exc}") from exc
+        raise CaptureError(f"cannot open {src} as a zarr dataset: {exc}") from None
     validate_capture(ds, where=str(src))
     return ds
+
+
+class _AbandonedZarrTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports of zarr's own tasks.
+
+    When one of zarr's concurrent metadata reads fails (a damaged ``zarr.json``), zarr raises
+    that error and abandons its sibling tasks; asyncio later reports each of their (same)
+    failures with a traceback. The error that matters has already become a CaptureError.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith("Task exception was never retrieved") and "zarr" in msg)
+
+
+_ZARR_TASK_FILTER = _AbandonedZarrTasks()
+
+
+def _quiet_abandoned_zarr_tasks() -> None:
+    asyncio_log = logging.getLogger("asyncio")
+    if _ZARR_TASK_FILTER not in asyncio_log.filters:
+        asyncio_log.addFilter(_ZARR_TASK_FILTER)
+
+
+def _unreadable(src: Path | str, exc: OSError) -> CaptureError:
+    return CaptureError(
+        f"cannot read the capture {src}: {exc.strerror or exc}; check that it is readable by you"
+    )
+
+
+def _read_chunk(array: Any, index: Any, asarray: bool = True, lock: Any = None, *, source: str) -> Any:
+    """dask's chunk getter, with read and decode failures turned into a CaptureError."""
+    from dask.array.core import getter
+
+    try:
+        return getter(array, index, asarray=asarray, lock=lock)
+    except (KverrError, MemoryError):
+        raise
+    except OSError as exc:
+        raise _unreadable(source, exc) from None
+    except Exception as exc:  # codecs raise RuntimeError, ValueError, ... on damaged chunks
+        raise CaptureError(
+            f"the capture {source} is damaged: a chunk cannot be read ({type(exc).__name__}: {exc}); "
+            "capture it again (kverr capture --overwrite)"
+        ) from None
 
 
 def rope_params(ds: Any) -> dict[str, Any]:

@@ -61,6 +61,8 @@ def model_shape(spec: str = "default") -> ModelShape:
         )
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ModelError(f"cannot read {cfg_path}: its JSON is nested too deeply") from None
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read {cfg_path}: {exc}") from None
     cfg = cfg.get("text_config", cfg)

@@ -9,12 +9,13 @@ from typing import Any
 def _save(fig: Any, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
+    from kverr.io import atomic_write
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=130, format=path.suffix.lstrip(".") or "png"))
+    finally:
+        plt.close(fig)
 
 
 def frontier_figure(frontier: Any, marks: dict[str, float] | None = None, points: Any = None,
