@@ -334,6 +334,91 @@ class CacheConfig:
 from kverr.io import atomic_write_text  # noqa: E402
 
 
+_SHAPE_KEYS = ("n_layers", "n_kv_heads", "head_dim")
+
+
+def _recorded_shape(provenance: Mapping[str, Any]) -> dict[str, int]:
+    """The model shape a calibrated config records: ``provenance["capture"]``'s ``n_layers``,
+    ``n_kv_heads`` and ``head_dim``; configs calibrated before those were recorded give their
+    layer count through their per-layer sensitivity weights."""
+    cap = provenance.get("capture")
+    cap = cap if isinstance(cap, Mapping) else {}
+    shape = {k: cap[k] for k in _SHAPE_KEYS if isinstance(cap.get(k), int) and not isinstance(cap.get(k), bool)}
+    sens = provenance.get("sensitivity")
+    weights = sens.get("weights_k") if isinstance(sens, Mapping) else None
+    if "n_layers" not in shape and isinstance(weights, list) and weights:
+        shape["n_layers"] = len(weights)
+    return shape
+
+
+def _describe_shape(shape: Mapping[str, int]) -> str:
+    names = {"n_layers": "layers", "n_kv_heads": "kv heads", "head_dim": "head dim"}
+    return " x ".join(f"{names[k]} {shape[k]}" if k == "head_dim" else f"{shape[k]} {names[k]}"
+                      for k in _SHAPE_KEYS if k in shape)
+
+
+def check_model_matches(
+    config: CacheConfig,
+    weights_sha256: str | None = None,
+    model_id: str = "",
+    *,
+    shape: tuple[int, int, int] | None = None,
+    capture: Any = None,
+) -> None:
+    """Refuse a calibrated config used with another model than the one it was calibrated on.
+
+    A config made by ``kverr calibrate`` records the model of its calibration capture in
+    ``provenance["capture"]``: ``model_id``, ``weights_sha256`` and its shape (``n_layers``,
+    ``n_kv_heads``, ``head_dim``). Whatever is known on both sides is compared; a config that
+    records nothing (a preset, a hand-written config) is not refused here (its fit to a model's
+    shape is :meth:`CacheConfig.check_model`'s business).
+
+    Parameters
+    ----------
+    config : CacheConfig
+        The config about to be used.
+    weights_sha256, model_id : str, optional
+        The model it is used with.
+    shape : tuple of int, optional
+        That model's ``(n_layers, n_kv_heads, head_dim)``.
+    capture : xarray.Dataset, optional
+        A capture it is used on: its attributes and sizes give the model's weights, id and shape.
+
+    Raises
+    ------
+    ConfigError
+        Naming the model the config was calibrated on and the one it is used with.
+    """
+    prov = dict(config.provenance)
+    cap = prov.get("capture")
+    cap = cap if isinstance(cap, Mapping) else {}
+    used: dict[str, int] = {}
+    if capture is not None:
+        a = capture.attrs
+        weights_sha256 = weights_sha256 or str(a.get("weights_sha256", "")) or None
+        model_id = model_id or str(a.get("model_id", ""))
+        if "model_n_layers" in a:  # a capture may hold a subset of the model's layers
+            used["n_layers"] = int(a["model_n_layers"])
+        used.update(n_kv_heads=int(capture.sizes["kv_head"]), head_dim=int(capture.sizes["channel"]))
+    if shape is not None:
+        used.update(zip(_SHAPE_KEYS, (int(x) for x in shape)))
+    want = cap.get("weights_sha256")
+    if want and weights_sha256 and want != weights_sha256:
+        raise ConfigError(
+            f"config {config.name!r} was calibrated on a capture of {cap.get('model_id')!r} "
+            f"(weights sha256 {want[:12]}...), not of the model used here ({model_id!r}, "
+            f"{weights_sha256[:12]}...); calibrate on a capture of this model"
+        )
+    recorded = _recorded_shape(prov)
+    if any(k in used and used[k] != v for k, v in recorded.items()):
+        raise ConfigError(
+            f"config {config.name!r} was calibrated on a capture of {cap.get('model_id')!r} "
+            f"({_describe_shape(recorded)}), not of the model used here "
+            f"({(model_id + ': ') if model_id else ''}{_describe_shape(used)}); "
+            "calibrate on a capture of this model"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Presets: today's formats
 # --------------------------------------------------------------------------------------------
@@ -390,5 +475,6 @@ def resolve(spec: str | os.PathLike | CacheConfig) -> CacheConfig:
 
 __all__ = [
     "CONFIG_VERSION", "CacheConfig", "Override", "PRESETS", "PerChannel", "PerHead", "PerPage",
-    "PerTensor", "PerToken", "PerTokenGroup", "QuantFormat", "WHICH", "atomic_write_text", "resolve",
+    "PerTensor", "PerToken", "PerTokenGroup", "QuantFormat", "WHICH", "atomic_write_text",
+    "check_model_matches", "resolve",
 ]

@@ -240,7 +240,7 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
     tol : float
         Largest allowed relative RMS between the kernel and reference decode outputs.
     """
-    from kverr.config import resolve
+    from kverr.config import check_model_matches, resolve
 
     cfg = resolve(config)
     if isinstance(capture, (str, bytes)) or hasattr(capture, "__fspath__"):
@@ -249,6 +249,7 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
         ds = open_capture(capture)
     else:
         ds = capture
+    check_model_matches(cfg, capture=ds)
     n_tok = int(ds.sizes["token"])
     if tokens * batch > n_tok:
         raise CaptureError(f"the capture has {n_tok} tokens; {batch} sequences of {tokens} need {tokens * batch}")

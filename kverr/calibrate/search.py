@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kverr.config import CacheConfig, Override
+from kverr.config import CacheConfig, Override, check_model_matches  # noqa: F401 (re-exported)
 from kverr.errors import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 
@@ -562,16 +562,8 @@ def _capture_provenance(capture: Any) -> dict[str, Any]:
         "token_offset": int(a.get("token_offset", 0)),
         "tokens": int(capture.sizes["token"]),
         "created_utc": str(a.get("created_utc", "")),
+        # the model's shape, so that a config is refused on another model (check_model_matches)
+        "n_layers": int(a.get("model_n_layers", capture.sizes["layer"])),
+        "n_kv_heads": int(capture.sizes["kv_head"]),
+        "head_dim": int(capture.sizes["channel"]),
     }
-
-
-def check_model_matches(config: CacheConfig, weights_sha256: str, model_id: str = "") -> None:
-    """Refuse a calibrated config whose capture came from another model."""
-    cap = dict(config.provenance).get("capture") or {}
-    want = cap.get("weights_sha256")
-    if want and want != weights_sha256:
-        raise ConfigError(
-            f"config {config.name!r} was calibrated on a capture of {cap.get('model_id')!r} "
-            f"(weights sha256 {want[:12]}...), not of the model evaluated ({model_id!r}, "
-            f"{weights_sha256[:12]}...); calibrate on a capture of this model"
-        )

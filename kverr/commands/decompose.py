@@ -49,7 +49,7 @@ def _parse_layers(text: str | None) -> list[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kverr.config import resolve
+    from kverr.config import check_model_matches, resolve
     from kverr.error import decompose_capture
     from kverr.error.xr import compute, layer_table
     from kverr.io import check_output_path, open_capture, write_dataset
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.out, overwrite=args.overwrite)  # fail before any work
     config = resolve(args.config)
     capture = open_capture(args.capture)
+    check_model_matches(config, capture=capture)
     lazy = decompose_capture(capture, config, queries=args.queries, layers=_parse_layers(args.layers),
                              topk=args.topk)
     ds = compute(lazy, args.scheduler or "threads", progress=not args.no_progress,

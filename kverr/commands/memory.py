@@ -28,11 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kverr.config import resolve
+    from kverr.config import check_model_matches, resolve
     from kverr.memory import account
 
     cfg = resolve(args.config)
-    rep = account(cfg, resolve_shape(args), args.tokens, batch=args.batch, page_size=args.page_size)
+    shape = resolve_shape(args)
+    check_model_matches(cfg, model_id="" if args.shape else shape.name,
+                        shape=(shape.n_layers, shape.n_kv_heads, shape.head_dim))
+    rep = account(cfg, shape, args.tokens, batch=args.batch, page_size=args.page_size)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
         return 0
