@@ -17,12 +17,13 @@ from kverr.quant import PerHead, PerTensor, PerTokenGroup, fp8_format, int_forma
 
 def test_hf_round_trip_of_the_quanto_preset(tmp_path):
     cfg = PRESETS["int4-token-g64"]
-    export(cfg, "hf", tmp_path, n_layers=30, n_kv=3, head_dim=64)
-    obj = json.loads((tmp_path / "generation_config.json").read_text())
+    out = tmp_path / "hf"
+    export(cfg, "hf", out, n_layers=30, n_kv=3, head_dim=64)
+    obj = json.loads((out / "generation_config.json").read_text())
     assert obj["cache_implementation"] == "quantized"
     assert obj["cache_config"] == {"backend": "quanto", "nbits": 4, "axis_key": 0, "axis_value": 0,
                                    "q_group_size": 64, "residual_length": 128}
-    back = import_hf(tmp_path)
+    back = import_hf(out)
     assert back == cfg.with_(name=None)
 
 
@@ -69,19 +70,20 @@ def test_vllm_export_scales_are_the_oracles_and_round_trip(preset, strategy, cap
     from safetensors.numpy import load_file
 
     cfg = PRESETS[preset]
-    files = export(cfg, "vllm", tmp_path, capture=capture)
+    out = tmp_path / "vllm"
+    files = export(cfg, "vllm", out, capture=capture)
     assert {f.name for f in files} == {"config.json", "kv_scales.json", "kv_scales.safetensors"}
-    obj = json.loads((tmp_path / "config.json").read_text())
+    obj = json.loads((out / "config.json").read_text())
     assert obj["quantization_config"]["kv_cache_scheme"] == {
         "num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
-    t = load_file(str(tmp_path / "kv_scales.safetensors"))
+    t = load_file(str(out / "kv_scales.safetensors"))
     assert set(t) == {f"model.layers.{l}.self_attn.{w}_scale" for l in (0, 1) for w in "kv"}
     x = torch.as_tensor(capture["k"].sel(layer=1).values).half().float()
     want = quantize(x, cfg.k, page_size=64).scale.float().reshape(-1).numpy()
     got = t["model.layers.1.self_attn.k_scale"]
     assert got.shape == ((1,) if strategy == "tensor" else (3,))
     np.testing.assert_array_equal(got.reshape(-1), want)
-    assert import_vllm(tmp_path) == cfg.with_(name=None)
+    assert import_vllm(out) == cfg.with_(name=None)
 
 
 def test_vllm_refusals(tmp_path, capture):

@@ -20,6 +20,11 @@
 
 Anything else raises :class:`~kverr.errors.ExportError`-like :class:`ConfigError` listing what
 the target cannot express. :func:`import_vllm` and :func:`import_hf` read the exports back.
+
+An export is written all or nothing (:func:`kverr.io.atomic_dir`): into a temporary folder
+beside ``out``, renamed to ``out`` once every file is complete, so a refusal or a failure leaves
+no folder and no ``config.json`` naming scales that were never written. An existing ``out`` is
+replaced only with ``overwrite`` and only when it holds nothing but an export's own files.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from kverr.config import WHICH, CacheConfig, atomic_write_text
+from kverr.config import WHICH, CacheConfig, check_model_matches
 from kverr.errors import CaptureError, ConfigError
+from kverr.io import atomic_dir, check_output_path
 from kverr.quant.formats import (
     AbsMax,
     PerHead,
@@ -44,6 +50,10 @@ from kverr.quant.formats import (
 )
 
 FORMATS = ("vllm", "hf")
+
+#: The files each export writes (an existing folder holding only these may be overwritten).
+VLLM_FILES = ("config.json", "kv_scales.json", "kv_scales.safetensors")
+HF_FILES = ("generation_config.json",)
 
 
 def _formats(config: CacheConfig, n_layers: int, n_kv: int) -> dict[tuple[int, int, str], QuantFormat]:
@@ -136,26 +146,51 @@ def _static_scales(capture: Any, fmt: QuantFormat, which: str, page_size: int) -
     return out
 
 
+def _write_folder(out: Path, texts: dict[str, str], *, overwrite: bool, own_files: tuple[str, ...],
+                  tensors: dict[str, np.ndarray] | None = None) -> list[Path]:
+    """Write ``texts`` (and ``tensors`` as ``kv_scales.safetensors``) into ``out``, all or nothing."""
+    names = list(texts)
+    with atomic_dir(out, overwrite=overwrite, own_files=own_files) as tmp:
+        for name, text in texts.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if tensors is not None:
+            from safetensors.numpy import save_file
+
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "kv_scales.safetensors"))
+            names.append("kv_scales.safetensors")
+    return [out / name for name in names]
+
+
 def export_vllm(config: CacheConfig, out: str | Path, *, capture: Any = None,
-                n_layers: int | None = None, n_kv: int | None = None) -> list[Path]:
-    """Write the vLLM / llm-compressor export (see the module docs); returns the files written."""
+                n_layers: int | None = None, n_kv: int | None = None, overwrite: bool = False) -> list[Path]:
+    """Write the vLLM / llm-compressor export (see the module docs); returns the files written.
+
+    Raises
+    ------
+    ConfigError
+        vLLM cannot express ``config``, or it was calibrated on another model than the capture's.
+    CaptureError
+        Static scales are needed and ``capture`` is missing, lacks layers or is damaged.
+    OutputExistsError, OutputError
+        ``out`` exists (without ``overwrite``) or cannot be written; nothing is left behind.
+    """
     out = Path(out)
     if capture is not None:
         n_layers = int(capture.attrs.get("model_n_layers", capture.sizes["layer"]))
         n_kv = capture.sizes["kv_head"]
     fmt = check_vllm(config, n_layers, n_kv)
-    out.mkdir(parents=True, exist_ok=True)
-    files = []
     if fmt is None:
         frag = {"kv_cache_dtype": "auto"}
-        files.append(atomic_write_text(out / "config.json", json.dumps(frag, indent=2) + "\n"))
-        return files
+        return _write_folder(out, {"config.json": json.dumps(frag, indent=2) + "\n"}, overwrite=overwrite,
+                             own_files=VLLM_FILES)
     if capture is None:
         raise CaptureError("the vLLM export needs static fp8 scales; pass the capture they are "
                            "computed from (--capture PATH)")
     layers = [int(x) for x in capture["layer"].values]
     if layers != list(range(n_layers)):
         raise CaptureError(f"the capture has layers {layers}; scales are needed for all {n_layers}")
+    check_model_matches(config, capture=capture)
+    check_output_path(out, overwrite=overwrite, kind="folder", own_files=VLLM_FILES)  # before the work
     strategy = "tensor" if isinstance(fmt.granularity, PerTensor) else "attn_head"
     scheme = {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
     frag = {
@@ -164,21 +199,16 @@ def export_vllm(config: CacheConfig, out: str | Path, *, capture: Any = None,
         "kverr": {"config": config.name, "clip": fmt.clip.kind,
                   "capture_weights_sha256": str(capture.attrs.get("weights_sha256", ""))},
     }
-    files.append(atomic_write_text(out / "config.json", json.dumps(frag, indent=2) + "\n"))
+    # Every scale is computed before anything is written.
     tensors, listing = {}, {}
     for w in WHICH:
         for layer, s in enumerate(_static_scales(capture, fmt, w, config.page_size)):
             name = f"model.layers.{layer}.self_attn.{w}_scale"
             tensors[name] = s.astype(np.float32)
             listing[name] = s.astype(float).tolist()
-    files.append(atomic_write_text(out / "kv_scales.json", json.dumps(listing, indent=1) + "\n"))
-    from safetensors.numpy import save_file
-
-    tmp = out / ".kv_scales.safetensors.tmp"
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
-    tmp.replace(out / "kv_scales.safetensors")
-    files.append(out / "kv_scales.safetensors")
-    return files
+    texts = {"config.json": json.dumps(frag, indent=2) + "\n",
+             "kv_scales.json": json.dumps(listing, indent=1) + "\n"}
+    return _write_folder(out, texts, overwrite=overwrite, own_files=VLLM_FILES, tensors=tensors)
 
 
 def import_vllm(path: str | Path) -> CacheConfig:
@@ -242,14 +272,15 @@ def check_hf(config: CacheConfig, n_layers: int | None = None, n_kv: int | None 
 
 
 def export_hf(config: CacheConfig, out: str | Path, *, n_layers: int | None = None,
-              n_kv: int | None = None, head_dim: int | None = None) -> list[Path]:
-    """Write ``generation_config.json`` for ``model.generate(..., cache_implementation='quantized')``."""
+              n_kv: int | None = None, head_dim: int | None = None, overwrite: bool = False) -> list[Path]:
+    """Write ``generation_config.json`` for ``model.generate(..., cache_implementation='quantized')``
+    into the folder ``out``, all or nothing (as :func:`export_vllm`)."""
     cc = check_hf(config, n_layers, n_kv, head_dim)
-    out = Path(out)
     body = {"cache_implementation": "quantized", "cache_config": cc,
             "kverr": {"config": config.name, "scale_dtype": config.k.scale_dtype,
                       "note": "QuantizedCache keeps scales in the model's dtype"}}
-    return [atomic_write_text(out / "generation_config.json", json.dumps(body, indent=2) + "\n")]
+    return _write_folder(out, {"generation_config.json": json.dumps(body, indent=2) + "\n"},
+                         overwrite=overwrite, own_files=HF_FILES)
 
 
 def import_hf(path: str | Path, *, scale_dtype: str = "fp16") -> CacheConfig:
@@ -268,10 +299,11 @@ def import_hf(path: str | Path, *, scale_dtype: str = "fp16") -> CacheConfig:
 
 
 def export(config: CacheConfig, fmt: str, out: str | Path, *, capture: Any = None,
-           n_layers: int | None = None, n_kv: int | None = None, head_dim: int | None = None) -> list[Path]:
+           n_layers: int | None = None, n_kv: int | None = None, head_dim: int | None = None,
+           overwrite: bool = False) -> list[Path]:
     """Dispatch to :func:`export_vllm` or :func:`export_hf`."""
     if fmt == "vllm":
-        return export_vllm(config, out, capture=capture, n_layers=n_layers, n_kv=n_kv)
+        return export_vllm(config, out, capture=capture, n_layers=n_layers, n_kv=n_kv, overwrite=overwrite)
     if fmt == "hf":
-        return export_hf(config, out, n_layers=n_layers, n_kv=n_kv, head_dim=head_dim)
+        return export_hf(config, out, n_layers=n_layers, n_kv=n_kv, head_dim=head_dim, overwrite=overwrite)
     raise ConfigError(f"--format {fmt!r} is not allowed; one of {', '.join(FORMATS)}")

@@ -93,8 +93,12 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     from kverr.evaluate import evaluate, parse_schemes, plot_kl_vs_bits, summarize
     from kverr.io import open_capture
 
+    from kverr.io import check_output_path
+
     t0 = time.perf_counter()
     out = Path(out)
+    # The demo refreshes its own files in --out; that it is a writable folder is checked first.
+    check_output_path(out / "summary.txt", overwrite=True, kind="file")
     out.mkdir(parents=True, exist_ok=True)
     steps: list[str] = []
     # 1. capture
@@ -133,7 +137,7 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     for fmt in ("vllm", "hf"):
         try:
             files = export(cfg, fmt, out / "export" / fmt, capture=capture, n_layers=loaded.n_layers,
-                           n_kv=loaded.n_kv_heads, head_dim=loaded.head_dim)
+                           n_kv=loaded.n_kv_heads, head_dim=loaded.head_dim, overwrite=True)
             exp_lines.append(f"{fmt}: wrote {', '.join(str(f) for f in files)}")
         except Exception as exc:  # noqa: BLE001 - a refusal is a result here
             exp_lines.append(f"{fmt}: refused: {exc}")

@@ -20,24 +20,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--capture", type=Path, help="capture for static fp8 scales (vllm)")
     p.add_argument("--model", default="default", help="model whose shape the config is checked against")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in --out")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kverr.calibrate.export import export
-    from kverr.config import resolve
+    from kverr.config import check_model_matches, resolve
     from kverr.memory import model_shape
 
     cfg = resolve(args.config)
     shape = model_shape(args.model)
     cfg.check_model(shape.n_layers, shape.n_kv_heads, shape.head_dim)
+    check_model_matches(cfg, shape=(shape.n_layers, shape.n_kv_heads, shape.head_dim))
     capture = None
     if args.capture is not None:
         from kverr.io import open_capture
 
         capture = open_capture(args.capture)
     files = export(cfg, args.format, args.out, capture=capture, n_layers=shape.n_layers,
-                   n_kv=shape.n_kv_heads, head_dim=shape.head_dim)
+                   n_kv=shape.n_kv_heads, head_dim=shape.head_dim, overwrite=args.overwrite)
     for f in files:
         print(f"wrote {f}")
     return 0
