@@ -403,7 +403,7 @@ def validate_capture(ds: Any, *, where: str = "the dataset") -> None:
     ------
     CaptureError
         Naming the first thing that is wrong: schema version, a missing attribute, variable or
-        coordinate, or a variable with the wrong dims.
+        coordinate, a variable with the wrong dims, or no tokens at all.
     """
     version = ds.attrs.get("schema_version")
     if version is None:
@@ -423,6 +423,8 @@ def validate_capture(ds: Any, *, where: str = "the dataset") -> None:
             raise CaptureError(
                 f"variable {name!r} in {where} has dims {tuple(ds[name].dims)}, expected {dims}"
             )
+    if ds.sizes.get(TOKEN, 0) == 0:
+        raise CaptureError(f"{where} holds no tokens; capture at least one (kverr capture --tokens N)")
     if KV_HEAD_OF_Q not in ds.coords or tuple(ds[KV_HEAD_OF_Q].dims) != (Q_HEAD,):
         raise CaptureError(f"{where} lacks the coordinate {KV_HEAD_OF_Q!r} on {Q_HEAD!r}")
     if int(ds.attrs["head_dim"]) != ds.sizes.get("channel"):
@@ -477,16 +479,21 @@ def open_capture(path: str | os.PathLike[str]) -> Any:
 
 
 class _AbandonedZarrTasks(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" reports of zarr's own tasks.
+    """Drops asyncio's reports of zarr's own abandoned tasks.
 
     When one of zarr's concurrent metadata reads fails (a damaged ``zarr.json``), zarr raises
-    that error and abandons its sibling tasks; asyncio later reports each of their (same)
-    failures with a traceback. The error that matters has already become a CaptureError.
+    that error and abandons its sibling tasks; asyncio later reports each of them, failed
+    ("exception was never retrieved", with the same error's traceback) or still pending at
+    exit ("destroyed but it is pending"). The error that matters has already become a
+    CaptureError.
     """
+
+    REPORTS = ("Task exception was never retrieved", "Future exception was never retrieved",
+               "Task was destroyed but it is pending")
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return not (msg.startswith("Task exception was never retrieved") and "zarr" in msg)
+        return not (msg.startswith(self.REPORTS) and "zarr" in msg)
 
 
 _ZARR_TASK_FILTER = _AbandonedZarrTasks()

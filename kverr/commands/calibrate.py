@@ -101,16 +101,14 @@ def run(args: argparse.Namespace) -> int:
     from kverr.calibrate.candidates import candidate_set, default_candidates, window_dtype_for_budget
     from kverr.calibrate.search import outer_options
     from kverr.config import atomic_write_text
-    from kverr.errors import OutputExistsError
-    from kverr.io import open_capture
+    from kverr.io import check_output_path, open_capture
 
     budgets = args.budget_bits
     if len(budgets) > 1 and "{bits}" not in args.out:
         raise ConfigError("several budgets need '{bits}' in --out, e.g. --out cfg-{bits}b.json")
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
     for o in outs + ([args.frontier] if args.frontier else []):
-        if o.exists() and not args.overwrite:
-            raise OutputExistsError(f"{o} exists; pass --overwrite to replace it")
+        check_output_path(o, overwrite=args.overwrite, kind="file")
     capture = open_capture(args.capture)
     options = outer_options(capture, args.key_rope, args.sinks, args.window)
     # budgets grouped by window dtype and candidate set; within a window dtype "all" is scored

@@ -43,28 +43,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kverr.capture import load_model, load_text, model_shape
-    from kverr.config import atomic_write_text
-    from kverr.errors import OutputExistsError
+    from kverr.config import atomic_write_text, check_model_matches
     from kverr.evaluate import evaluate, parse_schemes, plot_kl_vs_bits, summarize
+    from kverr.io import check_output_path
 
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     out: Path = args.out
-    if out.exists() and not args.overwrite:
-        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
+    segments_csv = out.with_name(out.stem + ".segments.csv")
+    # The plot and per-segment CSV beside --out obey the same overwrite rule as --out itself.
+    for path in (out, segments_csv, out.with_suffix(".png")):
+        check_output_path(path, overwrite=args.overwrite, kind="file")
     schemes = parse_schemes(args.scheme, args.config)
     # Everything that can be checked without the model is checked before loading it.
     n_layers, n_kv, head_dim = model_shape(args.model)
     for s in schemes:
         if s.config is not None:
             s.config.check_model(n_layers, n_kv, head_dim)
+            check_model_matches(s.config, shape=(n_layers, n_kv, head_dim))
     text = load_text(args.text)
     loaded = load_model(args.model)
     import pandas as pd
-
-    segments_csv = out.with_name(out.stem + ".segments.csv")
 
     def save_rows(rows: list[dict]) -> None:
         # Rows are saved as they are measured: an interrupted run keeps what it had.
