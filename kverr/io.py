@@ -12,6 +12,10 @@ A capture dataset (see :mod:`kverr.dims` for its variables and dims) carries the
 ``text_source``, ``text_sha256``, ``token_offset``
     Which text, and where in it the token window starts.
 ``kverr_version``, ``schema_version``, ``torch_version``, ``transformers_version``, ``created_utc``
+    Provenance.
+``cpu_capability``, ``mkl_cbwr``, ``blas``
+    What decided the rounding of the capture's float32 arithmetic
+    (:func:`kverr.capture.float_environment`; absent in captures made before it was recorded).
 
 and the coordinates ``kv_head_of_q`` (q_head), ``sliding_window`` and ``attn_scale`` (layer).
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 from .hooks import STORAGE_DTYPES, attention_modules, capture, capture_to_zarr
 from .model import (
     DEFAULT_MODEL_ID,
+    REPRODUCIBLE_FLOAT_ENV,
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
     cache_dir,
     default_gguf_path,
+    float_environment,
     load_model,
     model_shape,
 )
@@ -29,6 +31,7 @@ from .text import Text, load_text, tokenize
 
 __all__ = [
     "DEFAULT_MODEL_ID",
+    "REPRODUCIBLE_FLOAT_ENV",
     "STORAGE_DTYPES",
     "SUPPORTED_MODEL_TYPES",
     "LoadedModel",
@@ -38,6 +41,7 @@ __all__ = [
     "capture",
     "capture_to_zarr",
     "default_gguf_path",
+    "float_environment",
     "load_model",
     "load_text",
     "model_shape",

