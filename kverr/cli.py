@@ -14,13 +14,39 @@ import argparse
 import importlib
 import logging
 import pkgutil
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from kverr import __version__
 from kverr.errors import KverrError
 
 log = logging.getLogger("kverr")
+
+PIPELINE_EPILOG = """\
+pipeline (each step reads what the one before it wrote):
+  capture -> info -> decompose -> calibrate -> export -> evaluate -> validate
+  capture   run a model on text, store its queries, keys and values (a capture)
+  info      what a capture holds
+  decompose split a config's attention error on a capture into key, value and cross terms
+  calibrate choose formats per layer and head under a budget (a config JSON)
+  export    write the config for vLLM or transformers
+  evaluate  measure configs, presets and peers in the real model
+  validate  check the Triton kernels against the reference on a capture
+presets and memory need no capture; demo runs the whole pipeline on the bundled model.
+`kverr COMMAND --help` explains each command."""
+
+VERBOSE_HELP = "log progress details (also accepted after the command)"
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so that cleanup (worker processes, temporary
+    files) runs as it does on Ctrl-C."""
+
+
+def _on_sigterm(signum, _frame):  # pragma: no cover - exercised through a subprocess
+    raise _Terminated(signum)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,12 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kverr",
         description=(
-            "Understand and choose KV-cache quantization: exact memory accounting, exact error "
+            "Understand and choose KV-cache quantization: exact memory accounting, exact error\n"
             "decomposition, calibrated per-layer/per-head formats and Triton kernels."
         ),
+        epilog=PIPELINE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kverr {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
@@ -43,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(f"kverr.commands.{info.name}")
         module.register(sub)
+    for p in sub.choices.values():
+        # SUPPRESS: a subcommand without -v leaves the value of `kverr -v COMMAND` alone.
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser
 
 
@@ -54,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         status = args.func(args)
     except KverrError as exc:
@@ -62,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kverr {args.command}: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"kverr {args.command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return int(status or 0)
 
 

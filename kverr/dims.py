@@ -36,3 +36,38 @@ CAPTURE_VARS: dict[str, tuple[str, ...]] = {
 
 #: Coordinate mapping each query head to the kv head it reads (grouped-query attention).
 KV_HEAD_OF_Q = "kv_head_of_q"
+
+
+def layer_positions(have, wanted) -> list[int]:
+    """Positions along ``layer`` of the layer indices ``wanted``.
+
+    Layers are always named by their index in the model (the ``layer`` coordinate values,
+    e.g. 0, 15, 29 in a capture of three layers), never by their position in a dataset.
+
+    Parameters
+    ----------
+    have : sequence of int
+        The dataset's ``layer`` coordinate values.
+    wanted : sequence of int
+        Layer indices to select.
+
+    Returns
+    -------
+    list of int
+        One position per wanted layer, in the order given.
+
+    Raises
+    ------
+    kverr.errors.ShapeError
+        A wanted layer is not in ``have``; the message lists the layers there are.
+    """
+    from kverr.errors import ShapeError
+
+    index = {int(x): i for i, x in enumerate(have)}
+    bad = [int(x) for x in wanted if int(x) not in index]
+    if bad:
+        raise ShapeError(
+            f"layers {bad} are not in the capture; it has layers {sorted(index)} "
+            "(give layer indices as `kverr info` lists them)"
+        )
+    return [index[int(x)] for x in wanted]

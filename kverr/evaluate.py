@@ -62,8 +62,14 @@ class Scheme:
         return None
 
 
-def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = ()) -> list[Scheme]:
-    """``--scheme NAME`` (preset or peer) and ``--config PATH`` -> schemes, in order, no duplicates."""
+def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
+                  config_option: str | None = "--config") -> list[Scheme]:
+    """``--scheme NAME`` (preset or peer) and ``--config PATH`` -> schemes, in order, no duplicates.
+
+    ``config_option`` is the option that gives config files in the calling command, named in
+    error messages; None when the command has none.
+    """
+    hint = f" (give a config file with {config_option})" if config_option else ""
     out: list[Scheme] = []
     for s in schemes:
         if s in PEERS:
@@ -72,8 +78,7 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = ()) -> l
             out.append(Scheme(s, "kverr", PRESETS[s]))
         else:
             raise ConfigError(
-                f"--scheme {s!r} is not known; schemes: {', '.join([*PRESETS, *PEERS])} "
-                "(give a config file with --config)"
+                f"--scheme {s!r} is not known; schemes: {', '.join([*PRESETS, *PEERS])}{hint}"
             )
     for path in configs:
         cfg = resolve(path)
@@ -83,7 +88,7 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = ()) -> l
     if dup:
         raise ConfigError(f"scheme {sorted(dup)[0]!r} is given twice")
     if not out:
-        raise ConfigError("give at least one --scheme or --config")
+        raise ConfigError(f"give at least one --scheme{' or ' + config_option if config_option else ''}")
     return out
 
 
@@ -177,6 +182,55 @@ def segment_offsets(start: int, n_segments: int, length: int) -> list[int]:
     return [start + i * length for i in range(n_segments)]
 
 
+def segment_jobs(loaded: Any, text: Any, *, prefill: Sequence[int], decode: int, segments: int,
+                 offset: int) -> list[tuple[int, int, int, torch.Tensor]]:
+    """The token ids of every (prefill, segment) run of :func:`evaluate`, checked first.
+
+    The text is tokenized once per prefill length and every segment is checked against the
+    model's context and the text's length, so that a request that cannot be met fails in
+    seconds, before any model work.
+
+    Parameters
+    ----------
+    loaded
+        A :class:`kverr.capture.LoadedModel` (its tokenizer and context length).
+    text
+        A :class:`kverr.capture.Text`.
+    prefill, decode, segments, offset
+        As in :func:`evaluate`.
+
+    Returns
+    -------
+    list of tuple
+        ``(prefill, segment, offset, ids [prefill + decode + 1])`` per run.
+
+    Raises
+    ------
+    ConfigError
+        ``prefill + decode`` exceeds the model's context.
+    TextError
+        The text is too short for ``segments`` segments from ``offset``.
+    """
+    from kverr.capture.text import tokenize_windows
+
+    for p in prefill:
+        if loaded.max_context and p + decode > loaded.max_context:
+            raise ConfigError(f"prefill {p} + decode {decode} exceeds the model's context of {loaded.max_context}")
+    jobs = []
+    for p in prefill:
+        length = p + decode + 1
+        offsets = segment_offsets(offset, segments, length)
+        try:
+            windows = tokenize_windows(loaded.tokenizer, text, length, offsets, what="segment")
+        except TextError as exc:
+            raise TextError(
+                f"{segments} segment(s) of prefill {p} + decode {decode} + 1 tokens from offset {offset} "
+                f"need {offset + segments * length} tokens: {exc}"
+            ) from None
+        jobs += [(p, i, off, torch.as_tensor(ids)) for i, (off, ids) in enumerate(zip(offsets, windows))]
+    return jobs
+
+
 def evaluate(
     loaded: Any,
     text: Any,
@@ -216,9 +270,8 @@ def evaluate(
         long run can save what it has measured (the CLI rewrites its per-segment CSV each time).
     """
     import pandas as pd
-    from tqdm.auto import tqdm
 
-    from kverr.capture import tokenize
+    from kverr.progress import progress as progress_bar
 
     if prefill_policy not in ("all", "window"):
         raise ConfigError(f"prefill_policy={prefill_policy!r} is not allowed; 'all' or 'window'")
@@ -233,26 +286,12 @@ def evaluate(
                 from kverr.calibrate import check_model_matches
 
                 check_model_matches(s.config, loaded.weights_sha256, loaded.model_id)
-    for p in prefill:
-        if loaded.max_context and p + decode > loaded.max_context:
-            raise ConfigError(f"prefill {p} + decode {decode} exceeds the model's context of {loaded.max_context}")
     g_steps = decode if greedy_steps is None else greedy_steps
-    # Tokenize every segment first: a text that is too short fails before any model work.
-    jobs = []
-    for p in prefill:
-        length = p + decode + 1
-        for i, off in enumerate(segment_offsets(offset, segments, length)):
-            try:
-                ids = torch.as_tensor(tokenize(loaded.tokenizer, text, length, offset=off))
-            except TextError as exc:
-                raise TextError(
-                    f"segment {i} of prefill {p} + decode {decode} tokens at offset {off}: {exc}"
-                ) from None
-            jobs.append((p, i, off, ids))
+    jobs = segment_jobs(loaded, text, prefill=prefill, decode=decode, segments=segments, offset=offset)
     flush = prefill_policy == "all"
     reference = Scheme("reference", "reference")
     rows = []
-    bar = tqdm(total=len(jobs) * (len(schemes) + 1), desc="evaluate", disable=not progress, unit="run")
+    bar = progress_bar(total=len(jobs) * (len(schemes) + 1), desc="evaluate", enabled=progress, unit="run")
     for p, seg, off, ids in jobs:
         bar.set_postfix_str(f"P={p} seg={seg} reference")
         ref_logp = teacher_forced(model, make_cache(reference, model), ids, p, flush=False)
@@ -265,7 +304,11 @@ def evaluate(
             logp = teacher_forced(model, cache, ids, p, flush=flush)
             row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off}
             eq = s.equivalent_config(model.dtype)
-            rep = account(eq, shape, p + decode)  # what the cache holds at the end
+            # What the cache held at the end of this run: the P + N tokens fed, the prefill
+            # quantized whole when the run flushed it (teacher_forced flushes caches that can;
+            # quanto always quantizes its prefill whole).
+            whole = (flush and hasattr(cache, "flush")) or s.kind == "quanto"
+            rep = account(eq, shape, p + decode, prefill_quantized=p if whole else 0)
             row["effective_bits"] = rep.effective_bits
             row["cache_bytes"] = rep.total_bytes
             if s.kind == "kverr":

@@ -62,6 +62,7 @@ __all__ = [
     "atomic_dir",
     "atomic_write",
     "atomic_write_text",
+    "check_finite",
     "check_output_path",
     "clear_stale_temporaries",
     "open_capture",
@@ -535,3 +536,49 @@ def _read_chunk(array: Any, index: Any, asarray: bool = True, lock: Any = None, 
 def rope_params(ds: Any) -> dict[str, Any]:
     """The RoPE parameters of a capture, decoded from its ``rope`` JSON attribute."""
     return dict(json.loads(ds.attrs["rope"]))
+
+
+def check_finite(ds: Any, names: tuple[str, ...] = ("q", "k_pre", "k", "v")) -> None:
+    """Refuse a capture whose tensors hold NaN or Inf, naming where.
+
+    One pass over the data (dask, chunk by chunk); cheap beside any analysis of it, and much
+    clearer than the error a NaN causes several stages later.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A capture (or a selection of one).
+    names : tuple of str
+        Variables to check; those the dataset lacks are skipped.
+
+    Raises
+    ------
+    kverr.errors.NonFiniteError
+        Naming the variable, how many values are not finite, and the coordinates of the first
+        one: layer (its index in the model), head, token and channel.
+    """
+    import numpy as np
+
+    from kverr.errors import NonFiniteError
+
+    for name in names:
+        if name not in ds.data_vars:
+            continue
+        da = ds[name]
+        inner = [d for d in da.dims if d not in (LAYER, "kv_head", Q_HEAD)]
+        counts = np.asarray((~np.isfinite(da)).sum(inner).values)
+        if not counts.any():
+            continue
+        where = np.argwhere(counts)[0]
+        outer = {d: int(i) for d, i in zip([d for d in da.dims if d not in inner], where)}
+        block = np.asarray(da.isel(outer).values)
+        first = dict(zip(inner, (int(i) for i in np.argwhere(~np.isfinite(block))[0])))
+        coords = {**outer, **first}
+        if LAYER in coords:
+            coords[LAYER] = int(ds[LAYER].values[coords[LAYER]])
+        at = ", ".join(f"{d} {coords[d]}" for d in da.dims)
+        raise NonFiniteError(
+            f"the capture's {name!r} holds {int(counts.sum())} NaN/Inf value(s), the first at {at}; "
+            "kverr needs finite keys, values and queries: capture again (with --dtype float32 if "
+            "float16 overflowed)"
+        )

@@ -193,12 +193,12 @@ class MemoryReport:
 
 
 def _group_bytes(
-    config: CacheConfig, fmt: QuantFormat, h: int, T: int, D: int, batch: int
+    config: CacheConfig, fmt: QuantFormat, h: int, T: int, D: int, batch: int, prefill_quantized: int = 0
 ) -> tuple[Bytes, int]:
     """Bytes of one (layer, K|V) head group of ``h`` heads, and its seed-formula bytes."""
     P, A = config.page_size, config.align
     b = Bytes()
-    start, end = token_regions(T, config, fmt)
+    start, end = token_regions(T, config, fmt, prefill_quantized)
     n_q = end - start
     rows = batch * h
     pages = -(-n_q // P)
@@ -244,6 +244,7 @@ def account(
     *,
     batch: int = 1,
     page_size: int | None = None,
+    prefill_quantized: int = 0,
 ) -> MemoryReport:
     """Exact cache bytes.
 
@@ -259,6 +260,10 @@ def account(
         Number of sequences, each with its own pages and full-precision rows.
     page_size
         Tokens per page, overriding the config's.
+    prefill_quantized
+        The first this many tokens arrived as a prefill that was quantized whole, window
+        ignored (``kverr evaluate``'s default policy; :func:`kverr.quant.token_regions`); 0:
+        the window always holds the most recent tokens.
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise ShapeError(f"tokens={tokens!r}: must be a non-negative integer")
@@ -273,7 +278,7 @@ def account(
         for w in WHICH:
             total = Bytes()
             for fmt, heads in config.head_groups(layer, shape.n_kv_heads, w):
-                b, seed = _group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch)
+                b, seed = _group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized)
                 total.add(b)
                 report.seed_bytes += seed
             entry[w] = total

@@ -143,8 +143,7 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     H = k.shape[2]
     if k.shape != (L, B, H, T, D) or v.shape != k.shape:
         raise ShapeError(f"k and v must be [L, B, kv_head, T, D] = {(L, B, H, T, D)}, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if not 1 <= steps < T:
-        raise ShapeError(f"steps={steps} must be in [1, {T - 1}] for {T} tokens")
+    _check_steps_tol(T, steps, tol)
     if config.key_pre_rope and rope is None:
         raise KernelError("config.key_pre_rope: pass rope=(cos, sin), the [T, D] RoPE tables, and pre-RoPE keys")
     if rope is not None and not config.key_pre_rope:
@@ -222,6 +221,19 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     return report
 
 
+def _check_steps_tol(tokens: int, steps: int, tol: float) -> None:
+    """Refuse a decode schedule or tolerance that cannot give a meaningful comparison."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ShapeError(f"steps={steps!r}: give at least 1 decode step (each step is compared)")
+    if tokens < steps + 1:
+        raise ShapeError(
+            f"{tokens} tokens per sequence leave no prefill before {steps} decode step(s): "
+            f"tokens must be at least steps + 1 = {steps + 1} (raise tokens or lower steps)"
+        )
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol <= 0:
+        raise ShapeError(f"tol={tol!r} must be a finite relative RMS greater than 0, e.g. 1e-3")
+
+
 def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int = 2, layers=None, tol: float = 1e-3,
              device=None, dot_fp16: bool = False) -> ValidationReport:
     """Validate ``config`` (a :class:`CacheConfig`, preset name or JSON path) on a capture.
@@ -236,12 +248,23 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
     steps : int
         Single-token decode steps after the prefill; each is compared.
     layers : list of int, optional
-        Layers to compare (all are stored).
+        Layer indices to compare, as the capture's ``layer`` coordinate names them (all are
+        stored).
     tol : float
-        Largest allowed relative RMS between the kernel and reference decode outputs.
+        Largest allowed relative RMS between the kernel and reference decode outputs (finite,
+        greater than 0).
+
+    Raises
+    ------
+    kverr.errors.ShapeError
+        ``tokens`` too short for ``steps``, a bad ``tol``, or layers the capture lacks.
+    kverr.errors.CaptureError
+        The capture is too short for ``batch`` sequences of ``tokens``.
     """
     from kverr.config import check_model_matches, resolve
+    from kverr.dims import layer_positions
 
+    _check_steps_tol(tokens, steps, tol)
     cfg = resolve(config)
     if isinstance(capture, (str, bytes)) or hasattr(capture, "__fspath__"):
         from kverr.io import open_capture
@@ -254,10 +277,8 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
     if tokens * batch > n_tok:
         raise CaptureError(f"the capture has {n_tok} tokens; {batch} sequences of {tokens} need {tokens * batch}")
     sel = dict(token=slice(0, tokens * batch))
-    if layers is not None:
-        bad = [l for l in layers if not 0 <= l < ds.sizes["layer"]]
-        if bad:
-            raise CaptureError(f"layers {bad} are not in the capture (it has {ds.sizes['layer']})")
+    # layers are named by their index in the model; validate_arrays takes positions
+    positions = None if layers is None else layer_positions(ds["layer"].values, layers)
     key_var = "k_pre" if cfg.key_pre_rope else "k"
     if key_var not in ds:
         raise CaptureError(f"the capture has no {key_var!r} variable, which a key_pre_rope config needs")
@@ -275,7 +296,7 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
         q, rope = _local_positions(ds, q, tokens, batch)
     # A capture may hold a subset of the model's layers: index the config by the model's layers.
     model_layers = [int(x) for x in ds["layer"].values]
-    rep = validate_arrays(cfg.select_layers(model_layers), q, split(k), split(v), kv_map, layers=layers,
+    rep = validate_arrays(cfg.select_layers(model_layers), q, split(k), split(v), kv_map, layers=positions,
                           steps=steps, tol=tol, device=device, dot_fp16=dot_fp16, rope=rope)
     for r in rep.layers:
         r.layer = model_layers[r.layer]

@@ -103,7 +103,7 @@ def test_bad_input_fails_before_any_model_work(tiny, tmp_path, capsys, monkeypat
         raise AssertionError("model work started")
 
     monkeypatch.setattr(ev, "teacher_forced", no_model_work)
-    with pytest.raises(TextError, match="segment 0 of prefill 500"):
+    with pytest.raises(TextError, match=r"1 segment\(s\) of prefill 500 \+ decode 8 \+ 1 tokens from offset 0 need 509 tokens: words has"):
         evaluate(lm, _text(200), parse_schemes(["q4_0"]), prefill=[500], decode=8, offset=0, progress=False)
     bad = PRESETS["q4_0"].with_(layers={7: Override(k=float_format())})
     from kverr.evaluate import Scheme

@@ -49,7 +49,7 @@ class SharedReconstruct:
     """
 
     def __init__(self, x: torch.Tensor, *, page_size: int = 64, window_dtype: str = "fp16"):
-        x32 = as_float_tensor(x, "k")  # the oracle's check, once
+        x32 = as_float_tensor(x, "x (one layer's keys and values, stacked on the head axis)")  # the oracle's check, once
         if x32.ndim != 3:
             raise ValueError(f"x must be [H, T, D], got {tuple(x32.shape)}")
         self.page_size, self.window_dtype = page_size, window_dtype

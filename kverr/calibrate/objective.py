@@ -82,8 +82,14 @@ OBJECTIVE_KL_DOC = (
 OBJECTIVES = {"kl": OBJECTIVE_KL_NAME, "rel": OBJECTIVE_NAME}
 
 
+def max_queries(n_tokens: int) -> int:
+    """How many distinct query positions :func:`query_positions` can sample from ``n_tokens``."""
+    return max(1, n_tokens - n_tokens // 8)
+
+
 def query_positions(n_tokens: int, queries: int) -> np.ndarray:
-    """``queries`` distinct positions spread evenly over ``[n_tokens // 8, n_tokens)``."""
+    """``queries`` distinct positions spread evenly over ``[n_tokens // 8, n_tokens)`` (at most
+    :func:`max_queries`)."""
     lo = n_tokens // 8
     n = max(1, min(int(queries), n_tokens - lo))
     return np.unique(np.linspace(lo, n_tokens - 1, n).round().astype(np.int64))

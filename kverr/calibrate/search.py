@@ -34,6 +34,7 @@ from .objective import (
     OBJECTIVES,
     _layer_arrays,
     capture_positions_rope,
+    max_queries,
     prepare_layer,
     score_layer,
 )
@@ -148,14 +149,46 @@ class Calibration:
 _WORKER_CAPTURE: dict[str, Any] = {}
 
 
-def _init_worker(capture_path: str, threads: int) -> None:
-    """Per-process setup: one torch thread and the capture opened once (not once per layer)."""
+def _exit_with_parent(parent: int, interval: float = 0.5) -> None:
+    """End this worker process soon after ``parent`` dies, however it died.
+
+    A parent killed with SIGKILL cannot stop its workers; without this they would score on,
+    orphaned, holding their memory. A daemon thread polls the parent id (portable, unlike
+    Linux's PR_SET_PDEATHSIG, which also fires when the spawning *thread* ends).
+    """
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kverr-exit-with-parent", daemon=True).start()
+
+
+def _init_worker(capture_path: str, threads: int, parent: int | None = None) -> None:
+    """Per-process setup: exit with the parent, one torch thread and the capture opened once
+    (not once per layer)."""
     import torch
 
     from kverr.io import open_capture
 
+    if parent is not None:
+        _exit_with_parent(parent)
     torch.set_num_threads(threads)
     _WORKER_CAPTURE["capture"] = open_capture(capture_path)
+
+
+def _stop_workers(ex: ProcessPoolExecutor) -> None:
+    """Terminate the workers of ``ex`` now (``shutdown(wait=True)`` would let each finish its
+    layer first: minutes, after an error, Ctrl-C or SIGTERM)."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    for p in procs:
+        p.terminate()
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.join(timeout=5)
 
 
 def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
@@ -194,9 +227,8 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     whichever process takes it, so the tables do not depend on ``workers``. ``meanwhile``, a
     callable, runs in this process while the workers score (before scoring when serial).
     """
-    from tqdm.auto import tqdm
-
     from kverr.dims import LAYER
+    from kverr.progress import progress as progress_bar
 
     layers = [int(x) for x in capture[LAYER].values]
     n_kv = capture.sizes["kv_head"]
@@ -206,18 +238,19 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     src = None if parallel else capture
     jobs = [(src, l, tuple(cands_k), tuple(cands_v), tuple(options), queries, page_size,
              window_dtype, 0, decode) for l in layers]
-    bar = tqdm(total=len(layers), desc="calibrate: score layers", unit="layer", disable=not progress)
+    bar = progress_bar(total=len(layers), desc="calibrate: score layers", unit="layer", enabled=progress)
     pos = {l: i for i, l in enumerate(layers)}
     cpu = 0.0
     if parallel:
         import multiprocessing as mp
 
-        with ProcessPoolExecutor(max_workers=min(workers, len(layers)), mp_context=mp.get_context("spawn"),
-                                 initializer=_init_worker, initargs=(str(capture_path), 1)) as ex:
+        from concurrent.futures import as_completed
+
+        ex = ProcessPoolExecutor(max_workers=min(workers, len(layers)), mp_context=mp.get_context("spawn"),
+                                 initializer=_init_worker, initargs=(str(capture_path), 1, os.getpid()))
+        try:
             # Dearest layers are not known in advance; submit in order, collect as they finish.
             futs = [ex.submit(_score_one, job) for job in jobs]
-            from concurrent.futures import as_completed
-
             if meanwhile is not None:
                 meanwhile()
 
@@ -226,6 +259,11 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
                 dk[:, pos[layer]], dv[:, pos[layer]] = a, b
                 cpu += c
                 bar.update()
+        except BaseException:
+            _stop_workers(ex)
+            bar.close()
+            raise
+        ex.shutdown()
     else:
         if meanwhile is not None:
             meanwhile()
@@ -266,6 +304,86 @@ def _costs(cands, opt, head_dim, context, page_size, window_dtype, align) -> np.
 
 def bits_of(nbytes: int, n_layers: int, n_kv: int, head_dim: int, context: int) -> float:
     return 8.0 * nbytes / (2 * n_layers * n_kv * head_dim * context)
+
+
+def check_budget(
+    budget_bits: float,
+    *,
+    n_layers: int,
+    n_kv: int,
+    head_dim: int,
+    context: int,
+    options: Sequence[OuterOption] = DEFAULT_OPTIONS,
+    cands_k: Sequence[QuantFormat] | None = None,
+    cands_v: Sequence[QuantFormat] | None = None,
+    page_size: int = 64,
+    window_dtype: str = DEFAULT_WINDOW_DTYPE,
+    align: int = 16,
+    context_from: str | None = None,
+) -> tuple[str, tuple[QuantFormat, ...], tuple[QuantFormat, ...]]:
+    """Check, from the model's shape alone, that :func:`calibrate` can meet ``budget_bits``.
+
+    Everything here is known before a capture is read, so callers (``kverr demo``) can refuse a
+    budget before any work; :func:`calibrate` runs the same check.
+
+    Parameters
+    ----------
+    budget_bits : float
+        Effective bits per element at ``context`` tokens.
+    n_layers, n_kv, head_dim : int
+        The model's shape.
+    context : int
+        Tokens at which effective bits are counted.
+    options, cands_k, cands_v, page_size, window_dtype, align
+        As in :func:`calibrate` (candidates default to those of the budget).
+    context_from : str, optional
+        Where ``context`` came from, for the error message (e.g. "the capture's length").
+
+    Returns
+    -------
+    tuple
+        ``(window_dtype, cands_k, cands_v)`` resolved for this budget.
+
+    Raises
+    ------
+    ConfigError
+        A budget that is not a positive number, candidates that do not fit the head dim, an
+        option whose sinks and window cover the whole context, or a budget below the cheapest
+        possible config.
+    """
+    if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
+        raise ConfigError(f"budget_bits={budget_bits!r} must be a positive number of bits")
+    options = tuple(options)
+    if not options:
+        raise ConfigError("give at least one outer option")
+    window_dtype = window_dtype_for_budget(budget_bits, window_dtype)
+    cands_k = tuple(cands_k or candidates_for_budget(budget_bits, head_dim))
+    cands_v = tuple(cands_v or candidates_for_budget(budget_bits, head_dim))
+    check_candidates(cands_k, head_dim, page_size, "key")
+    check_candidates(cands_v, head_dim, page_size, "value")
+    for o in options:
+        CacheConfig(k=cands_k[0], v=cands_v[0], window=o.window, sinks=o.sinks,
+                    key_pre_rope=o.key_pre_rope, page_size=page_size).check_model(n_layers, n_kv, head_dim)
+        if o.sinks + o.window > context:
+            raise ConfigError(
+                f"option {o.label()}: {o.sinks} sink + {o.window} window tokens = {o.sinks + o.window} "
+                f"full-precision tokens, more than the {context} tokens at which effective bits are counted "
+                f"({context_from or 'the context'}): nothing would be quantized; count at a longer "
+                "context or try fewer sinks and a smaller window"
+            )
+    # Infeasible budgets are refused before any scoring work.
+    cheapest = min(
+        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align))) for c in (cands_k, cands_v))
+        * n_layers * n_kv for o in options
+    )
+    cheapest_bits = bits_of(cheapest, n_layers, n_kv, head_dim, context)
+    budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * head_dim * context / 8 + 1e-9)
+    if budget_bytes < cheapest:
+        raise ConfigError(
+            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens: the "
+            f"cheapest possible config costs {cheapest_bits:.4f} effective bits ({cheapest} bytes)"
+        )
+    return window_dtype, cands_k, cands_v
 
 
 def calibrate(
@@ -351,11 +469,18 @@ def calibrate(
             f"{n_layers_model} (recapture with --layers all)"
         )
     n_kv, head_dim, n_tok = capture.sizes["kv_head"], capture.sizes["channel"], capture.sizes["token"]
+    given_context = bool(context)
     context = int(context or n_tok)
     if context < 1:
         raise ConfigError(f"context={context} must be a positive number of tokens")
-    if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
-        raise ConfigError(f"budget_bits={budget_bits!r} must be a positive number of bits")
+    if not (isinstance(max_bits, (int, float)) and math.isfinite(max_bits) and max_bits > 0):
+        raise ConfigError(f"max_bits={max_bits!r} must be a finite positive number of bits")
+    q_max = max_queries(n_tok)
+    if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or not 1 <= queries <= q_max:
+        raise ConfigError(
+            f"queries={queries!r} sampled query positions per layer: a {n_tok}-token capture has "
+            f"{q_max} to sample from (the last 7/8 of it); give 1..{q_max}"
+        )
     options = tuple(options)
     if not options or len(set(options)) != len(options):
         raise ConfigError("give at least one outer option, without duplicates")
@@ -369,27 +494,14 @@ def calibrate(
         raise ConfigError(f"sensitivity_noise={sensitivity_noise!r} is not known; use one of {', '.join(NOISE_SITES)}")
     if objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
-    window_dtype = window_dtype_for_budget(budget_bits, window_dtype)
-    cands_k = tuple(cands_k or candidates_for_budget(budget_bits, head_dim))
-    cands_v = tuple(cands_v or candidates_for_budget(budget_bits, head_dim))
-    check_candidates(cands_k, head_dim, page_size, "key")
-    check_candidates(cands_v, head_dim, page_size, "value")
-    for o in options:
-        CacheConfig(k=cands_k[0], v=cands_v[0], window=o.window, sinks=o.sinks,
-                    key_pre_rope=o.key_pre_rope, page_size=page_size).check_model(
-            n_layers_model, n_kv, head_dim, max_context=context)
-    # Infeasible budgets are refused before any scoring work.
-    cheapest = min(
-        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align))) for c in (cands_k, cands_v))
-        * n_layers_model * n_kv for o in options
-    )
-    cheapest_bits = bits_of(cheapest, n_layers_model, n_kv, head_dim, context)
-    budget_bytes = math.floor(budget_bits * 2 * n_layers_model * n_kv * head_dim * context / 8 + 1e-9)
-    if budget_bytes < cheapest:
-        raise ConfigError(
-            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens: the "
-            f"cheapest possible config costs {cheapest_bits:.4f} effective bits ({cheapest} bytes)"
-        )
+    window_dtype, cands_k, cands_v = check_budget(
+        budget_bits, n_layers=n_layers_model, n_kv=n_kv, head_dim=head_dim, context=context, options=options,
+        cands_k=cands_k, cands_v=cands_v, page_size=page_size, window_dtype=window_dtype, align=align,
+        context_from=None if given_context else f"the capture's length, {n_tok} tokens")
+    from kverr.io import check_finite
+
+    # A NaN or Inf would surface only after scoring, as a knapsack error that names no tensor.
+    check_finite(capture, ("q", "k", "v") + (("k_pre",) if any(o.key_pre_rope for o in options) else ()))
     sens_box: dict[str, Any] = {"s": sensitivity}
 
     def _measure() -> None:

@@ -288,7 +288,7 @@ def measure_sensitivity(
     threads : int
         torch threads used (restored afterwards).
     """
-    from tqdm.auto import tqdm
+    from kverr.progress import progress as progress_bar
 
     loaded = None
     if hasattr(model, "weights_sha256") and hasattr(model, "model"):
@@ -336,7 +336,7 @@ def measure_sensitivity(
             e = torch.tensor(eps, dtype=torch.float32)
             kl = np.zeros((sites, L, ne))
             rel = np.zeros((sites, L, ne))
-            for i in tqdm(range(L), desc="calibrate: layer sensitivity", unit="layer", disable=not progress):
+            for i in progress_bar(range(L), desc="calibrate: layer sensitivity", unit="layer", enabled=progress):
                 oc = o_clean[i].double()  # [1, N, n]
                 msq = float((oc ** 2).sum(-1).mean())
                 g = torch.Generator().manual_seed(int(seed) * 1_000_003 + i)

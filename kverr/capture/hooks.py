@@ -280,7 +280,8 @@ def capture(
         ``dtype`` is not a storage dtype.
     """
     import xarray as xr
-    from tqdm.auto import tqdm
+
+    from kverr.progress import progress as progress_bar
 
     if dtype not in STORAGE_DTYPES:
         raise DTypeError(f"storage dtype {dtype!r} is not supported; use one of {STORAGE_DTYPES}")
@@ -298,7 +299,7 @@ def capture(
     wanted = _parse_layers(layers, loaded.n_layers)
     model = loaded.model
     run_layers = wanted[-1] + 1
-    bar = tqdm(total=run_layers, desc="capture", unit="layer", disable=not progress)
+    bar = progress_bar(total=run_layers, desc="capture", unit="layer", enabled=progress)
     recorder = _Recorder(
         wanted,
         loaded.n_q_heads,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from kverr.errors import TextError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Text", "load_text", "tokenize"]
+__all__ = ["Text", "load_text", "tokenize", "tokenize_windows"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def load_text(source: str) -> Text:
     else:
         path = Path(source).expanduser()
         if not path.is_file():
-            raise TextError(f"text file {source!r} not found; pass --text pydoc or a UTF-8 file")
+            raise TextError(f"text file {source!r} not found; give 'pydoc' or the path of a UTF-8 text file")
         try:
             raw = path.read_bytes()
         except OSError as exc:
@@ -125,10 +126,45 @@ def tokenize(
     TextError
         ``n_tokens`` or ``offset`` is out of range, or the text is too short.
     """
+    return tokenize_windows(tokenizer, text, n_tokens, [offset], add_bos=add_bos)[0]
+
+
+def tokenize_windows(
+    tokenizer: Any,
+    text: Text | str,
+    n_tokens: int,
+    offsets: Sequence[int],
+    *,
+    add_bos: bool | None = None,
+    what: str = "window",
+) -> list[np.ndarray]:
+    """Token ids of several windows of a text (each as :func:`tokenize` gives it), tokenizing
+    the text once: every window is checked against the text's length before any is returned.
+
+    Parameters
+    ----------
+    tokenizer, text, n_tokens, add_bos
+        As in :func:`tokenize`.
+    offsets : sequence of int
+        Text tokens to skip before each window.
+    what : str
+        What a window is called in error messages (e.g. ``"segment"``).
+
+    Returns
+    -------
+    list of numpy.ndarray
+        One ``[token]`` int64 array of ``n_tokens`` ids per offset.
+
+    Raises
+    ------
+    TextError
+        ``n_tokens`` or an offset is out of range, or the text is too short for a window; the
+        message names the first window that does not fit and how many do.
+    """
     if n_tokens < 1:
         raise TextError(f"the number of tokens must be at least 1, got {n_tokens}")
-    if offset < 0:
-        raise TextError(f"the token offset must be 0 or more, got {offset}")
+    if any(off < 0 for off in offsets):
+        raise TextError(f"the token offset must be 0 or more, got {min(offsets)}")
     body = text.text if isinstance(text, Text) else text
     source = text.source if isinstance(text, Text) else "the text"
     bos = _adds_bos(tokenizer) if add_bos is None else add_bos
@@ -136,14 +172,19 @@ def tokenize(
         raise TextError("add_bos=True but the tokenizer has no BOS token")
     ids = tokenizer(body, add_special_tokens=False, verbose=False)["input_ids"]
     n_text = n_tokens - int(bos)
-    available = len(ids) - offset
-    if available < n_text:
-        raise TextError(
-            f"{source} has {len(ids)} tokens; {n_text} from offset {offset} were asked for "
-            f"(at most {max(available, 0) + int(bos)} tokens at this offset): ask for fewer "
-            "tokens, a smaller offset or a longer text"
-        )
-    window = ids[offset : offset + n_text]
-    if bos:
-        window = [tokenizer.bos_token_id, *window]
-    return np.asarray(window, dtype=np.int64)
+    out = []
+    for i, offset in enumerate(offsets):
+        available = len(ids) - offset
+        if available < n_text:
+            which = f"{what} {i} of {len(offsets)}: " if len(offsets) > 1 else ""
+            fit = f"; {i} of the {len(offsets)} {what}s fit" if len(offsets) > 1 else ""
+            raise TextError(
+                f"{which}{source} has {len(ids)} tokens; {n_text} from offset {offset} were asked for "
+                f"(at most {max(available, 0) + int(bos)} tokens at this offset{fit}): ask for fewer "
+                f"tokens{' or ' + what + 's' if len(offsets) > 1 else ''}, a smaller offset or a longer text"
+            )
+        window = ids[offset : offset + n_text]
+        if bos:
+            window = [tokenizer.bos_token_id, *window]
+        out.append(np.asarray(window, dtype=np.int64))
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from kverr.errors import ConfigError
 
@@ -24,6 +25,54 @@ def _int_at_least(minimum: int):
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number greater than zero (refuses 0, negatives, nan, inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number greater than 0")
+    return value
+
+
+def parse_layers(spec: str | None, option: str = "--layers") -> list[int] | None:
+    """Layer indices (the capture's ``layer`` coordinate values) from ``"0,5,10"`` or ``"0-3,8"``.
+
+    ``None``, ``""`` and ``"all"`` give None (every layer). Every subcommand that takes
+    ``--layers`` parses it here, so the same text selects the same layers everywhere; the
+    library function that opens the capture checks that they are in it
+    (:func:`kverr.dims.select_layers`).
+
+    Raises
+    ------
+    ConfigError
+        Not a list of non-negative integers and ranges, a range that runs backwards, or a
+        layer given twice.
+    """
+    if spec is None or not spec.strip() or spec.strip().lower() == "all":
+        return None
+    layers: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
+        except ValueError:
+            raise ConfigError(
+                f"{option} {spec!r} is not a list of layer indices such as 0,5,10 or 0-3"
+            ) from None
+        if hi < lo:
+            raise ConfigError(f"{option} {spec!r}: the range {part} runs backwards; write {hi}-{lo}")
+        layers.extend(range(lo, hi + 1))
+    if any(x < 0 for x in layers):
+        raise ConfigError(f"{option} {spec!r}: layer indices are non-negative")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"{option} {spec!r} names a layer twice")
+    return layers
 
 
 def add_model_shape_args(p: argparse.ArgumentParser) -> None:

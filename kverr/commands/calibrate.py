@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-from kverr.commands._common import non_negative_int, positive_int
+from kverr.commands._common import non_negative_int, positive_float, positive_int
 from kverr.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -15,11 +14,13 @@ log = logging.getLogger(__name__)
 
 def _budgets(text: str) -> list[float]:
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma-separated list of numbers") from None
-    if not vals or any(not v > 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be positive numbers of bits")
+        vals = [positive_float(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a finite positive number of bits or a comma-separated list of them"
+        ) from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite positive number of bits")
     return vals
 
 
@@ -74,7 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model this many decode steps after a prompt quantized whole, as kverr "
                         "evaluate does (default 0: every query's window holds its most recent tokens)")
     p.add_argument("--queries", type=positive_int, default=32, help="sampled queries per layer (default: %(default)s)")
-    p.add_argument("--max-bits", type=float, default=8.0, help="frontier up to this many bits (default: %(default)s)")
+    p.add_argument("--max-bits", type=positive_float,
+                   help="frontier up to this many bits, at least the largest budget (default: 8 or the "
+                   "largest budget, whichever is more)")
     p.add_argument("--workers", type=positive_int, default=2, help="processes scoring layers (default: %(default)s)")
     p.add_argument("--objective", default="kl", choices=("kl", "rel"),
                    help="kl (default): predicted next-token KL, each layer's relative attention-output "
@@ -106,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     budgets = args.budget_bits
     if len(budgets) > 1 and "{bits}" not in args.out:
         raise ConfigError("several budgets need '{bits}' in --out, e.g. --out cfg-{bits}b.json")
+    if args.max_bits is not None and args.max_bits < max(budgets):
+        raise ConfigError(f"--max-bits {args.max_bits:g} is below the budget of {max(budgets):g} bits: the "
+                          f"frontier must reach the budget; give --max-bits {max(budgets):g} or more, or leave it out")
+    max_bits = max(8.0 if args.max_bits is None else args.max_bits, *budgets)
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
     for o in outs + ([args.frontier] if args.frontier else []):
         check_output_path(o, overwrite=args.overwrite, kind="file")
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     # first and the "dynamic" search reuses its damage tables (a subset of them); every search
     # reuses the first one's sensitivity
     set_of = {b: (window_dtype_for_budget(b, args.window_dtype), candidate_set(b, args.candidates)) for b in budgets}
-    progress = sys.stderr.isatty() or bool(getattr(args, "verbose", False))
+    progress = True  # bars are drawn only when stderr is a terminal (kverr.progress)
     cals: dict = {}
     # int8-window groups first, and within a window dtype "all" (the superset) before "dynamic"
     for group in sorted(set(set_of.values()), key=lambda g: (g[0] != "int8", g[0], g[1])):
@@ -126,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         cal = calibrate(capture, min(b for b in budgets if set_of[b] == group), context=args.context,
                         options=options, queries=args.queries, cands_k=cands, cands_v=cands,
                         window_dtype=wdt,
-                        decode=args.decode or None, max_bits=max(args.max_bits, *budgets),
+                        decode=args.decode or None, max_bits=max_bits,
                         workers=args.workers, progress=progress, capture_path=args.capture, name=args.name,
                         objective=args.objective, model=args.model, sensitivity_tokens=args.sensitivity_tokens,
                         sensitivity_noise=args.sensitivity_noise,
@@ -150,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
               f"{pv['context_tokens']} tokens, option {pv['outer_option']}, {cfg.window_dtype} window, "
               f"{pv['candidates_k']} candidates, "
-              f"predicted {pv['objective']} {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
+              f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")
     if args.frontier:
         import pandas as pd

@@ -4,32 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Any
 
-from kverr.errors import CaptureError
+from kverr.commands._common import parse_layers
 
 log = logging.getLogger(__name__)
-
-
-def parse_layers(spec: str | None) -> list[int] | None:
-    """``"0,5,10"`` or ``"0-3,8"`` to a list of layer indices; ``None``/``"all"`` to None."""
-    if spec is None or spec.strip().lower() == "all":
-        return None
-    layers: list[int] = []
-    try:
-        for part in spec.split(","):
-            part = part.strip()
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                layers.extend(range(int(lo), int(hi) + 1))
-            else:
-                layers.append(int(part))
-    except ValueError:
-        raise CaptureError(
-            f"--layers {spec!r} is not a list of layer indices such as 0,5,10 or 0-3"
-        ) from None
-    return layers
 
 
 def register(subparsers: Any) -> None:
@@ -75,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         text=text,
         offset=args.offset,
         overwrite=args.overwrite,
-        progress=sys.stderr.isatty() or args.verbose,
+        progress=True,  # drawn only when stderr is a terminal (kverr.progress)
     )
     print(f"wrote {out} ({len(ids)} tokens, model {loaded.model_id})")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kverr.commands._common import positive_int
+from kverr.commands._common import parse_layers, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capture", required=True, metavar="PATH", help="a capture made by `kverr capture`")
     p.add_argument("--config", required=True, metavar="CONFIG|PRESET", help="a config JSON file or a preset name")
     p.add_argument("--out", required=True, metavar="PATH", help="output zarr store")
-    p.add_argument("--queries", type=positive_int, default=256,
-                   help="query positions: the last N tokens (default: %(default)s)")
-    p.add_argument("--layers", metavar="I,J,...", help="layer indices to decompose (default: all in the capture)")
+    p.add_argument("--queries", type=positive_int,
+                   help="query positions: the last N tokens, at most the capture's tokens (default: 256, "
+                   "or every token of a shorter capture)")
+    p.add_argument("--layers", metavar="I,J,...",
+                   help="layer indices to decompose, as `kverr info` lists them, e.g. 0,15 or 0-3 (default: all in the capture)")
     p.add_argument("--topk", type=positive_int, default=8, help="k of top-k overlap and rank flips (default: %(default)s)")
     p.add_argument("--scheduler", metavar="ADDR",
                    help="a dask.distributed scheduler address (tcp://HOST:PORT) to run on; default: "
@@ -37,28 +39,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _parse_layers(text: str | None) -> list[int] | None:
-    from kverr.errors import ConfigError
-
-    if not text:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--layers {text!r} must be comma-separated layer indices, e.g. 0,15") from None
-
-
 def run(args: argparse.Namespace) -> int:
     from kverr.config import check_model_matches, resolve
     from kverr.error import decompose_capture
     from kverr.error.xr import compute, layer_table
+    from kverr.errors import ShapeError
     from kverr.io import check_output_path, open_capture, write_dataset
 
     check_output_path(args.out, overwrite=args.overwrite)  # fail before any work
+    layers = parse_layers(args.layers)
     config = resolve(args.config)
     capture = open_capture(args.capture)
     check_model_matches(config, capture=capture)
-    lazy = decompose_capture(capture, config, queries=args.queries, layers=_parse_layers(args.layers),
+    n_tok = int(capture.sizes["token"])
+    if args.queries is not None and args.queries > n_tok:
+        raise ShapeError(f"--queries {args.queries} exceeds the capture's {n_tok} tokens; give 1..{n_tok}")
+    lazy = decompose_capture(capture, config, queries=args.queries or 256, layers=layers,
                              topk=args.topk)
     ds = compute(lazy, args.scheduler or "threads", progress=not args.no_progress,
                  desc=f"decompose {config.name or args.config}")

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from kverr.commands._common import non_negative_int, positive_int
+from kverr.commands._common import non_negative_int, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("out"), help="output folder (default: %(default)s)")
     p.add_argument("--model", default="default", help="'default' or a transformers model directory")
     p.add_argument("--tokens", type=positive_int, default=2048, help="calibration capture tokens (default: %(default)s)")
-    p.add_argument("--budget", type=float, default=4.0, help="effective bits (default: %(default)s)")
+    p.add_argument("--budget", type=positive_float, default=4.0, help="effective bits (default: %(default)s)")
     p.add_argument("--prefill", type=positive_int, default=1024, help="evaluation prefill P (default: %(default)s)")
     p.add_argument("--decode", type=positive_int, default=128, help="evaluation decode N (default: %(default)s)")
     p.add_argument("--segments", type=positive_int, default=1, help="evaluation segments (default: %(default)s)")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         out=args.out, model=args.model, tokens=args.tokens, budget=args.budget, prefill=args.prefill,
         decode=args.decode, segments=args.segments, offset=args.offset, eval_text=args.eval_text,
         schemes=args.scheme or list(DEMO_PEERS), queries=args.queries, workers=args.workers,
-        validate=not args.no_validate, progress=sys.stderr.isatty(),
+        validate=not args.no_validate, progress=True,
     )
     print(summary)
     return 0
@@ -86,12 +86,15 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     from kverr.calibrate import calibrate, check_model_matches, predict
     from kverr.calibrate.export import export
     from kverr.calibrate.plots import plot_frontier
-    from kverr.calibrate.search import outer_options
+    from kverr.calibrate.objective import max_queries
+    from kverr.calibrate.search import check_budget, outer_options
     from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
     from kverr.config import atomic_write_text
     from kverr.error.xr import decompose_capture, layer_table
-    from kverr.evaluate import evaluate, parse_schemes, plot_kl_vs_bits, summarize
+    from kverr.errors import ConfigError, TextError
+    from kverr.evaluate import evaluate, parse_schemes, plot_kl_vs_bits, segment_jobs, summarize
     from kverr.io import open_capture
+    from kverr.memory import model_shape
 
     from kverr.io import check_output_path
 
@@ -99,13 +102,28 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     out = Path(out)
     # The demo refreshes its own files in --out; that it is a writable folder is checked first.
     check_output_path(out / "summary.txt", overwrite=True, kind="file")
+    # 0. every argument is checked before any work, so a bad one leaves no half-made outputs
+    shape = model_shape(model)
+    parse_schemes(list(schemes), config_option=None)  # the calibrated config joins them later
+    context = prefill + decode
+    check_budget(budget, n_layers=shape.n_layers, n_kv=shape.n_kv_heads, head_dim=shape.head_dim,
+                 context=context, context_from="--prefill + --decode")
+    if queries > max_queries(tokens):
+        raise ConfigError(f"--queries {queries} is more than the {max_queries(tokens)} positions a "
+                          f"{tokens}-token capture offers (its last 7/8); give 1..{max_queries(tokens)} or more --tokens")
+    text = load_text("pydoc")
+    try:
+        held = load_text(eval_text or heldout_text_path())
+    except TextError as exc:
+        raise TextError(f"--eval-text: {exc}") from None
+    loaded = load_model(model)
+    ids = tokenize(loaded.tokenizer, text, tokens, 0)
+    if loaded.max_context and tokens > loaded.max_context:
+        raise ConfigError(f"--tokens {tokens} exceeds the model's context of {loaded.max_context} tokens")
+    segment_jobs(loaded, held, prefill=[prefill], decode=decode, segments=segments, offset=offset)
     out.mkdir(parents=True, exist_ok=True)
     steps: list[str] = []
     # 1. capture
-    loaded = load_model(model)
-    text = load_text("pydoc")
-    held = load_text(eval_text or heldout_text_path())
-    ids = tokenize(loaded.tokenizer, text, tokens, 0)
     cap_path = out / "capture.zarr"
     capture_to_zarr(loaded, ids, cap_path, text=text, overwrite=True, progress=progress)
     capture = open_capture(cap_path)
@@ -119,7 +137,6 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     atomic_write_text(out / "decompose-kivi-4.txt", table + "\n")
     _step("decomposed the error of kivi-4 per layer -> decompose-kivi-4.txt", t0, steps)
     # 3. calibrate
-    context = prefill + decode
     cal = calibrate(capture, budget, context=context, queries=queries, workers=workers,
                     options=outer_options(capture),  # as `kverr calibrate` does by default
                     capture_path=cap_path, progress=progress, model=loaded)
@@ -144,7 +161,7 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     atomic_write_text(out / "export.txt", "\n".join(exp_lines) + "\n")
     _step("export: " + " | ".join(line.split(":")[0] + (" refused" if "refused" in line else " ok") for line in exp_lines), t0, steps)
     # 5. evaluate on held-out text
-    sch = parse_schemes(list(schemes), [str(cfg_path)])
+    sch = parse_schemes(list(schemes), [str(cfg_path)], config_option=None)
     df = evaluate(loaded, held, sch, prefill=[prefill], decode=decode, segments=segments,
                   offset=offset, greedy_steps=0, progress=progress)
     summ = summarize(df)

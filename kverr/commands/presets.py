@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kverr.config import PRESETS, resolve
+    from kverr.errors import ConfigError
     from kverr.memory import account
 
     if args.show:
@@ -31,8 +32,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     shape = resolve_shape(args)
     rows = []
+    unfit = {}
     for name, cfg in PRESETS.items():
-        rep = account(cfg, shape, args.tokens)
+        try:
+            rep = account(cfg, shape, args.tokens)
+        except ConfigError as exc:  # e.g. a group size that does not divide this head dim
+            unfit[name] = str(exc)
+            rows.append([name, cfg.k.label(), cfg.v.label(), str(cfg.window), "-", "-"])
+            continue
         rows.append(
             [
                 name,
@@ -48,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {shape.name}: {shape.n_layers} layers x {shape.n_kv_heads} kv heads x head dim {shape.head_dim}, {args.tokens} tokens, batch 1")
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        line = "  ".join(c.ljust(w) for c, w in zip(r, widths))
+        print(f"{line}  does not fit: {unfit[r[0]]}" if r[0] in unfit else line.rstrip())
     return 0
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from kverr.commands._common import non_negative_int, positive_int
+from kverr.commands._common import non_negative_int, parse_layers, positive_float, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=positive_int, default=200, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--batch", type=positive_int, default=2, help="sequences, disjoint windows of the capture (default: %(default)s)")
     p.add_argument("--steps", type=positive_int, default=2, help="single-token decode steps after the prefill (default: %(default)s)")
-    p.add_argument("--layers", metavar="I,J,...", help="layers to compare (default: all)")
-    p.add_argument("--tol", type=float, default=1e-3, help="largest relative RMS of decode outputs (default: %(default)s)")
+    p.add_argument("--layers", metavar="I,J,...",
+                   help="layer indices to compare, as `kverr info` lists them, e.g. 0,15 or 0-3 (default: all)")
+    p.add_argument("--tol", type=positive_float, default=1e-3,
+                   help="largest relative RMS of decode outputs, > 0 (default: %(default)s)")
     p.add_argument("--top", type=non_negative_int, default=10, help="layers listed, largest differences first; 0 lists all (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
@@ -35,19 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kverr.errors import ConfigError
-
+    layers = parse_layers(args.layers)
     if not torch.cuda.is_available():
         # must precede the first import of the kernel modules
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from kverr.validate import validate
 
-    layers = None
-    if args.layers:
-        try:
-            layers = [int(x) for x in args.layers.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--layers {args.layers!r} must be comma-separated layer indices, e.g. 0,2") from None
     rep = validate(args.config, args.capture, tokens=args.tokens, batch=args.batch, steps=args.steps,
                    layers=layers, tol=args.tol)
     if args.json:

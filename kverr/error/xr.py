@@ -180,7 +180,7 @@ def decompose_capture(
         The config does not fit the model (e.g. a group size that does not divide the head
         dim, an override for a layer the model lacks).
     kverr.errors.ShapeError
-        ``queries`` out of range or unknown ``layers``.
+        ``queries`` not positive, ``topk`` not in ``1..tokens``, or unknown ``layers``.
     """
     import xarray as xr
 
@@ -200,12 +200,12 @@ def decompose_capture(
     if int(queries) > n_t:
         log.warning("queries=%d exceeds the %d captured tokens; using all %d", queries, n_t, n_t)
     queries = min(int(queries), n_t)
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not 1 <= int(topk) <= n_t:
+        raise ShapeError(f"topk={topk!r} keys ranked: give 1..{n_t} (the capture holds {n_t} tokens)")
     if layers is not None:
-        have = [int(x) for x in capture[LAYER].values]
-        bad = [int(x) for x in layers if int(x) not in have]
-        if bad:
-            raise ShapeError(f"layers {bad} are not in the capture; it has layers {have}")
-        capture = capture.sel({LAYER: [int(x) for x in layers]})
+        from kverr.dims import layer_positions
+
+        capture = capture.isel({LAYER: layer_positions(capture[LAYER].values, layers)})
 
     kv_map = np.asarray(capture[KV_HEAD_OF_Q].values, dtype=np.int64)
     if kv_map.min() < 0 or kv_map.max() >= n_kv:
@@ -324,12 +324,13 @@ class _TqdmCallback:
 
     def __new__(cls, desc: str):
         from dask.callbacks import Callback
-        from tqdm.auto import tqdm
+
+        from kverr.progress import progress as progress_bar
 
         class _CB(Callback):
             def _start_state(self, dsk, state):
-                self._bar = tqdm(total=sum(len(state[k]) for k in ("ready", "waiting", "running")),
-                                 desc=desc, unit="task")
+                self._bar = progress_bar(total=sum(len(state[k]) for k in ("ready", "waiting", "running")),
+                                         desc=desc, unit="task")
 
             def _posttask(self, key, result, dsk, state, worker_id):
                 self._bar.update(1)
@@ -389,11 +390,11 @@ def _compute_on(ds, client, progress, desc):
 
     persisted = client.persist(ds)
     if progress:
-        from tqdm.auto import tqdm
+        from kverr.progress import progress as progress_bar
 
         futures = distributed.futures_of(persisted)
-        for _ in tqdm(distributed.as_completed(futures), total=len(futures), desc=desc,
-                      unit="chunk"):
+        for _ in progress_bar(distributed.as_completed(futures), total=len(futures), desc=desc,
+                              unit="chunk"):
             pass
     # gather through the same client (the default scheduler may be a different one)
     return client.compute(persisted).result()

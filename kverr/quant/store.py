@@ -123,17 +123,21 @@ class WindowRows:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
 
 
-def token_regions(T: int, config: CacheConfig, fmt: QuantFormat) -> tuple[int, int]:
+def token_regions(T: int, config: CacheConfig, fmt: QuantFormat, prefill_quantized: int = 0) -> tuple[int, int]:
     """Quantized token range ``[start, end)`` of a ``T``-token sequence stored with ``fmt``.
 
     Tokens ``[0, start)`` are sinks, ``[end, T)`` the full-precision window.
+    ``prefill_quantized``: the first that many tokens arrived as a prefill that was quantized
+    whole, window ignored (whole token blocks after the sinks, as ``KverrCache.flush`` does);
+    the tokens after it fill the window again.
     """
     if T < 0:
         raise ShapeError(f"T={T} tokens: must be non-negative")
     start = min(config.sinks, T)
-    avail = max(0, T - start - config.window)
     tb = token_block(fmt.granularity, config.page_size)
-    return start, start + avail - avail % tb
+    flushed = max(0, min(prefill_quantized, T) - start) // tb * tb
+    avail = max(0, T - start - flushed - config.window)
+    return start, start + flushed + avail - avail % tb
 
 
 def _static_metadata(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> dict:
