@@ -282,6 +282,9 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
     key_var = "k_pre" if cfg.key_pre_rope else "k"
     if key_var not in ds:
         raise CaptureError(f"the capture has no {key_var!r} variable, which a key_pre_rope config needs")
+    from kverr.io import check_finite
+
+    check_finite(ds.isel(sel), ("q", key_var, "v"))  # named coordinates, not a kernel's mismatch
     q = torch.from_numpy(np.asarray(ds["q"].isel(sel).values, dtype=np.float32))
     k = torch.from_numpy(np.asarray(ds[key_var].isel(sel).values, dtype=np.float32))
     v = torch.from_numpy(np.asarray(ds["v"].isel(sel).values, dtype=np.float32))

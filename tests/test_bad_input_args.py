@@ -128,6 +128,12 @@ def test_non_finite_values_are_named_by_variable_and_coordinates(tiny, tmp_path,
     err = one_line_error(*run(capsys, "calibrate", "--capture", bad, "--budget-bits", "4",
                               "--out", tmp_path / "c.json", "--objective", "rel", "--workers", "1")[::2])
     assert f"the capture's {name!r} holds 1 NaN/Inf value(s), the first at {where}" in err
+    # decompose and validate name it the same way, before their work
+    for argv in (["decompose", "--capture", bad, "--config", "kivi-2", "--out", tmp_path / "d.zarr"],
+                 ["validate", "kivi-2", "--capture", bad, "--tokens", "80", "--batch", "2", "--steps", "1"]):
+        err = one_line_error(*run(capsys, *argv)[::2])
+        assert f"the capture's {name!r} holds 1 NaN/Inf value(s), the first at {where}" in err
+    assert not (tmp_path / "d.zarr").exists()
     # a selection keeps the model's layer indices
     ds = open_capture(bad)
     if index[0] == 2:

@@ -43,8 +43,9 @@ def run(args: argparse.Namespace) -> int:
     from kverr.config import check_model_matches, resolve
     from kverr.error import decompose_capture
     from kverr.error.xr import compute, layer_table
+    from kverr.dims import layer_positions
     from kverr.errors import ShapeError
-    from kverr.io import check_output_path, open_capture, write_dataset
+    from kverr.io import check_finite, check_output_path, open_capture, write_dataset
 
     check_output_path(args.out, overwrite=args.overwrite)  # fail before any work
     layers = parse_layers(args.layers)
@@ -56,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         raise ShapeError(f"--queries {args.queries} exceeds the capture's {n_tok} tokens; give 1..{n_tok}")
     lazy = decompose_capture(capture, config, queries=args.queries or 256, layers=layers,
                              topk=args.topk)
+    # one read of the layers asked for, so that a NaN is named by its coordinates
+    sel = capture if layers is None else capture.isel(layer=layer_positions(capture["layer"].values, layers))
+    check_finite(sel, ("q", "k_pre" if config.key_pre_rope else "k", "v"))
     ds = compute(lazy, args.scheduler or "threads", progress=not args.no_progress,
                  desc=f"decompose {config.name or args.config}")
     write_dataset(ds, args.out, overwrite=args.overwrite)
