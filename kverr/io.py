@@ -394,7 +394,11 @@ def _replace(tmp: Path, target: Path, *, overwrite: bool) -> None:
         return
     old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
     os.rename(target, old)
-    os.rename(tmp, target)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)  # the previous output stays where it was
+        raise
     if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
     else:

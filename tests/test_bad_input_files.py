@@ -228,16 +228,34 @@ def test_an_unwritable_output_is_refused_before_any_work(capsys, monkeypatch, tm
         assert listing(folder) == []
 
 
-@pytest.mark.parametrize("writer", ["store", "file"])
+@pytest.mark.parametrize("writer", ["store", "file", "replacing"])
 def test_a_write_that_fails_late_is_one_line_and_leaves_nothing(capsys, monkeypatch, tmp_path, capture, writer):
     """Permissions changed or the disk filled after the up-front check: a clean error, and no
-    temporary, output or folder made for it is left."""
+    temporary, output or folder made for it is left (an output being replaced stays as it was)."""
     import errno
+    import os
 
     import xarray as xr
 
     full = OSError(errno.ENOSPC, "No space left on device")
     out = tmp_path / "new" / "sub"
+    if writer == "replacing":
+        argv = ["export", "int4-token-g64", "--format", "hf", "--out", tmp_path / "hf", "--overwrite"]
+        assert run(capsys, *argv)[0] == 0
+        before = (tmp_path / "hf" / "generation_config.json").read_text()
+        real_rename = os.rename
+
+        def rename(src, dst):
+            if ".tmp-" in str(src) and pathlib.Path(dst) == tmp_path / "hf":
+                raise OSError(errno.EACCES, "Permission denied")
+            return real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+        code, _, err = run(capsys, *argv)
+        one_line_error(code, err, "cannot write", "Permission denied", "nothing was written")
+        assert listing(tmp_path) == ["hf"] and listing(tmp_path / "hf") == ["generation_config.json"]
+        assert (tmp_path / "hf" / "generation_config.json").read_text() == before
+        return
     if writer == "store":
         real = xr.Dataset.to_zarr
 
