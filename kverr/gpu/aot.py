@@ -11,7 +11,12 @@ Compilation must not run with ``TRITON_INTERPRET=1`` (the kernels would be inter
 
 Command line::
 
-    python -m kverr.gpu.aot --arch 90 [--arch 80] [--full] [--head-dim 128] [--json] [--out FILE]
+    python -m kverr.gpu.aot --arch 90 [--arch 80] [--full | --cover] [--head-dim 128] [--json] [--out FILE]
+
+``--full`` is every element format x every granularity (the committed tables); the default is the
+test set (each element format at per-token scales, each granularity with int4, the rotated/MSE
+branches on each scale layout); ``--cover`` a subset of either in which every value of every
+constexpr of each kernel occurs at least once (what ``make test`` compiles).
 """
 
 from __future__ import annotations
@@ -191,17 +196,15 @@ def resource_usage(compiled) -> dict:
     return dict(registers=vals.get("REG", 0), shared=vals.get("SHARED", 0), stack=vals.get("STACK", 0), local=vals.get("LOCAL", 0))
 
 
-def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep: int = 4, num_warps: int = 4,
-                progress=None) -> list[Resource]:
-    """Compile the store kernel for every format and the decode kernel (main and tail) for every
-    format as both K and V, plus mixed K/V pairs; return the resource usage of each."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise KernelError("AOT compilation needs TRITON_INTERPRET unset; use compile_in_subprocess()")
+def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int = 4) -> list[tuple]:
+    """The kernel specialisations to compile: the store kernel for every format, the decode
+    kernel (main and tail) for every format as both K and V, mixed K/V pairs, pre-RoPE keys,
+    chunked prefill and int8 windows. Each is ``(kernel, label, jit function, signature,
+    constexprs)``."""
     from kverr_kernels import decode, quant_store
 
     specs = [kernel_spec(f, D, P) for f in formats(full, P)]
     block_n = 32 if D <= 64 else 16  # as PagedKVCache chooses
-    out: list[Resource] = []
     jobs = []
     for s in specs:
         block_r = 16 if s.tb == 1 else s.tb
@@ -248,6 +251,37 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
                      decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P,
                                        tail=True, dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1,
                                        fp_q=True)))
+    return jobs
+
+
+def covering(jobs: list[tuple]) -> list[tuple]:
+    """A subset of ``jobs`` in which every value each constexpr of each kernel takes in ``jobs``
+    occurs at least once (greedy set cover: the specialisation with the most values not yet
+    covered first, so the heaviest combinations -- rotated, pre-RoPE, int8-window tails -- come
+    in early). Not every combination, but every code path of every kernel is compiled."""
+    def features(job):
+        kname, _, _, _, cx = job
+        return {(kname, key, value) for key, value in cx.items()}
+
+    todo = set().union(*(features(j) for j in jobs)) if jobs else set()
+    chosen = []
+    while todo:
+        best = max(jobs, key=lambda j: len(features(j) & todo))
+        chosen.append(best)
+        todo -= features(best)
+    return [j for j in jobs if any(j is c for c in chosen)]  # in the original order
+
+
+def compile_all(arch: int, *, full: bool = False, cover: bool = False, D: int = 128, P: int = 64, rep: int = 4,
+                num_warps: int = 4, progress=None) -> list[Resource]:
+    """Compile the kernel :func:`specialisations` (only a :func:`covering` subset of them with
+    ``cover``) for ``sm_{arch}``; return the resource usage of each."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise KernelError("AOT compilation needs TRITON_INTERPRET unset; use compile_in_subprocess()")
+    jobs = specialisations(full=full, D=D, P=P, rep=rep)
+    if cover:
+        jobs = covering(jobs)
+    out: list[Resource] = []
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
         attn = kname.startswith(("decode", "prefill"))
         warps = DECODE_WARPS if attn else store_warps(cx["BLOCK_R"], D)
@@ -258,12 +292,15 @@ def compile_all(arch: int, *, full: bool = False, D: int = 128, P: int = 64, rep
     return out
 
 
-def compile_in_subprocess(arch: int, *, full: bool = False, D: int = 128, timeout: float = 1800) -> list[Resource]:
+def compile_in_subprocess(arch: int, *, full: bool = False, cover: bool = False, D: int = 128,
+                          timeout: float = 1800) -> list[Resource]:
     """:func:`compile_all` in a fresh interpreter with ``TRITON_INTERPRET`` unset."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "kverr.gpu.aot", "--arch", str(arch), "--head-dim", str(D), "--json"]
     if full:
         cmd.append("--full")
+    if cover:
+        cmd.append("--cover")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode:
         raise KernelError(f"AOT compilation for sm_{arch} failed:\n{res.stderr[-4000:]}")
@@ -281,13 +318,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kverr.gpu.aot", description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 or 80 (repeatable)")
     ap.add_argument("--full", action="store_true", help="every element format x every granularity")
+    ap.add_argument("--cover", action="store_true",
+                    help="only a covering subset: every value of every constexpr of each kernel at least once")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the table to this file")
     a = ap.parse_args(argv)
     rows = []
     for arch in a.arch or [90]:
-        rows += compile_all(arch, full=a.full, D=a.head_dim,
+        rows += compile_all(arch, full=a.full, cover=a.cover, D=a.head_dim,
                             progress=(lambda i, n: print(f"\r{i}/{n}", end="", file=sys.stderr)) if not a.json else None)
     if a.json:
         print(json.dumps([asdict(r) for r in rows]))
