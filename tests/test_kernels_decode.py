@@ -19,6 +19,9 @@ from kverr.quant import (
 )
 from kverr.validate import reference_decode, rel_rms, validate_arrays
 
+# The kernels against the oracle's torch arithmetic: run again under ATen's baseline kernels.
+pytestmark = pytest.mark.float_order
+
 D, P = 32, 16
 
 
@@ -127,7 +130,7 @@ def test_validate_arrays_agrees_and_reports():
     d = rep.to_dict()
     assert d["ok"] and d["layers"][0]["k_formats"] == "int2a/ch8/fp16"
     assert "rel RMS" in rep.to_table()
-    strict = validate_arrays(cfg, q, k, v, [0, 0, 1, 1], steps=1, tol=0.0, num_splits=2, block_n=16)
+    strict = validate_arrays(cfg, q, k, v, [0, 0, 1, 1], steps=1, tol=1e-12, num_splits=2, block_n=16)
     assert not strict.ok
 
 
