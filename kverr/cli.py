@@ -49,11 +49,19 @@ def _on_sigterm(signum, _frame):  # pragma: no cover - exercised through a subpr
     raise _Terminated(signum)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other kverr error: the usage
+    block argparse prints first is left to ``--help``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every discovered subcommand registered."""
     import kverr.commands as commands
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kverr",
         description=(
             "Understand and choose KV-cache quantization: exact memory accounting, exact error\n"

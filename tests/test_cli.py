@@ -83,3 +83,15 @@ def test_installed_command_has_no_traceback_on_bad_config(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith("unknown field k.colour; allowed fields: bits, clip, dtype, granularity, rotate, scale_dtype, symmetric")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["frob"], [], ["memory", "kivi-2", "--tokens", "x"], ["validate", "kivi-2", "--capture", "c", "--tol", "nan"],
+    ["calibrate", "--budget-bits", "4"],
+])
+def test_argument_errors_are_one_line_naming_the_help(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith("kverr") and ": error: " in err and err.rstrip().endswith("--help)")
