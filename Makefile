@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Two workers on the two-core CI machine; override with make test PYTEST_WORKERS=1.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench lab
 
 install: $(STAMP)
 
@@ -32,6 +32,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
+	# Float32 sums whose order belongs to torch or MKL, again as on another processor: ATen's
+	# baseline kernels instead of this CPU's AVX2/AVX-512 ones, MKL's most conservative code path.
+	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m float_order tests
+
+# The analysis notebooks in JupyterLab, with kverr and the bundled model installed.
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_quant.py

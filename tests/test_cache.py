@@ -148,6 +148,7 @@ def _logits(model, cache, ids, prefill):
     return teacher_forced(model, cache, ids, prefill, flush=False)
 
 
+@pytest.mark.float_order
 @pytest.mark.parametrize("pre_rope", [False, True])
 def test_full_precision_config_reproduces_the_model(tiny, pre_rope):
     from transformers import DynamicCache
@@ -172,6 +173,7 @@ def test_generate_runs_through_the_cache(tiny):
     assert cache.layers[0].groups["v"][0].n_quantized > 0
 
 
+@pytest.mark.float_order
 def test_pre_rope_keys_are_what_gets_quantized(tiny):
     """With key_pre_rope, the stored keys equal the oracle applied to pre-RoPE keys."""
     from kverr.cache import model_rotary
@@ -280,8 +282,8 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "rotated-mse-pre-rope", "static-pre-rope",
-                                  "int8-window-pre-rope"])
+@pytest.mark.parametrize("name", [pytest.param("kivi-2", marks=pytest.mark.float_order), "int8-token",
+                                  "rotated-mse-pre-rope", "static-pre-rope", "int8-window-pre-rope"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same cache contents and next-token distributions, through every layer of a real
@@ -314,6 +316,7 @@ def test_cache_for_picks_the_reference_path_on_a_cpu(tiny):
         cache_for(tiny.model, PRESETS["kivi-2"], backend="gpu")
 
 
+@pytest.mark.float_order
 @pytest.mark.slow
 def test_kernel_path_chunked_prefill_agrees_with_the_reference_path(tiny):
     """Chunks of several tokens after the prefill run the chunked-prefill kernel (causal attention

@@ -50,6 +50,7 @@ def test_default_model_identity(smol):
     assert np.array_equal(np.float32(smol.rope["inv_freq"]), default_inv_freq(64, 1e5).numpy())
 
 
+@pytest.mark.float_order
 @pytest.mark.slow
 def test_default_capture_is_the_models_own_state(smol, smol_capture):
     """KV cache bit for bit, RoPE(k_pre) == k, attention from q/k/v == o_proj input."""

@@ -58,6 +58,7 @@ def test_parse_schemes():
         parse_schemes([])
 
 
+@pytest.mark.float_order
 def test_full_precision_scheme_is_lossless_and_quantized_ones_are_not(tiny):
     _, lm = tiny
     lossless = CacheConfig(k=float_format("fp32"), v=float_format("fp32"), window_dtype="fp32", name="fp32")

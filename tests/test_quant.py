@@ -39,6 +39,10 @@ from kverr.quant.reference import ceil_cast, floor_cast
 
 from strategies import data, formats
 
+# The oracle's codes must not depend on the kernels torch picks: run again under ATen's
+# baseline kernels in `make test`.
+pytestmark = pytest.mark.float_order
+
 EPS32 = float(np.finfo(np.float32).eps)
 PAGE = 16
 

@@ -15,6 +15,7 @@ needs_capture = pytest.mark.skipif(not CAPTURE.exists(), reason="the data/ captu
 
 
 @needs_capture
+@pytest.mark.float_order
 def test_validate_preset_agrees(capsys):
     pytest.importorskip("zarr")
     code = main(["validate", "kivi-2", "--capture", str(CAPTURE), "--tokens", "150", "--layers", "0,29", "--steps", "2"])
