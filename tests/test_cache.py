@@ -157,8 +157,15 @@ def test_full_precision_config_reproduces_the_model(tiny, pre_rope):
     cfg = CacheConfig(k=float_format("fp32"), v=float_format("fp32"), window_dtype="fp32", key_pre_rope=pre_rope)
     ref = _logits(tiny.model, DynamicCache(), ids, 40)
     got = _logits(tiny.model, KverrCache.for_model(tiny.model, cfg), ids, 40)
-    if pre_rope:  # undoing and redoing RoPE costs fp32 round-off, nothing more
-        assert float((ref - got).abs().max()) < 1e-4
+    if pre_rope:
+        # undoing and redoing RoPE changes the keys in their last bits (two rotations, a few ulps),
+        # which the layers above propagate like any last-bit difference: at most the attention's
+        # worst-case fp32 rounding, L (D + 2T) u |log p| (as in _kernel_path_agrees)
+        cfg_m = tiny.model.config
+        D = cfg_m.hidden_size // cfg_m.num_attention_heads
+        u = torch.finfo(torch.float32).eps / 2
+        tol = cfg_m.num_hidden_layers * (D + 2 * len(ids)) * u * float(ref.abs().max())
+        assert float((ref - got).abs().max()) <= tol
     else:
         assert torch.equal(ref, got)
 
@@ -282,8 +289,8 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param("kivi-2", marks=pytest.mark.float_order), "int8-token",
-                                  "rotated-mse-pre-rope", "static-pre-rope", "int8-window-pre-rope"])
+@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "rotated-mse-pre-rope", "static-pre-rope",
+                                  "int8-window-pre-rope"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same cache contents and next-token distributions, through every layer of a real

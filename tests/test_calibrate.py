@@ -618,8 +618,7 @@ def test_cli_calibrate_objectives(tiny_capture, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.float_order
-@pytest.mark.parametrize("layer,T,wdt", [(0, 437, "fp16"), (29, 512, "int8")])
+@pytest.mark.parametrize("layer,T,wdt", [pytest.param(0, 437, "fp16", marks=pytest.mark.float_order), (29, 512, "int8")])
 def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer, T, wdt):
     """Real keys and values (the bundled capture, layer 0 or 29), every default candidate plus
     static, percentile and symmetric formats, a length that leaves partial token blocks; the

@@ -19,8 +19,8 @@ from kverr.quant import (
 )
 from kverr.validate import reference_decode, rel_rms, validate_arrays
 
-# The kernels against the oracle's torch arithmetic: run again under ATen's baseline kernels.
-pytestmark = pytest.mark.float_order
+# The kernels against the oracle's torch arithmetic: the tests marked float_order run again
+# under ATen's baseline kernels in `make test`.
 
 D, P = 32, 16
 
@@ -70,6 +70,7 @@ def run_decode(cfg, lens, *, H=2, Hq=6, L=1, seed=0, num_splits=3, dot_fp16=Fals
 KIVI2 = CacheConfig(k=int_format(2, PerChannel(8)), v=int_format(2, PerTokenGroup(8)), page_size=P, window=5, sinks=2)
 
 
+@pytest.mark.float_order
 def test_decode_int8_window():
     """An int8 window (sinks, window and pending key blocks as int8 rows with fp16 scales): decode
     matches reference attention over what the oracle reconstructs, which differs from the fp16
@@ -108,6 +109,7 @@ def test_decode_mixed_per_layer_and_per_head_formats():
     assert worst <= 1e-3
 
 
+@pytest.mark.float_order
 def test_decode_static_scales_and_fp8():
     cfg = CacheConfig(k=fp8_format(PerHead()), v=int_format(4, PerChannel(None), symmetric=True), page_size=P, window=4)
     worst, _ = run_decode(cfg, [50, 50], static=True, Hq=2)
@@ -120,6 +122,7 @@ def test_decode_fp16_products():
     assert worst <= 5e-3
 
 
+@pytest.mark.float_order
 def test_validate_arrays_agrees_and_reports():
     L, B, Hq, H, T = 2, 2, 4, 2, 40
     q, k, v = _data(L, B, Hq, H, T, 3)
@@ -156,6 +159,7 @@ def test_decode_hadamard_rotated_and_mse_clipped_formats():
 _KIVI_HAD = int_format(2, PerChannel(8), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6))
 
 
+@pytest.mark.float_order
 @pytest.mark.parametrize("kf,wdt", [(int_format(4, PerToken()), "fp16"), (_KIVI_HAD, "fp16"), (_KIVI_HAD, "int8")],
                          ids=["int4a-tok", "int2a-ch8-had-mse", "int2a-ch8-had-mse-int8-window"])
 def test_decode_pre_rope_keys(kf, wdt):
