@@ -24,6 +24,7 @@ from kverr.quant import (
     reconstruct,
 )
 
+from bounds import gamma
 from strategies import configs
 
 L, H, D = 2, 3, 16
@@ -160,12 +161,8 @@ def test_full_precision_config_reproduces_the_model(tiny, pre_rope):
     if pre_rope:
         # undoing and redoing RoPE changes the keys in their last bits (two rotations, a few ulps),
         # which the layers above propagate like any last-bit difference: at most the attention's
-        # worst-case fp32 rounding, L (D + 2T) u |log p| (as in _kernel_path_agrees)
-        cfg_m = tiny.model.config
-        D = cfg_m.hidden_size // cfg_m.num_attention_heads
-        u = torch.finfo(torch.float32).eps / 2
-        tol = cfg_m.num_hidden_layers * (D + 2 * len(ids)) * u * float(ref.abs().max())
-        assert float((ref - got).abs().max()) <= tol
+        # worst-case fp32 rounding (_logprob_bound, as in _kernel_path_agrees)
+        assert float((ref - got).abs().max()) <= _logprob_bound(tiny.model, len(ids), ref)
     else:
         assert torch.equal(ref, got)
 
@@ -258,8 +255,9 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
       against the oracle), so it must agree bit for bit, every layer, keys and values;
     - the log-probs differ only by the attention's float32 rounding, propagated upwards. Each
       layer's attention sums over ``D`` channels for the scores and ``T`` keys for the softmax
-      and the weighted sum: a worst-case relative error of about ``(D + 2 T) u`` per layer
-      (u = 2**-24), added over the layers and scaled by the log-probs' magnitude.
+      and the weighted sum: a worst-case relative error of ``gamma(D) + 2 gamma(T)`` per layer
+      (``gamma(n) = n u / (1 - n u)``, u = 2**-24), added over the layers and scaled by the
+      log-probs' magnitude (:func:`_logprob_bound`).
     """
     from kverr.cache import KernelKVCache, apply_rope, cache_for, model_rotary
 
@@ -280,12 +278,17 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
                 want = reference.read(i, which)
                 assert torch.equal(held, want), (i, which, int((held != want).sum()))
     assert model.config._attn_implementation == attn  # the model is restored
-    L = model.config.num_hidden_layers
-    D = model.config.hidden_size // model.config.num_attention_heads
-    u = torch.finfo(torch.float32).eps / 2
-    tol = L * (D + 2 * len(ids)) * u * float(ref.abs().max())
-    assert float((ref - got).abs().max()) <= tol
+    assert float((ref - got).abs().max()) <= _logprob_bound(model, len(ids), ref)
     return ref
+
+
+def _logprob_bound(model, T, ref):
+    """How far last-bit differences in each layer's attention can move the log-probs: the
+    worst-case rounding of the attention's reductions (``gamma(D)`` for the scores, ``gamma(T)``
+    twice for the softmax and the weighted sum), added over the layers, times |log p|."""
+    c = model.config
+    D = c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * (gamma(D) + 2 * gamma(T)) * float(ref.abs().max())
 
 
 @pytest.mark.slow
