@@ -513,8 +513,13 @@ def calibrate(
 
     need_sens = objective == "kl" and sensitivity is None
     if need_sens:
+        from kverr.progress import progress as progress_bar
+
         tl = time.perf_counter()
-        model = check_capture_model(capture, model)  # load once; refuse before any scoring work
+        # a bar of one step: loading the model takes ~20 s before any other bar can move
+        with progress_bar(total=1, desc="calibrate: load the model", unit="model", enabled=progress) as bar:
+            model = check_capture_model(capture, model)  # load once; refuse before any scoring work
+            bar.update()
         sens_box["load"] = time.perf_counter() - tl
     if scores is None:
         scores = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=queries,
