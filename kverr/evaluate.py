@@ -283,7 +283,7 @@ def evaluate(
         if s.config is not None:
             s.config.check_model(shape.n_layers, shape.n_kv_heads, shape.head_dim)
             if (dict(s.config.provenance).get("capture") or {}).get("weights_sha256"):
-                from kverr.calibrate import check_model_matches
+                from kverr.config import check_model_matches
 
                 check_model_matches(s.config, loaded.weights_sha256, loaded.model_id)
     g_steps = decode if greedy_steps is None else greedy_steps

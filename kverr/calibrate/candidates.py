@@ -45,7 +45,8 @@ from functools import lru_cache
 from kverr.config import CacheConfig
 from kverr.errors import ConfigError
 from kverr.quant.formats import (
-    MSEClip,
+    CALIBRATION_MSE_CLIP,
+    STATIC_MSE_CLIP,
     PerChannel,
     PerHead,
     PerTensor,
@@ -58,10 +59,8 @@ from kverr.quant.formats import (
     int_format,
 )
 
-#: The clip searched by MSE candidates: 5 ratios from 1 down to 0.6 (cheap enough for 4096 tokens).
-CALIBRATION_MSE_CLIP = MSEClip(grid=5, min_ratio=0.6)
-#: The deeper clip also searched for static per-channel scales: 9 ratios from 1 down to 0.2.
-STATIC_MSE_CLIP = MSEClip(grid=9, min_ratio=0.2)
+# The two MSE clips the candidates search (CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP) are defined
+# with the formats, where ahead-of-time compilation reads them too.
 
 
 @dataclass(frozen=True)

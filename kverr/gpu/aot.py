@@ -95,7 +95,7 @@ def _elements():
 
 def _rotated_mse(f: QuantFormat) -> QuantFormat:
     """``f`` with a Hadamard rotation and the calibrator's MSE clip (the other constexpr branches)."""
-    from kverr.calibrate.candidates import CALIBRATION_MSE_CLIP
+    from kverr.quant.formats import CALIBRATION_MSE_CLIP
 
     return dataclasses.replace(f, rotate="hadamard", clip=CALIBRATION_MSE_CLIP)
 
