@@ -38,6 +38,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.errors import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
 from kverr.quant.store import WindowRows
+from kverr.rope import rotate, unrotate
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +48,6 @@ except ImportError as exc:  # pragma: no cover - transformers is a dependency of
     raise ImportError("kverr.cache needs transformers >= 4.56 (layer-based caches)") from exc
 
 Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [..., T, D]`` by ``cos, sin [T, D]`` (transformers' half-rotation convention)."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`apply_rope`: ``(cos I + sin R)^-1 = cos I - sin R`` since ``R^2 = -I``."""
-    return x * cos - _rotate_half(x) * sin
 
 
 def model_rotary(model: Any) -> Rotary:
@@ -166,7 +152,7 @@ class KverrLayer(CacheLayerMixin):
         keys_in = key_states
         if self.config.key_pre_rope:
             cos, sin = self._cos_sin(start, start + n)
-            keys_in = undo_rope(key_states.float(), cos, sin)
+            keys_in = unrotate(key_states.float(), cos, sin)
         self._append("k", keys_in)
         self._append("v", value_states)
         self.cumulative_length += n
@@ -258,7 +244,7 @@ class KverrLayer(CacheLayerMixin):
             out[:, g.heads] = x
         if which == "k" and self.config.key_pre_rope and out is not None:
             cos, sin = self._cos_sin(0, out.shape[2])
-            out = apply_rope(out, cos, sin)
+            out = rotate(out, cos, sin)
         return out
 
     def nbytes(self) -> int:
@@ -469,7 +455,7 @@ class KernelKVCache(Cache):
         k_in = k
         if self._cos is not None:
             t0 = self.length - n
-            k_in = undo_rope(k.float(), self._cos[t0:self.length], self._sin[t0:self.length])
+            k_in = unrotate(k.float(), self._cos[t0:self.length], self._sin[t0:self.length])
         if self.paged.static_pending(layer):
             # the first chunk quantized sets the static scales, jointly over the batch, from the
             # same tokens KverrCache quantizes first: the prefill's, sinks and window left out

@@ -102,6 +102,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [..., T, D]`` by tables ``cos, sin [T, D]`` (transformers' half-rotation
+    convention): ``x cos + R(x) sin``. The one RoPE rotation of kverr; :func:`apply_rope`
+    builds the tables from a capture's parameters, the caches take them from the model."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rotate`: ``(cos I + sin R)^-1 = cos I - sin R`` since ``R^2 = -I``
+    (exact only when the tables carry no attention scaling)."""
+    return x * cos - _rotate_half(x) * sin
+
+
 def apply_rope(
     x: torch.Tensor | np.ndarray,
     positions: torch.Tensor | np.ndarray,
@@ -143,8 +156,6 @@ def apply_rope(
         )
     cos, sin = rope_cos_sin(positions, inv_freq, scaling)
     cos, sin = cos.to(xt.dtype), sin.to(xt.dtype)
-    if inverse:
-        sin = -sin
     rot, rest = xt[..., :rotary_dim], xt[..., rotary_dim:]
-    out = rot * cos + _rotate_half(rot) * sin
+    out = (unrotate if inverse else rotate)(rot, cos, sin)
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -167,12 +167,12 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                          device=dev, static_scales=static, dot_fp16=dot_fp16, block_n=block_n,
                          rope=None if rope is None else (rope[0].to(dev), rope[1].to(dev)))
     if rope is not None:
-        from kverr.cache import apply_rope
+        from kverr.rope import rotate
 
         cos, sin = (t.float().cpu() for t in rope)
 
         def post(x):  # [..., t, D] pre-RoPE -> post-RoPE at positions 0..t-1
-            return apply_rope(x.float(), cos[: x.shape[-2]], sin[: x.shape[-2]])
+            return rotate(x.float(), cos[: x.shape[-2]], sin[: x.shape[-2]])
     else:
         def post(x):
             return x
@@ -314,8 +314,7 @@ def _local_positions(ds, q: torch.Tensor, tokens: int, batch: int):
     depend on position differences only, so each sequence's queries are turned back by ``p0_b``
     (a pure rotation, without ``attention_scaling``) and keys and queries stay consistent.
     """
-    from kverr.cache import apply_rope
-    from kverr.rope import parse_rope, rope_cos_sin
+    from kverr.rope import parse_rope, rope_cos_sin, rotate
 
     if "rope" not in ds.attrs:
         raise CaptureError("a key_pre_rope config needs the capture's RoPE parameters (attrs['rope'])")
@@ -331,5 +330,5 @@ def _local_positions(ds, q: torch.Tensor, tokens: int, batch: int):
         raise CaptureError("the captured positions are not consecutive within each validation sequence")
     cos, sin = rope_cos_sin(np.arange(tokens), inv_freq, scaling)
     back_cos, back_sin = rope_cos_sin(-p0[:, 0], inv_freq, 1.0)  # [batch, D]
-    q = torch.stack([apply_rope(q[:, b], back_cos[b], back_sin[b]) for b in range(batch)], dim=1)
+    q = torch.stack([rotate(q[:, b], back_cos[b], back_sin[b]) for b in range(batch)], dim=1)
     return q.contiguous(), (cos, sin)

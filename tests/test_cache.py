@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kverr.cache import KverrCache, apply_rope, undo_rope
+from kverr.cache import KverrCache
 from kverr.config import PRESETS, CacheConfig, Override
 from kverr.errors import ConfigError, ShapeError
 from kverr.memory import ModelShape, account
@@ -23,6 +23,7 @@ from kverr.quant import (
     quantize,
     reconstruct,
 )
+from kverr.rope import rotate, unrotate
 
 from bounds import gamma
 from strategies import configs
@@ -115,7 +116,7 @@ def test_rope_inverse():
     ang = torch.cat([pos[:, None] * inv[None]] * 2, -1)
     cos, sin = ang.cos(), ang.sin()
     x = torch.randn(2, 10, 16, dtype=torch.float64)
-    assert torch.allclose(undo_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-12)
+    assert torch.allclose(unrotate(rotate(x, cos, sin), cos, sin), x, atol=1e-12)
 
 
 def test_cache_rejects_what_does_not_fit():
@@ -189,7 +190,7 @@ def test_pre_rope_keys_are_what_gets_quantized(tiny):
     cache.update(k, k.clone(), 0)
     cache.update(k[:, :, :1], k[:, :, :1], 0)  # move the first chunk into storage view
     cos, sin = rotary(torch.arange(20))
-    expect = apply_rope(reconstruct(undo_rope(k, cos, sin), cfg, layer=0, which="k"), cos, sin)
+    expect = rotate(reconstruct(unrotate(k, cos, sin), cfg, layer=0, which="k"), cos, sin)
     assert torch.allclose(cache.read(0, "k")[:, :, :20], expect, atol=1e-6)
 
 
@@ -259,7 +260,7 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
       (``gamma(n) = n u / (1 - n u)``, u = 2**-24), added over the layers and scaled by the
       log-probs' magnitude (:func:`_logprob_bound`).
     """
-    from kverr.cache import KernelKVCache, apply_rope, cache_for, model_rotary
+    from kverr.cache import KernelKVCache, cache_for, model_rotary
 
     inputs: dict = {}
     reference = _recording(cache_for(model, cfg), record=inputs)
@@ -274,7 +275,7 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
             for which in "kv":
                 held = kc.paged.read(i, which, 0)[None]
                 if which == "k" and cfg.key_pre_rope:
-                    held = apply_rope(held, cos, sin)
+                    held = rotate(held, cos, sin)
                 want = reference.read(i, which)
                 assert torch.equal(held, want), (i, which, int((held != want).sum()))
     assert model.config._attn_implementation == attn  # the model is restored

@@ -167,7 +167,7 @@ def test_decode_pre_rope_keys(kf, wdt):
     its position; the reference applies RoPE to what the oracle reconstructs of the pre-RoPE keys.
     With an int8 window the kernel decodes the window's int8 rows before rotating them."""
     from kverr.rope import default_inv_freq, rope_cos_sin
-    from kverr.cache import apply_rope
+    from kverr.rope import rotate
 
     cfg = CacheConfig(k=kf, v=int_format(4, PerTokenGroup(16)), page_size=P, window=5, sinks=2, key_pre_rope=True,
                       window_dtype=wdt)
@@ -189,8 +189,8 @@ def test_decode_pre_rope_keys(kf, wdt):
     cache.decode(step, 0, qd, out=out)
     kv_map = [h // (Hq // H) for h in range(Hq)]
     for b, n in enumerate(lens):
-        kk = apply_rope(k_pre[0, b, :, :n], cos[:n], sin[:n])
-        kh = apply_rope(reconstruct(k_pre[0, b, :, :n], cfg, layer=0, which="k"), cos[:n], sin[:n])
+        kk = rotate(k_pre[0, b, :, :n], cos[:n], sin[:n])
+        kh = rotate(reconstruct(k_pre[0, b, :, :n], cfg, layer=0, which="k"), cos[:n], sin[:n])
         vv = v[0, b, :, :n]
         ref, clean, _ = reference_decode(qd[b], kk, vv, kh, reconstruct(vv, cfg, layer=0, which="v"), kv_map)
         assert rel_rms(out[b], ref) <= 1e-3
