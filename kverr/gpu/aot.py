@@ -259,17 +259,14 @@ def covering(jobs: list[tuple]) -> list[tuple]:
     occurs at least once (greedy set cover: the specialisation with the most values not yet
     covered first, so the heaviest combinations -- rotated, pre-RoPE, int8-window tails -- come
     in early). Not every combination, but every code path of every kernel is compiled."""
-    def features(job):
-        kname, _, _, _, cx = job
-        return {(kname, key, value) for key, value in cx.items()}
-
-    todo = set().union(*(features(j) for j in jobs)) if jobs else set()
-    chosen = []
+    feats = [{(kname, key, value) for key, value in cx.items()} for kname, _, _, _, cx in jobs]
+    todo = set().union(*feats)
+    chosen: set[int] = set()
     while todo:
-        best = max(jobs, key=lambda j: len(features(j) & todo))
-        chosen.append(best)
-        todo -= features(best)
-    return [j for j in jobs if any(j is c for c in chosen)]  # in the original order
+        best = max(range(len(jobs)), key=lambda i: len(feats[i] & todo))
+        chosen.add(best)
+        todo -= feats[best]
+    return [j for i, j in enumerate(jobs) if i in chosen]  # in the original order
 
 
 def compile_all(arch: int, *, full: bool = False, cover: bool = False, D: int = 128, P: int = 64, rep: int = 4,
