@@ -85,10 +85,6 @@ def test_default_capture_is_the_models_own_state(smol, smol_capture):
         assert (np.abs(got - expected) <= bound).all(), f"layer {i}: {np.abs(got - expected).max()}"
 
 
-#: Capture attrs that decide its float32 rounding besides the CPU (see float_environment).
-_STACK = ("torch_version", "transformers_version", "cpu_capability", "mkl_cbwr", "blas")
-
-
 @pytest.mark.slow
 def test_data_capture_is_reproducible_bit_for_bit(smol, tmp_path):
     """data/ holds exactly what its documented command produces, on any x86-64 processor.
@@ -105,7 +101,7 @@ def test_data_capture_is_reproducible_bit_for_bit(smol, tmp_path):
     import subprocess
     import sys
 
-    from kverr.capture import REPRODUCIBLE_FLOAT_ENV
+    from kverr.capture import NUMERICS_ATTRS, REPRODUCIBLE_FLOAT_ENV
 
     committed = open_capture(DATA)
     assert list(committed.layer.values) == [0, 15, 29] and committed.sizes["token"] == 512
@@ -124,7 +120,7 @@ def test_data_capture_is_reproducible_bit_for_bit(smol, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     fresh = open_capture(out)
     assert fresh.attrs["cpu_capability"] == "DEFAULT" and fresh.attrs["mkl_cbwr"] == "COMPATIBLE"
-    same_stack = all(a[key] == fresh.attrs[key] for key in _STACK)
+    same_stack = all(a[key] == fresh.attrs[key] for key in NUMERICS_ATTRS)
     for var in ("q", "k_pre", "k", "v"):
         if same_stack:
             assert np.array_equal(committed[var].values, fresh[var].values), var

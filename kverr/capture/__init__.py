@@ -18,6 +18,7 @@ from __future__ import annotations
 from .hooks import STORAGE_DTYPES, attention_modules, capture, capture_to_zarr
 from .model import (
     DEFAULT_MODEL_ID,
+    NUMERICS_ATTRS,
     REPRODUCIBLE_FLOAT_ENV,
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
@@ -31,6 +32,7 @@ from .text import Text, load_text, tokenize
 
 __all__ = [
     "DEFAULT_MODEL_ID",
+    "NUMERICS_ATTRS",
     "REPRODUCIBLE_FLOAT_ENV",
     "STORAGE_DTYPES",
     "SUPPORTED_MODEL_TYPES",

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_GGUF",
     "DEFAULT_MODEL_ID",
+    "NUMERICS_ATTRS",
     "REPRODUCIBLE_FLOAT_ENV",
     "SUPPORTED_MODEL_TYPES",
     "LoadedModel",
@@ -59,6 +60,12 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 #: kernel the library picks, and captures differ between machines in the last bits. Both are
 #: read when torch starts: set them in the environment of the process, not from Python.
 REPRODUCIBLE_FLOAT_ENV: dict[str, str] = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+
+
+#: The capture attrs that decide its float32 rounding besides the processor: two captures of the
+#: same tokens with equal values here are equal bit for bit (under :data:`REPRODUCIBLE_FLOAT_ENV`,
+#: whatever the x86-64 processor).
+NUMERICS_ATTRS: tuple[str, ...] = ("torch_version", "transformers_version", "cpu_capability", "mkl_cbwr", "blas")
 
 
 def float_environment() -> dict[str, str]:

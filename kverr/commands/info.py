@@ -14,6 +14,7 @@ def _disk_bytes(path: Path) -> int:
 
 def summarize(path: str | Path) -> dict[str, Any]:
     """A JSON-able summary of the capture at ``path`` (reads metadata only)."""
+    from kverr.capture.model import NUMERICS_ATTRS
     from kverr.io import open_capture
 
     src = Path(path)
@@ -41,8 +42,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "kverr_version": ds.attrs["kverr_version"],
         "schema_version": int(ds.attrs["schema_version"]),
         "created_utc": ds.attrs.get("created_utc", ""),
-        "stack": {key: ds.attrs.get(key, "") for key in
-                  ("torch_version", "transformers_version", "cpu_capability", "mkl_cbwr", "blas")},
+        "stack": {key: ds.attrs.get(key, "") for key in NUMERICS_ATTRS},
         "disk_bytes": _disk_bytes(src),
     }
 
