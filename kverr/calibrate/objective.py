@@ -87,6 +87,19 @@ def max_queries(n_tokens: int) -> int:
     return max(1, n_tokens - n_tokens // 8)
 
 
+def check_queries(queries: Any, n_tokens: int, option: str = "queries") -> None:
+    """Refuse a number of sampled query positions that a ``n_tokens``-token capture cannot give
+    (1 .. :func:`max_queries`); ``option`` names it in the message (``"--queries"`` in the CLI)."""
+    q_max = max_queries(n_tokens)
+    if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or queries < 1:
+        raise ConfigError(f"{option}={queries!r} must be a whole number of query positions, 1..{q_max}")
+    if queries > q_max:
+        raise ConfigError(
+            f"{option} {queries} is more than the {q_max} positions a {n_tokens}-token capture offers "
+            f"(its last 7/8); give 1..{q_max} or capture more tokens"
+        )
+
+
 def query_positions(n_tokens: int, queries: int) -> np.ndarray:
     """``queries`` distinct positions spread evenly over ``[n_tokens // 8, n_tokens)`` (at most
     :func:`max_queries`)."""

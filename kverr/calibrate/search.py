@@ -34,7 +34,7 @@ from .objective import (
     OBJECTIVES,
     _layer_arrays,
     capture_positions_rope,
-    max_queries,
+    check_queries,
     prepare_layer,
     score_layer,
 )
@@ -475,12 +475,7 @@ def calibrate(
         raise ConfigError(f"context={context} must be a positive number of tokens")
     if not (isinstance(max_bits, (int, float)) and math.isfinite(max_bits) and max_bits > 0):
         raise ConfigError(f"max_bits={max_bits!r} must be a finite positive number of bits")
-    q_max = max_queries(n_tok)
-    if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or not 1 <= queries <= q_max:
-        raise ConfigError(
-            f"queries={queries!r} sampled query positions per layer: a {n_tok}-token capture has "
-            f"{q_max} to sample from (the last 7/8 of it); give 1..{q_max}"
-        )
+    check_queries(queries, n_tok)
     options = tuple(options)
     if not options or len(set(options)) != len(options):
         raise ConfigError("give at least one outer option, without duplicates")

@@ -44,7 +44,7 @@ def parse_layers(spec: str | None, option: str = "--layers") -> list[int] | None
     ``None``, ``""`` and ``"all"`` give None (every layer). Every subcommand that takes
     ``--layers`` parses it here, so the same text selects the same layers everywhere; the
     library function that opens the capture checks that they are in it
-    (:func:`kverr.dims.select_layers`).
+    (:func:`kverr.dims.layer_positions`).
 
     Raises
     ------

@@ -86,7 +86,7 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     from kverr.calibrate import calibrate, check_model_matches, predict
     from kverr.calibrate.export import export
     from kverr.calibrate.plots import plot_frontier
-    from kverr.calibrate.objective import max_queries
+    from kverr.calibrate.objective import check_queries
     from kverr.calibrate.search import check_budget, outer_options
     from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
     from kverr.config import atomic_write_text
@@ -108,9 +108,7 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     context = prefill + decode
     check_budget(budget, n_layers=shape.n_layers, n_kv=shape.n_kv_heads, head_dim=shape.head_dim,
                  context=context, context_from="--prefill + --decode")
-    if queries > max_queries(tokens):
-        raise ConfigError(f"--queries {queries} is more than the {max_queries(tokens)} positions a "
-                          f"{tokens}-token capture offers (its last 7/8); give 1..{max_queries(tokens)} or more --tokens")
+    check_queries(queries, tokens, "--queries")
     text = load_text("pydoc")
     try:
         held = load_text(eval_text or heldout_text_path())
