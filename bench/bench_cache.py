@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from bench_quant import machine
-from kverr.capture import load_model, load_text, tokenize
-from kverr.evaluate import Scheme, _cache_kwarg, make_cache, parse_schemes
+from kverr.capturing import load_model, load_text, tokenize
+from kverr.evaluation import Scheme, _cache_kwarg, make_cache, parse_schemes
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from kverr.calibrate import calibrate
+    from kverr.calibration import calibrate
     from kverr.io import open_capture
 
     cap = open_capture(args.capture)

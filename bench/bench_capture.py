@@ -1,7 +1,7 @@
 """Benchmark: capture throughput as a ratio to the model's plain forward on the same tokens.
 
 The floor is the plain forward of the default model's base (no LM head, no cache, explicit
-positions): exactly the call :func:`kverr.capture.capture` makes, without the hooks. Both run on
+positions): exactly the call :func:`kverr.capturing.capture` makes, without the hooks. Both run on
 the same token ids in the same process, interleaved (forward, capture, forward, capture, ...)
 after one warm-up of each, so that machine noise hits both alike; the ratio of the medians is
 the figure of merit (target: capture <= 1.5x forward, all layers, writing excluded).
@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kverr.capture import capture, load_model, load_text, tokenize  # noqa: E402
-from kverr.capture.hooks import _base_model  # noqa: E402
+from kverr.capturing import capture, load_model, load_text, tokenize  # noqa: E402
+from kverr.capturing.hooks import _base_model  # noqa: E402
 from kverr.io import write_dataset  # noqa: E402
 
 

@@ -10,8 +10,8 @@ Usage::
 on (one row per scheme; effective bits counted at prefill + decode tokens), or its per-segment
 CSV with ``--segment`` choosing one segment (or ``--segment all``: mean over the segments each
 scheme has); several CSVs are concatenated. For every scheme the script computes the calibration
-objective (:func:`kverr.calibrate.predict`) of the config that scheme stores (quanto peers:
-:meth:`kverr.evaluate.Scheme.equivalent_config`) on the calibration capture -- the ``kl``
+objective (:func:`kverr.calibration.predict`) of the config that scheme stores (quanto peers:
+:meth:`kverr.evaluation.Scheme.equivalent_config`) on the calibration capture -- the ``kl``
 objective (predicted KL in nats) with the layer sensitivities recorded in the provenance of
 ``--weights-from``, else the equal-weight ``rel`` objective -- then writes
 
@@ -49,9 +49,9 @@ def main() -> None:
     from scipy.stats import kendalltau, spearmanr
 
     torch.set_num_threads(1)
-    from kverr.calibrate import predict
+    from kverr.calibration import predict
     from kverr.config import PRESETS, CacheConfig
-    from kverr.evaluate import PEERS, Scheme
+    from kverr.evaluation import PEERS, Scheme
     from kverr.io import open_capture
 
     ev = pd.concat([pd.read_csv(p) for p in args.eval_csv], ignore_index=True)
@@ -63,7 +63,7 @@ def main() -> None:
             ppl_delta=("ppl_delta", "mean"), segments=("segment", "nunique")).reset_index()
     weights, weights_v, objective = None, None, "rel_attn_out_sq"
     if args.weights_from:
-        from kverr.calibrate import Sensitivity
+        from kverr.calibration import Sensitivity
 
         sens = Sensitivity.from_dict(CacheConfig.load(args.weights_from).provenance["sensitivity"])
         weights, weights_v, objective = sens.weights_k, sens.weights_v, "predicted_kl"

@@ -22,7 +22,7 @@ import pandas as pd
 def main() -> None:
     out, old, *runs = sys.argv[1:]
     from kverr.config import PRESETS
-    from kverr.evaluate import PEERS
+    from kverr.evaluation import PEERS
 
     o = pd.read_csv(old)
     frames = [o[o.scheme.isin([*PRESETS, *PEERS])]] + [pd.read_csv(p) for p in runs]

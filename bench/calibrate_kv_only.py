@@ -45,7 +45,7 @@ def ratios(eval_csv: str, capture: str, paths: list[str]) -> None:
     import numpy as np
     import pandas as pd
 
-    from kverr.calibrate import Sensitivity, predict
+    from kverr.calibration import Sensitivity, predict
     from kverr.config import CacheConfig
     from kverr.io import open_capture
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kverr.calibrate import calibrate
-from kverr.calibrate.candidates import default_candidates
-from kverr.calibrate.search import outer_options
+from kverr.calibration import calibrate
+from kverr.calibration.candidates import default_candidates
+from kverr.calibration.search import outer_options
 from kverr.io import open_capture
 from kverr.quant import is_static
 

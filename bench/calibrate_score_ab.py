@@ -1,15 +1,15 @@
 """A/B of one layer's scoring: the per-format reconstruct path (objective.py of commit 7c7ba22,
-saved to /tmp/kv/old_objective.py with `git show 7c7ba22:kverr/calibrate/objective.py`) against
+saved to /tmp/kv/old_objective.py with `git show 7c7ba22:kverr/calibration/objective.py`) against
 the shared reconstruction; checks the damage tables are identical and prints CPU seconds."""
 import sys, time, importlib.util, torch, numpy as np
 torch.set_num_threads(1)
 sys.path.insert(0, "/tmp/kv")
-spec = importlib.util.spec_from_file_location("kverr.calibrate.old_objective", "/tmp/kv/old_objective.py")
+spec = importlib.util.spec_from_file_location("kverr.calibration.old_objective", "/tmp/kv/old_objective.py")
 old = importlib.util.module_from_spec(spec); sys.modules[spec.name] = old; spec.loader.exec_module(old)
-from kverr.calibrate import objective as new
+from kverr.calibration import objective as new
 from kverr.io import open_capture
-from kverr.calibrate.search import DEFAULT_OPTIONS
-from kverr.calibrate.candidates import default_candidates
+from kverr.calibration.search import DEFAULT_OPTIONS
+from kverr.calibration.candidates import default_candidates
 cap = open_capture('/tmp/kv/pydoc-4096.zarr'); c = default_candidates(64)
 pos, rope = new.capture_positions_rope(cap)
 res = {"old": [], "new": []}

@@ -5,7 +5,7 @@ Usage: python bench/calibrate_sensitivity_eps.py  (needs /tmp/kv/pydoc-4096.zarr
 """
 import numpy as np
 from kverr.io import open_capture
-from kverr.calibrate.sensitivity import sensitivity_for_capture
+from kverr.calibration.sensitivity import sensitivity_for_capture
 np.set_printoptions(precision=4, linewidth=160)
 cap = open_capture('/tmp/kv/pydoc-4096.zarr')
 for eps in ((0.1, 0.2), (0.2, 0.4)):

@@ -5,7 +5,7 @@ Usage::
 
     python bench/calibrate_sensitivity_kv.py CAPTURE OUT_PREFIX   (e.g. /tmp/kv/pydoc-4096.zarr, see data/README.md)
 
-Writes ``OUT_PREFIX.txt`` (the table printed) and ``OUT_PREFIX.json`` (both :class:`kverr.calibrate.Sensitivity` records) and prints, per
+Writes ``OUT_PREFIX.txt`` (the table printed) and ``OUT_PREFIX.json`` (both :class:`kverr.calibration.Sensitivity` records) and prints, per
 layer, the o_proj weight, the key and value weights and their ratio, and the quadratic checks.
 The kv measurement spares the first 4 tokens (the sinks of the default outer options).
 """
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from kverr.calibrate.sensitivity import sensitivity_for_capture
+from kverr.calibration.sensitivity import sensitivity_for_capture
 from kverr.io import open_capture
 
 

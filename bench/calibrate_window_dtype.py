@@ -6,7 +6,7 @@ same 78 candidates (static scales included) and outer options twice, the window 
 fp16 (one sensitivity measurement, reused), and prints the best predicted KL of each frontier at
 a grid of effective bits, their ratio, and where the int8 frontier stops being the lower one.
 The objective leaves the window's own rounding out, so the crossover it shows is an upper bound
-for the int8 window's useful range (:data:`kverr.calibrate.candidates.INT8_WINDOW_BELOW_BITS`).
+for the int8 window's useful range (:data:`kverr.calibration.candidates.INT8_WINDOW_BELOW_BITS`).
 
 Usage::
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kverr.calibrate import calibrate
-from kverr.calibrate.candidates import INT8_WINDOW_BELOW_BITS, default_candidates
-from kverr.calibrate.search import outer_options
+from kverr.calibration import calibrate
+from kverr.calibration.candidates import INT8_WINDOW_BELOW_BITS, default_candidates
+from kverr.calibration.search import outer_options
 from kverr.config import atomic_write_text
 from kverr.io import open_capture
 

@@ -8,11 +8,11 @@ Usage::
 """
 import time, torch, sys
 torch.set_num_threads(1)
-from kverr.capture import load_text
-from kverr.capture.model import load_model
-from kverr.capture.text import tokenize
+from kverr.capturing import load_text
+from kverr.capturing.model import load_model
+from kverr.capturing.text import tokenize
 from kverr.cache import cache_for
-from kverr.evaluate import teacher_forced
+from kverr.evaluation import teacher_forced
 from kverr.config import CacheConfig
 m = load_model("default")
 ids = tokenize(m.tokenizer, load_text("pydoc"), 1024 + 96, 0)

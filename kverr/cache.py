@@ -10,7 +10,7 @@ beyond the ``window`` most recent are quantized in whole token blocks of the for
 for per-token scales; ``G`` tokens for KIVI-style per-channel key groups; a page for per-page
 scales), so a token moves into quantized storage when its block fills. :meth:`KverrCache.flush`
 quantizes every whole block regardless of the window (the "quantize the prefill" protocol of
-:mod:`kverr.evaluate`). The prefill (the first update) attends to its own fresh values; every
+:mod:`kverr.evaluation`). The prefill (the first update) attends to its own fresh values; every
 later step stores its tokens first and attends to everything as stored, the new tokens included
 -- what a serving engine's decode does, and what the kernel path (:class:`KernelKVCache`) does.
 
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kverr.config import WHICH, CacheConfig
-from kverr.errors import ConfigError, ShapeError
+from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
 from kverr.quant.store import WindowRows
 from kverr.rope import rotate, unrotate
@@ -288,7 +288,7 @@ class KverrCache(Cache):
     @classmethod
     def for_model(cls, model: Any, config: CacheConfig, **kwargs: Any) -> KverrCache:
         """A cache shaped for a transformers causal LM."""
-        from kverr.capture.model import _shape_from_config
+        from kverr.capturing.model import _shape_from_config
 
         n_layers, _, n_kv, head_dim, _ = _shape_from_config(model.config)
         rotary = model_rotary(model) if config.key_pre_rope else None
@@ -407,7 +407,7 @@ class KernelKVCache(Cache):
     """
 
     def __init__(self, model: Any, config: CacheConfig, *, batch: int = 1, max_tokens: int = 4096, **kwargs: Any) -> None:
-        from kverr.capture.model import _shape_from_config
+        from kverr.capturing.model import _shape_from_config
         from kverr.gpu import PagedKVCache
 
         n_layers, n_heads, n_kv, head_dim, _ = _shape_from_config(model.config)
@@ -504,7 +504,7 @@ def cache_for(model: Any, config: CacheConfig, *, backend: str = "auto", **kwarg
 
 def kernels_support(config: CacheConfig) -> bool:
     """Whether the Triton kernels can run ``config`` (all but percentile clips with dynamic scales)."""
-    from kverr.errors import KernelError
+    from kverr.exceptions import KernelError
     from kverr.gpu.spec import kernel_spec
 
     for _, fmt in config._all_formats():

@@ -5,7 +5,7 @@ Each subcommand lives in its own module under :mod:`kverr.commands` and exposes
 Modules are discovered, so adding a subcommand never touches this file. Heavy dependencies are
 imported inside the run functions, so ``kverr --help`` stays fast.
 
-Every :class:`kverr.errors.KverrError` becomes one line on stderr and exit status 2; no traceback.
+Every :class:`kverr.exceptions.KverrError` becomes one line on stderr and exit status 2; no traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 
 from kverr import __version__
-from kverr.errors import KverrError
+from kverr.exceptions import KverrError
 
 log = logging.getLogger("kverr")
 

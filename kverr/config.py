@@ -9,7 +9,7 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 aligned to ``align`` bytes.
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
-formats or values raise :class:`kverr.errors.ConfigError` naming the field, the value and what is
+formats or values raise :class:`kverr.exceptions.ConfigError` naming the field, the value and what is
 allowed. The presets of today's formats are in :data:`PRESETS`.
 
 JSON layout::
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 from kverr.quant.formats import (
     WINDOW_DTYPES,
     PerChannel,

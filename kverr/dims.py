@@ -58,10 +58,10 @@ def layer_positions(have, wanted) -> list[int]:
 
     Raises
     ------
-    kverr.errors.ShapeError
+    kverr.exceptions.ShapeError
         A wanted layer is not in ``have``; the message lists the layers there are.
     """
-    from kverr.errors import ShapeError
+    from kverr.exceptions import ShapeError
 
     index = {int(x): i for i, x in enumerate(have)}
     bad = [int(x) for x in wanted if int(x) not in index]

@@ -15,7 +15,7 @@ A capture dataset (see :mod:`kverr.dims` for its variables and dims) carries the
     Provenance.
 ``cpu_capability``, ``mkl_cbwr``, ``blas``
     What decided the rounding of the capture's float32 arithmetic
-    (:func:`kverr.capture.float_environment`; absent in captures made before it was recorded).
+    (:func:`kverr.capturing.float_environment`; absent in captures made before it was recorded).
 
 and the coordinates ``kv_head_of_q`` (q_head), ``sliding_window`` and ``attn_scale`` (layer).
 
@@ -27,10 +27,10 @@ write to the same target removes once its process ``PID`` on this host ``HOST`` 
 exports) are written the same way. :func:`check_output_path` checks an output before any long
 work: that it does not exist (or may be replaced), that it is not a directory where a file is
 expected, and that its folder is writable. A write that fails anyway (disk full, permissions
-changed meanwhile) raises :class:`~kverr.errors.OutputError` and leaves nothing behind.
+changed meanwhile) raises :class:`~kverr.exceptions.OutputError` and leaves nothing behind.
 
 Capture data is read lazily; a chunk that cannot be read or decoded (a damaged or unreadable
-store) raises :class:`~kverr.errors.CaptureError` naming the capture, whichever computation
+store) raises :class:`~kverr.exceptions.CaptureError` naming the capture, whichever computation
 reads it.
 """
 
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kverr.dims import CAPTURE_VARS, KV_HEAD_OF_Q, LAYER, Q_HEAD, SCHEMA_VERSION, TOKEN
-from kverr.errors import CaptureError, KverrError, OutputError, OutputExistsError
+from kverr.exceptions import CaptureError, KverrError, OutputError, OutputExistsError
 
 log = logging.getLogger(__name__)
 
@@ -557,13 +557,13 @@ def check_finite(ds: Any, names: tuple[str, ...] = ("q", "k_pre", "k", "v")) -> 
 
     Raises
     ------
-    kverr.errors.NonFiniteError
+    kverr.exceptions.NonFiniteError
         Naming the variable, how many values are not finite, and the coordinates of the first
         one: layer (its index in the model), head, token and channel.
     """
     import numpy as np
 
-    from kverr.errors import NonFiniteError
+    from kverr.exceptions import NonFiniteError
 
     for name in names:
         if name not in ds.data_vars:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kverr.config import WHICH, CacheConfig
-from kverr.errors import ConfigError, ModelError, ShapeError
+from kverr.exceptions import ConfigError, ModelError, ShapeError
 from kverr.quant.formats import QuantFormat, is_static, window_format
 from kverr.quant.reference import block_shape, codes_nbytes, scale_shape
 from kverr.quant.store import align_up, token_regions

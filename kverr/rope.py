@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.errors import ShapeError
+from kverr.exceptions import ShapeError
 
 __all__ = ["apply_rope", "default_inv_freq", "parse_rope", "rope_cos_sin"]
 

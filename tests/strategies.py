@@ -7,7 +7,7 @@ import torch
 from hypothesis import strategies as st
 
 from kverr.config import CacheConfig, Override
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 from kverr.quant import (
     AbsMax,
     MSEClip,

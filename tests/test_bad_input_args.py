@@ -46,8 +46,8 @@ def no_work(*_a, **_k):
 def tiny(tmp_path_factory):
     """A tiny random Llama (3 layers, 2 kv heads, head dim 64), its captures of every layer
     (160 tokens) and of layers 0 and 2, and a text file."""
-    from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
-    from kverr.capture.tiny import make_tiny_model
+    from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
+    from kverr.capturing.tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("bad")
     model = make_tiny_model(d / "m", "llama")
@@ -91,7 +91,7 @@ def test_float_options_must_be_finite_and_positive(capsys, argv):
 # 2 -----------------------------------------------------------------------------------------------
 
 def test_counts_out_of_range_are_refused_before_any_computation(tiny, tmp_path, capsys, monkeypatch):
-    import kverr.calibrate.search as search
+    import kverr.calibration.search as search
     import kverr.error.xr as xr_mod
 
     monkeypatch.setattr(search, "score", no_work)
@@ -122,7 +122,7 @@ def test_counts_out_of_range_are_refused_before_any_computation(tiny, tmp_path, 
     ("q", (1, 3, 100, 7), -np.inf, "layer 1, q_head 3, token 100, channel 7"),
 ])
 def test_non_finite_values_are_named_by_variable_and_coordinates(tiny, tmp_path, capsys, name, index, value, where):
-    from kverr.errors import NonFiniteError
+    from kverr.exceptions import NonFiniteError
     from kverr.io import check_finite, open_capture
 
     bad = _damaged(tiny, tmp_path, name, index, value)
@@ -146,7 +146,7 @@ def test_non_finite_values_are_named_by_variable_and_coordinates(tiny, tmp_path,
 # 4 -----------------------------------------------------------------------------------------------
 
 def test_calibrate_refuses_nan_before_scoring_and_sensitivity(tiny, tmp_path, capsys, monkeypatch):
-    import kverr.calibrate.search as search
+    import kverr.calibration.search as search
 
     monkeypatch.setattr(search, "score", no_work)
     monkeypatch.setattr(search, "check_capture_model", no_work)
@@ -160,9 +160,9 @@ def test_calibrate_refuses_nan_before_scoring_and_sensitivity(tiny, tmp_path, ca
 # 5 -----------------------------------------------------------------------------------------------
 
 def test_layers_are_layer_indices_in_every_command(tiny, tmp_path, capsys, monkeypatch):
-    import kverr.validate as kv
+    import kverr.validation as kv
     from kverr.commands._common import parse_layers
-    from kverr.errors import ConfigError
+    from kverr.exceptions import ConfigError
 
     assert parse_layers("0-2,5") == [0, 1, 2, 5] and parse_layers("all") is None
     with pytest.raises(ConfigError, match="runs backwards"):
@@ -224,7 +224,7 @@ def test_short_capture_and_decode_steps_state_the_real_limit(tiny, tmp_path, cap
     (["--tokens", "16", "--queries", "32"], "--queries 32 is more than the 14 positions"),
 ])
 def test_demo_checks_every_argument_before_any_work(tiny, tmp_path, capsys, monkeypatch, extra, message):
-    import kverr.capture as kc
+    import kverr.capturing as kc
 
     monkeypatch.setattr(kc, "capture_to_zarr", no_work)
     out = tmp_path / "out"
@@ -238,9 +238,9 @@ def test_demo_checks_every_argument_before_any_work(tiny, tmp_path, capsys, monk
 # 9 -----------------------------------------------------------------------------------------------
 
 def test_evaluate_checks_segment_lengths_first_and_tokenizes_once(tiny, tmp_path, capsys, monkeypatch):
-    import kverr.evaluate as ev
-    from kverr.capture import load_text
-    from kverr.errors import TextError
+    import kverr.evaluation as ev
+    from kverr.capturing import load_text
+    from kverr.exceptions import TextError
 
     monkeypatch.setattr(ev, "teacher_forced", no_work)
     out = tmp_path / "r.csv"
@@ -316,9 +316,9 @@ def test_calibrate_summary_wording_and_no_bar_clutter(tiny, tmp_path, capsys):
 # 14 ----------------------------------------------------------------------------------------------
 
 def test_evaluate_reports_the_bits_of_the_cache_the_run_held(tiny):
-    from kverr.capture.text import Text
+    from kverr.capturing.text import Text
     from kverr.config import PRESETS
-    from kverr.evaluate import evaluate, parse_schemes
+    from kverr.evaluation import evaluate, parse_schemes
     from kverr.memory import ModelShape, account
 
     lm = tiny["loaded"]

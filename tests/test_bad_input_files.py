@@ -1,7 +1,7 @@
 """Bad files and outputs: each gives one line on stderr, exit status 2 and nothing half-written.
 
 The captures are small synthetic ones (``test_io.synthetic_capture``), so no model is loaded
-except where a command needs one (the tiny random model of :mod:`kverr.capture.tiny`).
+except where a command needs one (the tiny random model of :mod:`kverr.capturing.tiny`).
 """
 
 from __future__ import annotations
@@ -177,13 +177,13 @@ def test_an_unreadable_capture_is_one_clean_line(capsys, monkeypatch, tmp_path, 
 
 def _no_work(monkeypatch):
     """Make every long step fail loudly, so a refusal must come before it."""
-    import kverr.capture
+    import kverr.capturing
     import kverr.io
 
     def forbidden(*a, **k):
         raise AssertionError("work started before the output was checked")
 
-    monkeypatch.setattr(kverr.capture, "load_model", forbidden)
+    monkeypatch.setattr(kverr.capturing, "load_model", forbidden)
     monkeypatch.setattr(kverr.io, "open_capture", forbidden)
 
 
@@ -455,9 +455,9 @@ def test_a_config_calibrated_on_another_model_is_refused(capsys, monkeypatch, tm
         "export-hf": ["export", foreign_config, "--format", "hf", "--model", model, "--out", out / "e"],
         "evaluate": ["evaluate", "--config", foreign_config, "--model", model, "--out", out / "ev.csv"],
     }[command]
-    import kverr.capture
+    import kverr.capturing
 
-    monkeypatch.setattr(kverr.capture, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kverr.capturing, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     code, _, err = run(capsys, *argv)
     one_line_error(code, err, "'calibrated-elsewhere' was calibrated on a capture of 'other/model'",
                    "calibrate on a capture of this model")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kverr.cache import KverrCache
 from kverr.config import PRESETS, CacheConfig, Override
-from kverr.errors import ConfigError, ShapeError
+from kverr.exceptions import ConfigError, ShapeError
 from kverr.memory import ModelShape, account
 from kverr.quant import (
     PerChannel,
@@ -138,14 +138,14 @@ def test_cache_rejects_what_does_not_fit():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from kverr.capture import load_model
-    from kverr.capture.tiny import make_tiny_model
+    from kverr.capturing import load_model
+    from kverr.capturing.tiny import make_tiny_model
 
     return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama")))
 
 
 def _logits(model, cache, ids, prefill):
-    from kverr.evaluate import teacher_forced
+    from kverr.evaluation import teacher_forced
 
     return teacher_forced(model, cache, ids, prefill, flush=False)
 
@@ -230,7 +230,7 @@ def _recording(cache, record=None, force=None):
 
 
 def _chunked_logprobs(model, cache, ids, chunks):
-    from kverr.evaluate import _cache_kwarg
+    from kverr.evaluation import _cache_kwarg
 
     out, t, kw = [], 0, _cache_kwarg(model)
     with torch.no_grad():

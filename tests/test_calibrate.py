@@ -12,11 +12,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kverr.calibrate import OuterOption, brute_force, calibrate, check_model_matches, predict, solve
-from kverr.calibrate.candidates import default_candidates, head_bytes
-from kverr.calibrate.objective import key_damage, prepare_layer, value_damage
+from kverr.calibration import OuterOption, brute_force, calibrate, check_model_matches, predict, solve
+from kverr.calibration.candidates import default_candidates, head_bytes
+from kverr.calibration.objective import key_damage, prepare_layer, value_damage
 from kverr.config import CacheConfig
-from kverr.errors import CaptureError, ConfigError
+from kverr.exceptions import CaptureError, ConfigError
 from kverr.memory import ModelShape, account
 from kverr.quant import PerChannel, PerHead, PerToken, PerTokenGroup, float_format, fp8_format, int_format
 
@@ -145,7 +145,7 @@ def test_objective_sanity_more_bits_less_damage_and_zero_error_zero_damage():
     z = torch.zeros_like(k)
     assert np.all(key_damage(prep, z, [OuterOption()]) == 0)
     assert np.all(value_damage(prep, z, [OuterOption()]) == 0)
-    from kverr.calibrate.objective import key_error, value_error
+    from kverr.calibration.objective import key_error, value_error
 
     def _errors_both(prep, f, _pre, _page, _wd):
         cfg = CacheConfig(k=f, v=f)
@@ -188,8 +188,8 @@ SMALL = (int_format(2, PerToken()), int_format(4, PerTokenGroup(16)), int_format
 
 @pytest.fixture(scope="module")
 def tiny_capture(tmp_path_factory):
-    from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
-    from kverr.capture.tiny import make_tiny_model
+    from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
+    from kverr.capturing.tiny import make_tiny_model
     from kverr.io import open_capture
 
     d = tmp_path_factory.mktemp("cal")
@@ -245,7 +245,7 @@ def test_window_dtype_rule_and_scores_of_another_window_dtype_are_refused(tiny_c
     """``auto`` keeps int8 windows below INT8_WINDOW_BELOW_BITS, fp16 from there on; an int8
     window costs fewer bytes for the same formats; damage tables are tied to the dtype the cache
     received its input in."""
-    from kverr.calibrate.candidates import INT8_WINDOW_BELOW_BITS, window_dtype_for_budget
+    from kverr.calibration.candidates import INT8_WINDOW_BELOW_BITS, window_dtype_for_budget
 
     assert window_dtype_for_budget(INT8_WINDOW_BELOW_BITS - 0.01) == "int8"
     assert window_dtype_for_budget(INT8_WINDOW_BELOW_BITS) == "fp16"
@@ -299,7 +299,7 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
     # --candidates auto: static per-channel scales below 3.5 bits only; the search at 4 bits reuses
     # the 3-bit run's tables (same window dtype), every search its sensitivity; the 5-bit config
     # equals a run with the dynamic set alone
-    from kverr.calibrate.candidates import STATIC_BELOW_BITS, default_candidates
+    from kverr.calibration.candidates import STATIC_BELOW_BITS, default_candidates
     from kverr.quant import is_static
 
     assert 3 < STATIC_BELOW_BITS < 5
@@ -332,10 +332,10 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     """`kverr calibrate` tries the library's default (sinks, window) pairs (S0/R0, S4/R16, S4/R32,
     S4/R64), with pre-RoPE keys when the capture has them (--key-rope both: each post and pre);
     --sinks/--window cross instead."""
-    import kverr.calibrate as kc
-    from kverr.calibrate.candidates import window_dtype_for_budget
-    from kverr.calibrate.objective import DEFAULT_DECODE
-    from kverr.calibrate.search import DEFAULT_OPTIONS
+    import kverr.calibration as kc
+    from kverr.calibration.candidates import window_dtype_for_budget
+    from kverr.calibration.objective import DEFAULT_DECODE
+    from kverr.calibration.search import DEFAULT_OPTIONS
     from kverr.cli import main
 
     seen = []
@@ -363,8 +363,8 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
     capsys.readouterr()
     assert len(DEFAULT_OPTIONS) == 8 and {o.key_pre_rope for o in DEFAULT_OPTIONS} == {False, True}
     # the CLI's literal choices (it does not import the torch-heavy modules to register) are the library's
-    from kverr.calibrate.candidates import CALIBRATION_WINDOW_DTYPES, CANDIDATE_SETS
-    from kverr.calibrate.sensitivity import NOISE_SITES
+    from kverr.calibration.candidates import CALIBRATION_WINDOW_DTYPES, CANDIDATE_SETS
+    from kverr.calibration.sensitivity import NOISE_SITES
     from kverr.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["calibrate"]
@@ -375,8 +375,8 @@ def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, ca
 
 
 def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):
-    from kverr.capture import load_text
-    from kverr.evaluate import Scheme, evaluate
+    from kverr.capturing import load_text
+    from kverr.evaluation import Scheme, evaluate
 
     cap, _, loaded = tiny_capture
     cal = calibrate(cap, 8.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
@@ -397,7 +397,7 @@ def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):
 def test_batched_scoring_equals_one_candidate_at_a_time_and_the_oracle():
     """score_layer (one oracle call per format, K/V/pre-RoPE stacked, damage in batches) gives
     exactly what the one-candidate path through kverr.quant.reconstruct gives."""
-    from kverr.calibrate.objective import key_error, score_layer, value_error
+    from kverr.calibration.objective import key_error, score_layer, value_error
 
     q, k, v, kv_map = _layer(seed=5)
     from kverr.rope import apply_rope, default_inv_freq
@@ -432,7 +432,7 @@ def test_batched_scoring_equals_one_candidate_at_a_time_and_the_oracle():
 def test_sensitivity_runner_reproduces_the_model(tiny_capture):
     """The layer-by-layer runner (clean pass, then layers l.. on the suffix over a cache of the
     prefix) gives the model's own logits; a run from any layer restores the cache."""
-    from kverr.calibrate.sensitivity import _Runner
+    from kverr.calibration.sensitivity import _Runner
 
     cap, _, loaded = tiny_capture
     ids = torch.as_tensor(np.asarray(cap["token_id"].values[:100], dtype=np.int64))
@@ -481,7 +481,7 @@ def test_sensitivity_equals_a_direct_noise_injection(tiny_capture):
     model -- a prompt cache filled by the model itself, the same noise added to layer l's o_proj
     input at the suffix, or to its cached keys (values) past the sinks, the suffix run over it --
     and w = KL / r; small eps is in the linear regime."""
-    from kverr.calibrate.sensitivity import Sensitivity, measure_sensitivity
+    from kverr.calibration.sensitivity import Sensitivity, measure_sensitivity
 
     cap, _, loaded = tiny_capture
     ids = torch.as_tensor(np.asarray(cap["token_id"].values[:120], dtype=np.int64))
@@ -546,7 +546,7 @@ def test_sensitivity_equals_a_direct_noise_injection(tiny_capture):
 def test_kl_objective_with_equal_weights_is_the_rel_objective(tiny_capture):
     """Weights multiply each layer's relative damage: equal weights choose exactly the configs of
     the unweighted objective; a weight concentrated on one layer moves bytes to that layer."""
-    from kverr.calibrate import Sensitivity
+    from kverr.calibration import Sensitivity
 
     cap, _, loaded = tiny_capture
     L = loaded.n_layers
@@ -584,8 +584,8 @@ def test_kl_objective_with_equal_weights_is_the_rel_objective(tiny_capture):
 
 
 def test_kl_objective_refuses_another_model(tiny_capture, tmp_path):
-    from kverr.capture import load_model
-    from kverr.capture.tiny import make_tiny_model
+    from kverr.capturing import load_model
+    from kverr.capturing.tiny import make_tiny_model
 
     cap, _, loaded = tiny_capture
     other = load_model(str(make_tiny_model(tmp_path / "o", "llama", seed=1)))
@@ -623,14 +623,14 @@ def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer,
     """Real keys and values (the bundled capture, layer 0 or 29), every default candidate plus
     static, percentile and symmetric formats, a length that leaves partial token blocks; the
     cache receiving fp16, or int8 rows."""
-    from kverr.calibrate.fastrecon import SharedReconstruct
+    from kverr.calibration.fastrecon import SharedReconstruct
     from kverr.io import open_capture
     from kverr.quant import Percentile
     from kverr.quant.store import reconstruct
 
     cap = open_capture("data/smollm2-pydoc-512.zarr")
     extra = (int_format(4, PerChannel(32), clip=Percentile(99.0)), int_format(4, PerHead(), symmetric=True),
-             int_format(3, PerTokenGroup(16), symmetric=True, clip=__import__("kverr.calibrate.candidates").calibrate
+             int_format(3, PerTokenGroup(16), symmetric=True, clip=__import__("kverr.calibration.candidates").calibrate
                         .candidates.CALIBRATION_MSE_CLIP), float_format("bf16"))
     sel = cap.sel(layer=layer)
     x = torch.cat([torch.as_tensor(sel["k"].values[:, :T]), torch.as_tensor(sel["v"].values[:, :T])])

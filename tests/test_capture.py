@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from kverr.capture import capture, capture_to_zarr, load_model, load_text, model_shape, tokenize
-from kverr.capture.hooks import attention_modules
-from kverr.capture.stats import causal_attention
-from kverr.capture.tiny import TINY_VARIANTS, make_tiny_model
+from kverr.capturing import capture, capture_to_zarr, load_model, load_text, model_shape, tokenize
+from kverr.capturing.hooks import attention_modules
+from kverr.capturing.stats import causal_attention
+from kverr.capturing.tiny import TINY_VARIANTS, make_tiny_model
 from kverr.dims import CAPTURE_VARS, KV_HEAD_OF_Q, SCHEMA_VERSION
-from kverr.errors import CaptureError, DTypeError, ModelError, OutputExistsError, TextError
+from kverr.exceptions import CaptureError, DTypeError, ModelError, OutputExistsError, TextError
 from kverr.io import open_capture
 from kverr.rope import apply_rope, default_inv_freq
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kverr.capture import DEFAULT_MODEL_ID, capture, load_model, load_text, model_shape, tokenize
-from kverr.capture.hooks import attention_modules
-from kverr.capture.model import _converted_default_dir, _sha256_file, default_gguf_path
-from kverr.capture.stats import causal_attention
+from kverr.capturing import DEFAULT_MODEL_ID, capture, load_model, load_text, model_shape, tokenize
+from kverr.capturing.hooks import attention_modules
+from kverr.capturing.model import _converted_default_dir, _sha256_file, default_gguf_path
+from kverr.capturing.stats import causal_attention
 from kverr.dims import KV_HEAD_OF_Q
 from kverr.io import open_capture
 from kverr.rope import apply_rope, default_inv_freq
@@ -101,7 +101,7 @@ def test_data_capture_is_reproducible_bit_for_bit(smol, tmp_path):
     import subprocess
     import sys
 
-    from kverr.capture import NUMERICS_ATTRS, REPRODUCIBLE_FLOAT_ENV
+    from kverr.capturing import NUMERICS_ATTRS, REPRODUCIBLE_FLOAT_ENV
 
     committed = open_capture(DATA)
     assert list(committed.layer.values) == [0, 15, 29] and committed.sizes["token"] == 512

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 
 from kverr.config import PRESETS, CacheConfig, Override, resolve
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 from kverr.quant import PerChannel, PerTensor, PerToken, PerTokenGroup, QuantFormat, fp8_format, int_format
 
 from strategies import configs

@@ -8,7 +8,7 @@ from kverr.config import CacheConfig
 
 
 def test_demo_pipeline_on_a_tiny_model(tmp_path):
-    from kverr.capture.tiny import make_tiny_model
+    from kverr.capturing.tiny import make_tiny_model
     from kverr.commands.demo import run_demo
 
     model = make_tiny_model(tmp_path / "m", "llama")

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kverr.error import QUERY_METRICS, decompose, decompose_stream
-from kverr.errors import DTypeError, NonFiniteError, ShapeError
+from kverr.exceptions import DTypeError, NonFiniteError, ShapeError
 
 # ---------------------------------------------------------------------------------------------
 # naive float64 reference (definitions only)

@@ -15,7 +15,7 @@ import xarray as xr
 
 from kverr.config import PRESETS, CacheConfig, resolve
 from kverr.error import QUERY_METRICS, decompose_capture, decompose_stream
-from kverr.errors import CaptureError, ConfigError, ShapeError
+from kverr.exceptions import CaptureError, ConfigError, ShapeError
 from kverr.quant import PerTokenGroup, int_format, reconstruct
 from kverr.rope import apply_rope, default_inv_freq
 

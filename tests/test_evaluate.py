@@ -8,18 +8,18 @@ import pandas as pd
 import pytest
 import torch
 
-from kverr.capture import load_model
-from kverr.capture.text import Text
+from kverr.capturing import load_model
+from kverr.capturing.text import Text
 from kverr.cli import main
 from kverr.config import PRESETS, CacheConfig, Override
-from kverr.errors import ConfigError, TextError
-from kverr.evaluate import compare, evaluate, first_divergence, parse_schemes, summarize
+from kverr.exceptions import ConfigError, TextError
+from kverr.evaluation import compare, evaluate, first_divergence, parse_schemes, summarize
 from kverr.quant import float_format
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from kverr.capture.tiny import make_tiny_model
+    from kverr.capturing.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama")
     return path, load_model(str(path))
@@ -62,7 +62,7 @@ def test_parse_schemes():
 def test_full_precision_scheme_is_lossless_and_quantized_ones_are_not(tiny):
     _, lm = tiny
     lossless = CacheConfig(k=float_format("fp32"), v=float_format("fp32"), window_dtype="fp32", name="fp32")
-    from kverr.evaluate import Scheme
+    from kverr.evaluation import Scheme
 
     schemes = [Scheme("fp32", "kverr", lossless), *parse_schemes(["kivi-2", "quanto-int2"])]
     df = evaluate(lm, _text(), schemes, prefill=[48], decode=12, segments=2, offset=0, progress=False)
@@ -98,7 +98,7 @@ def test_cli_writes_csv_plot_and_segments(tiny, tmp_path, capsys):
 
 def test_bad_input_fails_before_any_model_work(tiny, tmp_path, capsys, monkeypatch):
     path, lm = tiny
-    import kverr.evaluate as ev
+    import kverr.evaluation as ev
 
     def no_model_work(*a, **k):
         raise AssertionError("model work started")
@@ -107,7 +107,7 @@ def test_bad_input_fails_before_any_model_work(tiny, tmp_path, capsys, monkeypat
     with pytest.raises(TextError, match=r"1 segment\(s\) of prefill 500 \+ decode 8 \+ 1 tokens from offset 0 need 509 tokens: words has"):
         evaluate(lm, _text(200), parse_schemes(["q4_0"]), prefill=[500], decode=8, offset=0, progress=False)
     bad = PRESETS["q4_0"].with_(layers={7: Override(k=float_format())})
-    from kverr.evaluate import Scheme
+    from kverr.evaluation import Scheme
 
     with pytest.raises(ConfigError, match="layers.7 overrides a layer the model does not have"):
         evaluate(lm, _text(), [Scheme("bad", "kverr", bad)], prefill=[40], decode=8, progress=False)
@@ -122,7 +122,7 @@ def test_bad_input_fails_before_any_model_work(tiny, tmp_path, capsys, monkeypat
 @pytest.mark.slow
 def test_int4_g64_matches_quanto_int4_on_the_bundled_model():
     """Same format, other implementation: the same damage, on real text in the real model."""
-    from kverr.capture import load_text
+    from kverr.capturing import load_text
 
     lm = load_model("default")
     df = evaluate(lm, load_text("pydoc"), parse_schemes(["int4-token-g64", "quanto-int4", "kivi-4"]),

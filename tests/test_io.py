@@ -15,7 +15,7 @@ import xarray as xr
 
 import kverr.io as kio
 from kverr.dims import CAPTURE_VARS, KV_HEAD_OF_Q, SCHEMA_VERSION
-from kverr.errors import CaptureError, OutputExistsError
+from kverr.exceptions import CaptureError, OutputExistsError
 from kverr.io import open_capture, rope_params, validate_capture, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kverr.config import CacheConfig, Override
-from kverr.errors import KernelError
+from kverr.exceptions import KernelError
 from kverr.gpu import PagedKVCache, calibrate_static_scales
 from kverr.quant import (
     MSEClip, PerChannel, PerHead, PerPage, PerToken, PerTokenGroup, float_format, fp8_format, int_format, reconstruct,
 )
-from kverr.validate import reference_decode, rel_rms, validate_arrays
+from kverr.validation import reference_decode, rel_rms, validate_arrays
 
 # The kernels against the oracle's torch arithmetic: the tests marked float_order run again
 # under ATen's baseline kernels in `make test`.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kverr.config import CacheConfig
-from kverr.errors import KernelError, ShapeError
+from kverr.exceptions import KernelError, ShapeError
 from kverr.gpu import PagedKVCache, calibrate_static_scales
 from kverr.quant import (
     MSEClip,
@@ -274,7 +274,7 @@ def test_static_scales_set_later_and_refused_until_set():
     """static_scales="first": the head groups wait for set_static_scales (each once); a store
     before that, a second set, or an unknown key are refused; once set, the cache stores exactly
     what it stores with the same scales given up front."""
-    from kverr.errors import ConfigError, KernelError
+    from kverr.exceptions import ConfigError, KernelError
 
     cfg = CacheConfig(k=int_format(4, PerChannel(None), symmetric=True), v=int_format(8, PerToken()),
                       page_size=P, window=4, sinks=2)

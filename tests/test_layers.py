@@ -47,10 +47,10 @@ def test_kernels_import_only_triton_and_each_other():
 
 
 @pytest.mark.parametrize("folder, forbidden", [
-    ("kverr/gpu", ("kverr.calibrate", "kverr.evaluate", "kverr.cli", "kverr.commands", "kverr.capture")),
-    ("kverr/calibrate", ("kverr.gpu", "kverr_kernels")),
+    ("kverr/gpu", ("kverr.calibration", "kverr.evaluation", "kverr.cli", "kverr.commands", "kverr.capturing")),
+    ("kverr/calibration", ("kverr.gpu", "kverr_kernels")),
     # validation needs the kernels and the oracle, not transformers (RoPE comes from kverr.rope)
-    ("kverr/validate.py", ("kverr.cache", "transformers")),
+    ("kverr/validation.py", ("kverr.cache", "transformers")),
 ])
 def test_a_layer_does_not_reach_into_another(folder, forbidden):
     assert _modules(folder) and _offending(_modules(folder), forbidden) == {}

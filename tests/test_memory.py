@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kverr.config import PRESETS, CacheConfig
-from kverr.errors import ConfigError, ModelError, ShapeError
+from kverr.exceptions import ConfigError, ModelError, ShapeError
 from kverr.memory import DEFAULT_SHAPE, ModelShape, account, model_shape
 from kverr.quant import PerChannel, PerTokenGroup, ReferenceStore, int_format, reconstruct, token_regions
 

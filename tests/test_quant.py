@@ -10,7 +10,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kverr.errors import ConfigError, DTypeError, NonFiniteError, ShapeError
+from kverr.exceptions import ConfigError, DTypeError, NonFiniteError, ShapeError
 from kverr.quant import (
     AbsMax,
     MSEClip,
@@ -377,7 +377,7 @@ def test_asymmetric_mse_clip_never_worse_than_symmetric_per_block(seed, bits, gr
 
 def test_asymmetric_mse_clip_config_and_refusals():
     from kverr.config import CacheConfig
-    from kverr.errors import KernelError
+    from kverr.exceptions import KernelError
     from kverr.gpu.spec import kernel_spec
 
     a = int_format(2, PerChannel(None), clip=MSEClip(grid=5, min_ratio=0.2, asymmetric=True))

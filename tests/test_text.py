@@ -7,9 +7,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from kverr.capture import load_text, tokenize
-from kverr.capture.tiny import _byte_tokenizer
-from kverr.errors import TextError
+from kverr.capturing import load_text, tokenize
+from kverr.capturing.tiny import _byte_tokenizer
+from kverr.exceptions import TextError
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ timeout 120 python - <<'PY' || echo "device check FAILED"
 import torch
 from kverr.config import CacheConfig
 from kverr.quant import int_format, MSEClip, PerChannel, PerTokenGroup
-from kverr.validate import validate_arrays
+from kverr.validation import validate_arrays
 torch.manual_seed(0)
 L, B, Hq, H, T, D = 2, 3, 32, 8, 300, 128
 q = torch.randn(L, B, Hq, T, D) * 2; k = torch.randn(L, B, H, T, D).half().float(); v = torch.randn(L, B, H, T, D).half().float()

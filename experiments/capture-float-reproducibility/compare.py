@@ -29,7 +29,7 @@ CHILD = """
 import sys, numpy as np, torch
 if sys.argv[2] != "None":
     torch.set_num_threads(int(sys.argv[2]))
-from kverr.capture import capture, float_environment, load_model, load_text, tokenize
+from kverr.capturing import capture, float_environment, load_model, load_text, tokenize
 m = load_model("default"); text = load_text("pydoc")
 ds = capture(m, tokenize(m.tokenizer, text, 512), layers=[0, 15, 29], text=text)
 np.savez(sys.argv[1], **{v: ds[v].values for v in %r})

@@ -19,10 +19,10 @@ import tempfile  # noqa: E402
 import torch  # noqa: E402
 
 from kverr.cache import KernelKVCache, cache_for  # noqa: E402
-from kverr.capture import float_environment, load_model  # noqa: E402
-from kverr.capture.tiny import make_tiny_model  # noqa: E402
+from kverr.capturing import float_environment, load_model  # noqa: E402
+from kverr.capturing.tiny import make_tiny_model  # noqa: E402
 from kverr.config import PRESETS  # noqa: E402
-from kverr.evaluate import _cache_kwarg  # noqa: E402
+from kverr.evaluation import _cache_kwarg  # noqa: E402
 
 
 def run(model, cache, ids, chunks, record=None, force=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 
 
 def _int_at_least(minimum: int):

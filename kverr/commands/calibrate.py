@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from kverr.commands._common import non_negative_int, positive_float, positive_int
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from kverr.calibrate import calibrate
-    from kverr.calibrate.candidates import candidate_set, default_candidates, window_dtype_for_budget
-    from kverr.calibrate.search import outer_options
+    from kverr.calibration import calibrate
+    from kverr.calibration.candidates import candidate_set, default_candidates, window_dtype_for_budget
+    from kverr.calibration.search import outer_options
     from kverr.config import atomic_write_text
     from kverr.io import check_output_path, open_capture
 

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``kverr capture``; returns the exit status."""
-    from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
+    from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
     from kverr.io import check_output_path
 
     # Cheap checks first: a bad output path or text should not cost a model load.

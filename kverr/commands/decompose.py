@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from kverr.error import decompose_capture
     from kverr.error.xr import compute, layer_table
     from kverr.dims import layer_positions
-    from kverr.errors import ShapeError
+    from kverr.exceptions import ShapeError
     from kverr.io import check_finite, check_output_path, open_capture, write_dataset
 
     check_output_path(args.out, overwrite=args.overwrite)  # fail before any work

@@ -83,16 +83,16 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
              eval_text: str | None = None, schemes=DEMO_PEERS, queries: int = 32, workers: int = 2,
              validate: bool = True, progress: bool = False, layers_decompose: int | None = None) -> str:
     """Run the pipeline; returns the terminal summary (also written to ``out/summary.txt``)."""
-    from kverr.calibrate import calibrate, check_model_matches, predict
-    from kverr.calibrate.export import export
-    from kverr.calibrate.plots import plot_frontier
-    from kverr.calibrate.objective import check_queries
-    from kverr.calibrate.search import check_budget, outer_options
-    from kverr.capture import capture_to_zarr, load_model, load_text, tokenize
+    from kverr.calibration import calibrate, check_model_matches, predict
+    from kverr.calibration.export import export
+    from kverr.calibration.plots import plot_frontier
+    from kverr.calibration.objective import check_queries
+    from kverr.calibration.search import check_budget, outer_options
+    from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
     from kverr.config import atomic_write_text
     from kverr.error.xr import decompose_capture, layer_table
-    from kverr.errors import ConfigError, TextError
-    from kverr.evaluate import evaluate, parse_schemes, plot_kl_vs_bits, segment_jobs, summarize
+    from kverr.exceptions import ConfigError, TextError
+    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, segment_jobs, summarize
     from kverr.io import open_capture
     from kverr.memory import model_shape
 
@@ -179,7 +179,7 @@ def run_demo(*, out: Path, model: str = "default", tokens: int = 2048, budget: f
     val_line = "validate: skipped"
     if validate:
         try:
-            from kverr.validate import validate as kvalidate
+            from kverr.validation import validate as kvalidate
 
             rep = kvalidate(cfg, capture, tokens=64, batch=1, steps=2, layers=[0])
             atomic_write_text(out / "validate.txt", rep.to_table() + "\n")

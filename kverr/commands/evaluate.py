@@ -42,9 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kverr.capture import load_model, load_text, model_shape
+    from kverr.capturing import load_model, load_text, model_shape
     from kverr.config import atomic_write_text, check_model_matches
-    from kverr.evaluate import evaluate, parse_schemes, plot_kl_vs_bits, summarize
+    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, summarize
     from kverr.io import check_output_path
 
     import torch

@@ -14,7 +14,7 @@ def _disk_bytes(path: Path) -> int:
 
 def summarize(path: str | Path) -> dict[str, Any]:
     """A JSON-able summary of the capture at ``path`` (reads metadata only)."""
-    from kverr.capture.model import NUMERICS_ATTRS
+    from kverr.capturing.model import NUMERICS_ATTRS
     from kverr.io import open_capture
 
     src = Path(path)

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kverr.config import PRESETS, resolve
-    from kverr.errors import ConfigError
+    from kverr.exceptions import ConfigError
     from kverr.memory import account
 
     if args.show:

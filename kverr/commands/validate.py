@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         # must precede the first import of the kernel modules
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kverr.validate import validate
+    from kverr.validation import validate
 
     rep = validate(args.config, args.capture, tokens=args.tokens, batch=args.batch, steps=args.steps,
                    layers=layers, tol=args.tol)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.errors import DTypeError, NonFiniteError, ShapeError
+from kverr.exceptions import DTypeError, NonFiniteError, ShapeError
 from kverr.error.metrics import QUERY_METRICS
 from kverr.error.stream import choose_block, run_engine
 
@@ -377,7 +377,7 @@ def decompose(
 
     Raises
     ------
-    kverr.errors.ShapeError, kverr.errors.DTypeError, kverr.errors.NonFiniteError
+    kverr.exceptions.ShapeError, kverr.exceptions.DTypeError, kverr.exceptions.NonFiniteError
         On mismatched shapes, unsupported or mixed dtypes, or NaN/Inf inputs.
 
     Notes

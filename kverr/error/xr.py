@@ -23,7 +23,7 @@ import numpy as np
 
 from kverr.dims import CHANNEL, KV_HEAD, KV_HEAD_OF_Q, LAYER, Q_HEAD, QUERY, TOKEN
 from kverr.error.metrics import QUERY_METRICS, RECON_METRICS, reconstruction_error
-from kverr.errors import CaptureError, ConfigError, ShapeError
+from kverr.exceptions import CaptureError, ConfigError, ShapeError
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +174,12 @@ def decompose_capture(
 
     Raises
     ------
-    kverr.errors.CaptureError
+    kverr.exceptions.CaptureError
         Missing variables or coordinates, wrong dims, sliding-window layers.
-    kverr.errors.ConfigError
+    kverr.exceptions.ConfigError
         The config does not fit the model (e.g. a group size that does not divide the head
         dim, an override for a layer the model lacks).
-    kverr.errors.ShapeError
+    kverr.exceptions.ShapeError
         ``queries`` not positive, ``topk`` not in ``1..tokens``, or unknown ``layers``.
     """
     import xarray as xr

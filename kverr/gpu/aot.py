@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kverr.errors import KernelError
+from kverr.exceptions import KernelError
 from kverr.gpu.launch import (
     DECODE_MAXNREG,
     DECODE_WARPS,

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.errors import ConfigError, KernelError, ShapeError
+from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec
 from kverr.quant.formats import TORCH_DTYPES, is_static, window_format
 from kverr.quant.reference import QTensor, dequantize

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kverr.errors import KernelError
+from kverr.exceptions import KernelError
 from kverr.quant.formats import (
     TORCH_DTYPES,
     AbsMax,

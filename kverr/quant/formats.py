@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal, Union
 
 import torch
 
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 
 # --------------------------------------------------------------------------------------------
 # Element formats

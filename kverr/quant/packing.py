@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kverr.errors import ConfigError, DTypeError, ShapeError
+from kverr.exceptions import ConfigError, DTypeError, ShapeError
 
 PACKED_BITS = (1, 2, 3, 4, 8)
 

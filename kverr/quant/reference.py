@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.errors import ConfigError, DTypeError, NonFiniteError, ShapeError
+from kverr.exceptions import ConfigError, DTypeError, NonFiniteError, ShapeError
 from kverr.quant.formats import (
     TORCH_DTYPES,
     AbsMax,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kverr.errors import ShapeError
+from kverr.exceptions import ShapeError
 from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static, token_block, window_format
 from kverr.quant.reference import (
     QTensor,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kverr.errors import ModelError
+from kverr.exceptions import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def make_tiny_model(path: str | Path, variant: str = "qwen2", *, seed: int = 0) 
     Returns
     -------
     pathlib.Path
-        ``path``, loadable with :func:`kverr.capture.load_model`.
+        ``path``, loadable with :func:`kverr.capturing.load_model`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Seaborn figures of capture statistics (see :mod:`kverr.capture.stats`).
+"""Seaborn figures of capture statistics (see :mod:`kverr.capturing.stats`).
 
 Each function takes a capture dataset (or a statistic computed from one) and returns a
 matplotlib Figure; nothing is shown or saved, so notebooks and scripts decide.

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.errors import CaptureError, KernelError, ShapeError
+from kverr.exceptions import CaptureError, KernelError, ShapeError
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +256,9 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
 
     Raises
     ------
-    kverr.errors.ShapeError
+    kverr.exceptions.ShapeError
         ``tokens`` too short for ``steps``, a bad ``tol``, or layers the capture lacks.
-    kverr.errors.CaptureError
+    kverr.exceptions.CaptureError
         The capture is too short for ``batch`` sequences of ``tokens``.
     """
     from kverr.config import check_model_matches, resolve

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kverr.config import CacheConfig, Override, check_model_matches  # noqa: F401 (re-exported)
-from kverr.errors import CaptureError, ConfigError
+from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 
 from .candidates import OuterOption, candidates_for_budget, check_candidates, head_bytes, window_dtype_for_budget

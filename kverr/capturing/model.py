@@ -8,7 +8,7 @@ directory, keyed by the GGUF's sha256, and later loads read them in well under a
 Any other spec is a path to a local transformers causal-LM directory (``config.json``, weights,
 tokenizer). The Llama, Mistral, Qwen2 and Qwen3 families are supported: their attention modules
 expose ``q_proj``/``k_proj``/``v_proj`` and call transformers' attention interface with
-post-RoPE queries and keys, which is what :mod:`kverr.capture.hooks` relies on.
+post-RoPE queries and keys, which is what :mod:`kverr.capturing.hooks` relies on.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kverr.errors import ModelError
+from kverr.exceptions import ModelError
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from functools import reduce
 
 import numpy as np
 
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 
 
 @dataclass

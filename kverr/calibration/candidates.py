@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from kverr.config import CacheConfig
-from kverr.errors import ConfigError
+from kverr.exceptions import ConfigError
 from kverr.quant.formats import (
     CALIBRATION_MSE_CLIP,
     STATIC_MSE_CLIP,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kverr.errors import TextError
+from kverr.exceptions import TextError
 
 log = logging.getLogger(__name__)
 

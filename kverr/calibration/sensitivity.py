@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.errors import CaptureError, ConfigError
+from kverr.exceptions import CaptureError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def measure_sensitivity(
 
     Parameters
     ----------
-    model : transformers causal LM (or :class:`kverr.capture.LoadedModel`)
+    model : transformers causal LM (or :class:`kverr.capturing.LoadedModel`)
         The model the calibration capture came from.
     token_ids : array ``[token]``
         Calibration text (the capture's ``token_id``), ``T`` tokens.
@@ -390,10 +390,10 @@ def measure_sensitivity(
 
 
 def model_spec_of_capture(capture: Any) -> str:
-    """The :func:`kverr.capture.load_model` spec that loads the model a capture came from."""
+    """The :func:`kverr.capturing.load_model` spec that loads the model a capture came from."""
     from pathlib import Path
 
-    from kverr.capture.model import DEFAULT_MODEL_ID
+    from kverr.capturing.model import DEFAULT_MODEL_ID
 
     mid = str(capture.attrs.get("model_id", ""))
     if mid == DEFAULT_MODEL_ID:
@@ -408,7 +408,7 @@ def model_spec_of_capture(capture: Any) -> str:
 
 def check_capture_model(capture: Any, model: Any = None) -> Any:
     """The capture's model, loaded (``model``: ``None`` for the one the capture names, a
-    :func:`kverr.capture.load_model` spec, or a LoadedModel), after checking by weights sha256
+    :func:`kverr.capturing.load_model` spec, or a LoadedModel), after checking by weights sha256
     that it IS the model the capture was made with; :class:`CaptureError` otherwise."""
     if "token_id" not in capture:
         raise CaptureError("the capture has no token_id: recapture it to measure layer sensitivity")
@@ -417,7 +417,7 @@ def check_capture_model(capture: Any, model: Any = None) -> Any:
         raise CaptureError("the capture does not record its model's weights sha256; recapture it "
                            "or calibrate with --objective rel")
     if model is None or isinstance(model, str):
-        from kverr.capture import load_model
+        from kverr.capturing import load_model
 
         model = load_model(model or model_spec_of_capture(capture))
     got = str(getattr(model, "weights_sha256", ""))

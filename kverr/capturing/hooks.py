@@ -42,7 +42,7 @@ from kverr.dims import (
     SCHEMA_VERSION,
     TOKEN,
 )
-from kverr.errors import CaptureError, DTypeError
+from kverr.exceptions import CaptureError, DTypeError
 
 from .model import LoadedModel, _rope_params, float_environment
 from .text import Text
@@ -249,7 +249,7 @@ def capture(
     Parameters
     ----------
     loaded : LoadedModel
-        From :func:`kverr.capture.load_model`.
+        From :func:`kverr.capturing.load_model`.
     token_ids : array
         ``[token]`` token ids, one sequence.
     layers : sequence of int, optional

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kverr.dims import CHANNEL, KV_HEAD, KV_HEAD_OF_Q, LAYER, Q_HEAD, TOKEN
-from kverr.errors import ShapeError
+from kverr.exceptions import ShapeError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ window) a query at ``p`` sees the error only on its quantized keys, ``S <= t <= 
 (mask ``M``; the sinks' and window's own rounding to ``window_dtype`` -- for int8 at most half
 a step of 1/127 of a row's absmax -- is left out, while every quantized token is quantized from
 the values the cache received). With ``decode`` (:func:`decode_steps`) the token policy is that of
-:mod:`kverr.evaluate` and of a server that quantizes a prompt whole when it is prefilled: the
+:mod:`kverr.evaluation` and of a server that quantizes a prompt whole when it is prefilled: the
 queries are decode steps ``d`` spread evenly over ``decode`` steps, and the window of step ``d``
 holds only the ``min(R, d + 1)`` newest tokens (``S <= t <= p - min(R, d + 1)``).
 Then, exactly as :func:`kverr.error.decompose` defines the terms:
@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from kverr.config import CacheConfig
-from kverr.errors import CaptureError, ConfigError
+from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 from kverr.quant.store import reconstruct
 
@@ -150,7 +150,7 @@ DEFAULT_DECODE: int | None = None
 def decode_steps(n_queries: int, decode: int) -> torch.Tensor:
     """Decode step of each of ``n_queries`` sampled queries: evenly spread over ``[0, decode)``.
 
-    Models the protocol of :mod:`kverr.evaluate` (and of a server that quantizes a prompt whole
+    Models the protocol of :mod:`kverr.evaluation` (and of a server that quantizes a prompt whole
     when it is prefilled): every prompt token is quantized after the prefill, so at decode step
     ``d`` the full-precision window holds only the ``min(window, d + 1)`` newest generated tokens,
     not the ``window`` most recent tokens of the sequence.

@@ -18,7 +18,7 @@
     dtype. The export writes ``generation_config.json`` with ``cache_implementation`` and
     ``cache_config``.
 
-Anything else raises :class:`~kverr.errors.ExportError`-like :class:`ConfigError` listing what
+Anything else raises :class:`~kverr.exceptions.ExportError`-like :class:`ConfigError` listing what
 the target cannot express. :func:`import_vllm` and :func:`import_hf` read the exports back.
 
 An export is written all or nothing (:func:`kverr.io.atomic_dir`): into a temporary folder
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from kverr.config import WHICH, CacheConfig, check_model_matches
-from kverr.errors import CaptureError, ConfigError
+from kverr.exceptions import CaptureError, ConfigError
 from kverr.io import atomic_dir, check_output_path
 from kverr.quant.formats import (
     AbsMax,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kverr.config import PRESETS, CacheConfig, resolve
-from kverr.errors import ConfigError, TextError
+from kverr.exceptions import ConfigError, TextError
 from kverr.memory import ModelShape, account
 from kverr.quant import PerTokenGroup, int_format
 
@@ -193,9 +193,9 @@ def segment_jobs(loaded: Any, text: Any, *, prefill: Sequence[int], decode: int,
     Parameters
     ----------
     loaded
-        A :class:`kverr.capture.LoadedModel` (its tokenizer and context length).
+        A :class:`kverr.capturing.LoadedModel` (its tokenizer and context length).
     text
-        A :class:`kverr.capture.Text`.
+        A :class:`kverr.capturing.Text`.
     prefill, decode, segments, offset
         As in :func:`evaluate`.
 
@@ -211,7 +211,7 @@ def segment_jobs(loaded: Any, text: Any, *, prefill: Sequence[int], decode: int,
     TextError
         The text is too short for ``segments`` segments from ``offset``.
     """
-    from kverr.capture.text import tokenize_windows
+    from kverr.capturing.text import tokenize_windows
 
     for p in prefill:
         if loaded.max_context and p + decode > loaded.max_context:
@@ -250,9 +250,9 @@ def evaluate(
     Parameters
     ----------
     loaded
-        A :class:`kverr.capture.LoadedModel`.
+        A :class:`kverr.capturing.LoadedModel`.
     text
-        A :class:`kverr.capture.Text`.
+        A :class:`kverr.capturing.Text`.
     schemes
         What to evaluate (:func:`parse_schemes`).
     prefill

@@ -9,8 +9,8 @@ Public API::
     capture_to_zarr(loaded, ids, "caps/smol.zarr", text=text)   # atomic write
     model_shape("default")                       # (30, 3, 64) without loading weights
 
-Statistics for notebooks live in :mod:`kverr.capture.stats`, their figures in
-:mod:`kverr.capture.figures`; :mod:`kverr.capture.tiny` builds small random models for tests.
+Statistics for notebooks live in :mod:`kverr.capturing.stats`, their figures in
+:mod:`kverr.capturing.figures`; :mod:`kverr.capturing.tiny` builds small random models for tests.
 """
 
 from __future__ import annotations
