@@ -66,7 +66,6 @@ __all__ = [
     "check_output_path",
     "clear_stale_temporaries",
     "open_capture",
-    "rope_params",
     "validate_capture",
     "write_dataset",
 ]
@@ -466,6 +465,8 @@ def open_capture(path: str | os.PathLike[str]) -> Any:
     """
     import xarray as xr
 
+    import kverr.accessor  # noqa: F401  (registers ds.kv on the dataset returned)
+
     src = Path(path).expanduser()
     try:
         if not src.exists():
@@ -536,10 +537,6 @@ def _read_chunk(array: Any, index: Any, asarray: bool = True, lock: Any = None, 
             "capture it again (kverr capture --overwrite)"
         ) from None
 
-
-def rope_params(ds: Any) -> dict[str, Any]:
-    """The RoPE parameters of a capture, decoded from its ``rope`` JSON attribute."""
-    return dict(json.loads(ds.attrs["rope"]))
 
 
 def check_finite(ds: Any, names: tuple[str, ...] = ("q", "k_pre", "k", "v")) -> None:

@@ -16,7 +16,7 @@ import xarray as xr
 import kverr.io as kio
 from kverr.dims import CAPTURE_VARS, KV_HEAD_OF_Q, SCHEMA_VERSION
 from kverr.exceptions import CaptureError, OutputExistsError
-from kverr.io import open_capture, rope_params, validate_capture, write_dataset
+from kverr.io import open_capture, validate_capture, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_round_trip_is_exact_lazy_and_chunked_by_layer(tmp_path):
         assert np.array_equal(back[name].values, ds[name].values)
     assert back.k.chunks[0] == (1, 1)
     assert back.k.chunks[2] == (64,)
-    assert back.attrs == ds.attrs and rope_params(back)["rope_theta"] == 1e4
+    assert back.attrs == ds.attrs and back.kv.rope["rope_theta"] == 1e4
     assert list(back[KV_HEAD_OF_Q].values) == [0, 0, 1, 1]
     assert not list(out.parent.glob(".c.zarr.*"))
 

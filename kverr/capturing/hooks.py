@@ -281,6 +281,8 @@ def capture(
     """
     import xarray as xr
 
+    import kverr.accessor  # noqa: F401  (registers ds.kv on the capture returned)
+
     from kverr.progress import progress as progress_bar
 
     if dtype not in STORAGE_DTYPES:
