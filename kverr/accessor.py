@@ -74,9 +74,9 @@ class CaptureAccessor:
 
     @property
     def positions(self) -> np.ndarray:
-        """int64 [token]: absolute positions (``position``; else 0..T-1)."""
+        """Integer [token]: absolute positions (``position``, as stored; else 0..T-1)."""
         if "position" in self._ds:
-            return np.asarray(self._ds["position"].values, dtype=np.int64)
+            return np.asarray(self._ds["position"].values)
         return np.arange(self.n_tokens, dtype=np.int64)
 
     @property

@@ -316,15 +316,17 @@ def _local_positions(ds, q: torch.Tensor, tokens: int, batch: int):
     """
     from kverr.rope import parse_rope, rope_cos_sin, rotate
 
-    if "rope" not in ds.attrs:
+    import kverr.accessor  # noqa: F401  (ds.kv)
+
+    if ds.kv.rope is None:
         raise CaptureError("a key_pre_rope config needs the capture's RoPE parameters (attrs['rope'])")
-    inv_freq, scaling = parse_rope(ds.attrs["rope"])
+    inv_freq, scaling = parse_rope(ds.kv.rope)
     D = q.shape[-1]
     if 2 * inv_freq.numel() != D:
         raise KernelError(f"partial rotary embeddings ({2 * inv_freq.numel()} of {D} channels) are not fused into the "
                           "decode kernel; validate this config on the reference path")
     n = tokens * batch
-    pos = np.asarray(ds["position"].values[:n]) if "position" in ds else np.arange(n)
+    pos = ds.kv.positions[:n]
     p0 = pos.reshape(batch, tokens)[:, :1]
     if not (pos.reshape(batch, tokens) - p0 == np.arange(tokens)).all():
         raise CaptureError("the captured positions are not consecutive within each validation sequence")

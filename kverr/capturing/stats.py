@@ -9,7 +9,6 @@ xarray objects.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -147,8 +146,9 @@ def pair_norm_absmax(ds: Any, var: str = "k_pre") -> Any:
     xarray.DataArray
         ``(layer, kv_head | q_head, pair)``.
     """
-    rope = json.loads(ds.attrs["rope"])
-    half = len(rope["inv_freq"])
+    import kverr.accessor  # noqa: F401  (ds.kv)
+
+    half = len(ds.kv.rope["inv_freq"])
     x = ds[var].astype(np.float32)
     first = x.isel({CHANNEL: slice(0, half)})
     second = x.isel({CHANNEL: slice(half, 2 * half)}).assign_coords({CHANNEL: first[CHANNEL].values})
@@ -194,8 +194,8 @@ def attention_mass_by_key(ds: Any, n_keys: int = 8, *, first_query: int | None =
     for li in range(len(layers)):
         q = ds.q.isel({LAYER: li}).values
         k = ds.k.isel({LAYER: li}).values
-        scale = float(ds["attn_scale"].values[li]) if "attn_scale" in ds.coords else ds.sizes[CHANNEL] ** -0.5
-        window = int(ds["sliding_window"].values[li]) if "sliding_window" in ds.coords else 0
+        scale = ds.kv.attn_scale(layers[li])
+        window = ds.kv.sliding_window(layers[li])
         idx = np.arange(n_t)
         for h in range(q.shape[0]):
             kh = k[kvh[h]].astype(np.float64)

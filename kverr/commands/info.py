@@ -19,7 +19,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
 
     src = Path(path)
     ds = open_capture(src)
-    rope = json.loads(ds.attrs["rope"])
+    rope = ds.kv.rope
     rope_short = {k: v for k, v in rope.items() if k != "inv_freq"}
     return {
         "path": str(src),

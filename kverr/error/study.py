@@ -59,9 +59,9 @@ def sweep(
     import xarray as xr
 
     from kverr.config import PRESETS, resolve
-    from kverr.dims import CHANNEL, KV_HEAD, LAYER, TOKEN
+    import kverr.accessor  # noqa: F401  (ds.kv)
     from kverr.error.xr import compute, decompose_capture
-    from kverr.memory import ModelShape, account
+    from kverr.memory import account
 
     cfgs = [resolve(c) for c in (configs if configs is not None else list(PRESETS))]
     names = [c.name or f"config{i}" for i, c in enumerate(cfgs)]
@@ -70,9 +70,7 @@ def sweep(
         lazy = decompose_capture(capture, cfg, queries=queries)
         parts.append(compute(lazy, scheduler, progress=progress, desc=name).drop_attrs())
         log.info("decomposed %s", name)
-    n_layers = int(capture.attrs.get("model_n_layers", int(capture[LAYER].max()) + 1))
-    shape = ModelShape(n_layers, int(capture.sizes[KV_HEAD]), int(capture.sizes[CHANNEL]))
-    bits = [account(c, shape, int(capture.sizes[TOKEN])).effective_bits for c in cfgs]
+    bits = [account(c, capture.kv.shape, capture.kv.n_tokens).effective_bits for c in cfgs]
     out = xr.concat(parts, dim="config", coords="minimal", compat="override")
     return out.assign_coords(config=names, effective_bits=("config", bits))
 

@@ -15,7 +15,6 @@ the cache at the end of the capture, not a replay of the cache as it grew.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +112,7 @@ def _check_capture(capture, config) -> None:
             raise CaptureError(f"variable {n!r} has dims {tuple(capture[n].dims)}, expected {dims[n]}")
     if KV_HEAD_OF_Q not in capture.coords:
         raise CaptureError(f"the capture lacks the coordinate {KV_HEAD_OF_Q!r} on {Q_HEAD!r}")
-    if config.key_pre_rope and "rope" not in capture.attrs:
+    if config.key_pre_rope and capture.kv.rope is None:
         raise CaptureError("the config quantizes keys before RoPE but the capture has no 'rope' attribute")
     if "sliding_window" in capture.coords:
         sw = np.asarray(capture["sliding_window"].values)
@@ -184,6 +183,7 @@ def decompose_capture(
     """
     import xarray as xr
 
+    import kverr.accessor  # noqa: F401  (ds.kv)
     from kverr.config import resolve
 
     cfg = resolve(config)
@@ -193,8 +193,7 @@ def decompose_capture(
     n_t = capture.sizes[TOKEN]
     n_kv = capture.sizes[KV_HEAD]
     head_dim = capture.sizes[CHANNEL]
-    n_layers_model = int(capture.attrs.get("model_n_layers", int(capture[LAYER].max()) + 1))
-    cfg.check_model(n_layers_model, n_kv, head_dim)
+    cfg.check_model(capture.kv.n_layers, n_kv, head_dim)
     if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or int(queries) < 1:
         raise ShapeError(f"queries={queries!r} must be a positive integer")
     if int(queries) > n_t:
@@ -210,13 +209,9 @@ def decompose_capture(
     kv_map = np.asarray(capture[KV_HEAD_OF_Q].values, dtype=np.int64)
     if kv_map.min() < 0 or kv_map.max() >= n_kv:
         raise CaptureError(f"{KV_HEAD_OF_Q} values {kv_map.tolist()} do not index the {n_kv} kv heads")
-    positions = (np.asarray(capture["position"].values) if "position" in capture
-                 else np.arange(n_t))
-    rope = capture.attrs.get("rope")
-    if "attn_scale" in capture.coords:
-        scales = capture["attn_scale"].astype(np.float64)
-    else:
-        scales = xr.full_like(capture[LAYER], 1.0 / math.sqrt(head_dim), dtype=np.float64)
+    positions = capture.kv.positions
+    rope = capture.kv.rope
+    scales = capture.kv.attn_scales()
     layer_idx = capture[LAYER].copy()
 
     whole = {TOKEN: -1, CHANNEL: -1, Q_HEAD: -1, KV_HEAD: -1, LAYER: 1}
@@ -261,7 +256,7 @@ def decompose_capture(
         queries=queries,
         topk=int(topk),
         context_tokens=n_t,
-        source_model=str(capture.attrs.get("model_id", "")),
+        source_model=capture.kv.provenance["model_id"],
         description=(
             "kverr error decomposition: per-query metrics (layer, q_head, query), tensor "
             "reconstruction error (layer, kv_head), summaries (layer, q_head) and layer_*"
