@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kverr.capturing import capture, capture_to_zarr, load_model, load_text, model_shape, tokenize
+from kverr.capturing import capture, capture_to_zarr, load_model, load_text, supported_shape, tokenize
 from kverr.capturing.hooks import attention_modules
 from kverr.capturing.stats import causal_attention
 from kverr.capturing.tiny import TINY_VARIANTS, make_tiny_model
@@ -147,7 +147,9 @@ def test_schema_coords_and_attrs(captured, tiny_dirs, pydoc, variant):
     assert ds.sizes["layer"] == loaded.n_layers
     assert ds.sizes["q_head"] == loaded.n_q_heads and ds.sizes["kv_head"] == loaded.n_kv_heads
     assert ds.sizes["channel"] == loaded.head_dim == ds.attrs["head_dim"]
-    assert model_shape(str(tiny_dirs[variant])) == (loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
+    shape = supported_shape(str(tiny_dirs[variant]))
+    assert (shape.n_layers, shape.n_kv_heads, shape.head_dim) == (loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
+    assert shape.max_context == loaded.max_context
     group = loaded.n_q_heads // loaded.n_kv_heads
     assert list(ds[KV_HEAD_OF_Q].values) == [h // group for h in range(loaded.n_q_heads)]
     assert np.array_equal(ds.token_id.values, ids) and np.array_equal(ds.position.values, np.arange(N_TOKENS))
@@ -249,14 +251,14 @@ def test_load_model_rejects_missing_and_unsupported(tmp_path):
     with pytest.raises(ModelError, match="no config.json"):
         load_model(str(tmp_path))
     with pytest.raises(ModelError, match="not found"):
-        model_shape(str(tmp_path / "nope"))
+        supported_shape(str(tmp_path / "nope"))
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ModelError, match="'gpt2' .* not supported.*llama, mistral, qwen2"):
         load_model(str(tmp_path / "gpt2"))
     with pytest.raises(ModelError, match="not supported"):
-        model_shape(str(tmp_path / "gpt2"))
+        supported_shape(str(tmp_path / "gpt2"))
     with pytest.raises(ModelError, match="dtype"):
         load_model(str(tmp_path), dtype=torch.int8)
 
@@ -265,7 +267,8 @@ def test_load_model_rejects_a_directory_without_weights(tiny_dirs, tmp_path):
     src = tiny_dirs["llama"]
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((src / name).read_bytes())
-    assert model_shape(str(tmp_path)) == (3, 2, 64)  # the shape needs no weights
+    shape = supported_shape(str(tmp_path))  # the shape needs no weights
+    assert (shape.n_layers, shape.n_kv_heads, shape.head_dim) == (3, 2, 64)
     with pytest.raises(ModelError, match="no weight files"):
         load_model(str(tmp_path))
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kverr.capturing import DEFAULT_MODEL_ID, capture, load_model, load_text, model_shape, tokenize
+from kverr.capturing import DEFAULT_MODEL_ID, capture, load_model, load_text, supported_shape, tokenize
 from kverr.capturing.hooks import attention_modules
 from kverr.capturing.model import _converted_default_dir, _sha256_file, default_gguf_path
 from kverr.capturing.stats import causal_attention
@@ -27,8 +27,13 @@ N_TOKENS = 256
 
 
 def test_default_model_shape_without_loading_weights():
-    assert model_shape("default") == (30, 3, 64)
-    assert model_shape() == (30, 3, 64)
+    # read from the GGUF header, and equal to the shape kverr.memory assumes for the default
+    from kverr.memory import DEFAULT_SHAPE
+
+    def dims(s):
+        return s.n_layers, s.n_kv_heads, s.head_dim, s.max_context
+
+    assert dims(supported_shape("default")) == dims(supported_shape()) == dims(DEFAULT_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +161,7 @@ def test_converted_weights_are_cached_and_identical(tmp_path, monkeypatch, smol)
     assert load_s < max(5.0, convert_s / 3), (load_s, convert_s)
     sd0, sd1, sd2 = smol.model.state_dict(), first.model.state_dict(), second.model.state_dict()
     assert all(torch.equal(sd0[k], sd1[k]) and torch.equal(sd1[k], sd2[k]) for k in sd0)
-    assert model_shape("default") == (30, 3, 64)  # now read from the converted config
+    assert supported_shape("default").n_layers == 30  # now read from the converted config
 
 
 @pytest.mark.slow

