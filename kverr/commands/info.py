@@ -12,7 +12,7 @@ def _disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def summarize(path: str | Path) -> dict[str, Any]:
+def describe(path: str | Path) -> dict[str, Any]:
     """A JSON-able summary of the capture at ``path`` (reads metadata only)."""
     from kverr.capturing.model import NUMERICS_ATTRS
     from kverr.io import open_capture
@@ -89,6 +89,6 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``kverr info``; returns the exit status."""
-    summary = summarize(args.path)
+    summary = describe(args.path)
     print(json.dumps(summary, indent=1) if args.json else _text(summary))
     return 0
