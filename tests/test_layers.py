@@ -1,5 +1,7 @@
-"""Which layer may import which (the README's design section), checked on the source.
+"""Which layer may import which (docs/design.md), checked on the source.
 
+- Each unit of ``kverr`` (a module or subpackage) imports only from its own layer or those below
+  it, in :data:`LAYERS` order; a new unit must be placed in the table.
 - ``kernels/`` holds only ``@triton.jit`` code: it imports triton and its own modules.
 - The kernel launchers (``kverr.gpu``) know nothing of calibration, evaluation or the CLI.
 - Calibration knows nothing of the kernels (``kverr.gpu``, ``kverr_kernels``).
@@ -31,6 +33,46 @@ def _imports(path: Path) -> set[str]:
 def _modules(where: str) -> list[Path]:
     path = REPO / where
     return [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+
+
+#: The library's layers, lowest first (units named as ``kverr.<unit>``; ``kverr`` itself is the
+#: package's ``__init__``, whose public names are imported lazily by string).
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"kverr", "exceptions", "dims", "progress", "rope"}),         # foundations
+    frozenset({"quant", "config", "memory", "io", "accessor"}),             # oracle, configs, bytes, files
+    frozenset({"error", "capturing", "gpu", "kernels", "cache"}),           # decomposition, models, kernels
+    frozenset({"calibration", "evaluation", "validation"}),                 # the stages
+    frozenset({"pipeline"}),                                                # the stages in order
+    frozenset({"cli", "commands"}),                                         # the command line
+)
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "kverr_kernels":
+        return "kernels"
+    if parts[0] != "kverr":
+        return None
+    return parts[1] if len(parts) > 1 else "kverr"
+
+
+def _rank(unit: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if unit in layer:
+            return i
+    raise AssertionError(f"kverr.{unit} is in no layer of LAYERS: place it there")
+
+
+def test_each_unit_imports_only_its_layer_or_below():
+    bad = []
+    for path in _modules("kverr") + _modules("kernels"):
+        rel = path.relative_to(REPO).with_suffix("").parts
+        me = "kernels" if rel[0] == "kernels" else (rel[1] if len(rel) > 1 and rel[1] != "__init__" else "kverr")
+        for module in _imports(path):
+            other = _unit(module)
+            if other is not None and _rank(other) > _rank(me):
+                bad.append(f"{path.relative_to(REPO)} imports {module}")
+    assert bad == []
 
 
 def _offending(paths, forbidden):
