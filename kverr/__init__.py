@@ -25,7 +25,7 @@ Sections (the module each name comes from):
 * analysis -- :func:`decompose` (:func:`kverr.error.decompose_capture`), :func:`evaluate`,
   :func:`calibrate`, :func:`validate` (:mod:`kverr.error`, :mod:`kverr.evaluation`,
   :mod:`kverr.calibration`, :mod:`kverr.validation`);
-* models -- :func:`cache_for`, a transformers cache that stores K/V per a config (:mod:`kverr.cache`).
+* models -- :func:`cache_for`, a transformers cache that stores K/V per a config (:mod:`kverr.hf`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "calibrate": ("kverr.calibration", "calibrate"),
     "validate": ("kverr.validation", "validate"),
     # models
-    "cache_for": ("kverr.cache", "cache_for"),
+    "cache_for": ("kverr.hf", "cache_for"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -101,7 +101,7 @@ def _cache_kwarg(model: Any) -> str:
 def make_cache(scheme: Scheme, model: Any) -> Any:
     """A fresh cache object for ``scheme``."""
     if scheme.kind == "kverr":
-        from kverr.cache import cache_for
+        from kverr.hf import cache_for
 
         return cache_for(model, scheme.config)  # the kernel path on a GPU, the reference on a CPU
     from transformers import DynamicCache

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kverr.cache import KverrCache
+from kverr.hf import KverrCache
 from kverr.config import PRESETS, CacheConfig, Override
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.memory import ModelShape, account
@@ -181,7 +181,7 @@ def test_generate_runs_through_the_cache(tiny):
 @pytest.mark.float_order
 def test_pre_rope_keys_are_what_gets_quantized(tiny):
     """With key_pre_rope, the stored keys equal the oracle applied to pre-RoPE keys."""
-    from kverr.cache import model_rotary
+    from kverr.hf import model_rotary
 
     cfg = PRESETS["q4_0"].with_(key_pre_rope=True)
     rotary = model_rotary(tiny.model)
@@ -260,7 +260,7 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
       (``gamma(n) = n u / (1 - n u)``, u = 2**-24), added over the layers and scaled by the
       log-probs' magnitude (:func:`_logprob_bound`).
     """
-    from kverr.cache import KernelKVCache, cache_for, model_rotary
+    from kverr.hf import KernelKVCache, cache_for, model_rotary
 
     inputs: dict = {}
     reference = _recording(cache_for(model, cfg), record=inputs)
@@ -302,7 +302,7 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     RoPE, and static per-channel scales, which both caches set from the prefill, and sinks,
     window and pending key blocks held as int8 rows). A prefill of 40 tokens, then single-token
     decode steps (the decode kernel)."""
-    from kverr.cache import cache_for
+    from kverr.hf import cache_for
 
     named = {"rotated-mse-pre-rope": _rotated_pre_rope, "static-pre-rope": _static_pre_rope,
              "int8-window-pre-rope": lambda: _rotated_pre_rope().with_(window_dtype="int8")}
@@ -315,7 +315,7 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
 
 
 def test_cache_for_picks_the_reference_path_on_a_cpu(tiny):
-    from kverr.cache import cache_for, kernels_support
+    from kverr.hf import cache_for, kernels_support
 
     assert isinstance(cache_for(tiny.model, PRESETS["kivi-2"]), KverrCache)
     assert kernels_support(PRESETS["kivi-2"])
@@ -333,7 +333,7 @@ def test_kernel_path_chunked_prefill_agrees_with_the_reference_path(tiny):
     """Chunks of several tokens after the prefill run the chunked-prefill kernel (causal attention
     over the cache as stored); single tokens the decode kernel. Same cache contents and log-probs
     as KverrCache, given the same inputs (see _kernel_path_agrees)."""
-    from kverr.cache import cache_for
+    from kverr.hf import cache_for
 
     cfg = PRESETS["kivi-2"].with_(window=6, sinks=2)
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(5))

@@ -40,7 +40,7 @@ def _modules(where: str) -> list[Path]:
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"kverr", "exceptions", "dims", "progress", "rope"}),         # foundations
     frozenset({"quant", "config", "memory", "io", "accessor"}),             # oracle, configs, bytes, files
-    frozenset({"error", "capturing", "gpu", "kernels", "cache"}),           # decomposition, models, kernels
+    frozenset({"error", "capturing", "gpu", "kernels", "hf"}),              # decomposition, models, kernels
     frozenset({"calibration", "evaluation", "validation"}),                 # the stages
     frozenset({"pipeline"}),                                                # the stages in order
     frozenset({"cli", "commands"}),                                         # the command line
@@ -92,7 +92,7 @@ def test_kernels_import_only_triton_and_each_other():
     ("kverr/gpu", ("kverr.calibration", "kverr.evaluation", "kverr.cli", "kverr.commands", "kverr.capturing")),
     ("kverr/calibration", ("kverr.gpu", "kverr_kernels")),
     # validation needs the kernels and the oracle, not transformers (RoPE comes from kverr.rope)
-    ("kverr/validation.py", ("kverr.cache", "transformers")),
+    ("kverr/validation.py", ("kverr.hf", "transformers")),
 ])
 def test_a_layer_does_not_reach_into_another(folder, forbidden):
     assert _modules(folder) and _offending(_modules(folder), forbidden) == {}

@@ -18,7 +18,7 @@ import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 
-from kverr.cache import KernelKVCache, cache_for  # noqa: E402
+from kverr.hf import KernelKVCache, cache_for  # noqa: E402
 from kverr.capturing import float_environment, load_model  # noqa: E402
 from kverr.capturing.tiny import make_tiny_model  # noqa: E402
 from kverr.config import PRESETS  # noqa: E402

@@ -213,8 +213,9 @@ def _text_config(config: Any) -> Any:
     return getter() if callable(getter) else config
 
 
-def _shape_from_config(config: Any) -> tuple[int, int, int, int, int]:
-    """(n_layers, n_q_heads, n_kv_heads, head_dim, max_context) from a transformers config."""
+def model_dims(config: Any) -> tuple[int, int, int, int, int]:
+    """``(n_layers, n_q_heads, n_kv_heads, head_dim, max_context)`` from a transformers config
+    (its text config for multimodal models; ``max_context`` 0 when it states none)."""
     cfg = _text_config(config)
     n_layers = int(cfg.num_hidden_layers)
     n_q = int(cfg.num_attention_heads)
@@ -225,7 +226,7 @@ def _shape_from_config(config: Any) -> tuple[int, int, int, int, int]:
 
 
 def _as_shape(config: Any, name: str) -> ModelShape:
-    n_layers, _, n_kv, head_dim, max_context = _shape_from_config(config)
+    n_layers, _, n_kv, head_dim, max_context = model_dims(config)
     return ModelShape(n_layers, n_kv, head_dim, name=name, max_context=max_context or None)
 
 
@@ -353,7 +354,7 @@ def _load_dir(
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(f"cannot load the model in {path}: {exc}") from exc
     model.eval()
-    n_layers, n_q, n_kv, head_dim, max_context = _shape_from_config(model.config)
+    n_layers, n_q, n_kv, head_dim, max_context = model_dims(model.config)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -196,8 +196,8 @@ class PagedKVCache:
     static_scales : dict or "first", optional
         Calibrated scales for static granularities, see :func:`calibrate_static_scales`; or
         ``"first"``: each layer's are set by :meth:`set_static_scales` before its first store
-        (:class:`kverr.cache.KernelKVCache` takes them from the prefill, as
-        :class:`kverr.cache.KverrCache` does).
+        (:class:`kverr.hf.KernelKVCache` takes them from the prefill, as
+        :class:`kverr.hf.KverrCache` does).
     num_pages : int, optional
         Physical pages per pool (default: enough for every slot at ``max_tokens``).
     dot_fp16 : bool

@@ -1,0 +1,184 @@
+"""The kernel path as a transformers ``Cache``: a :class:`~kverr.config.CacheConfig` on the Triton kernels.
+
+Keys and values go through the quantize-and-store kernel into :class:`kverr.gpu.PagedKVCache`;
+decode steps attend with the fused-dequant decode kernel, installed as the model's attention
+function (:func:`register_kernel_attention`) while the cache is attached. Same token policy and
+static-scale rule as the reference path (:class:`kverr.hf.reference.KverrCache`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kverr.config import CacheConfig
+from kverr.exceptions import ConfigError, ShapeError
+from kverr.hf.reference import Cache, CacheLayerMixin, model_rotary
+from kverr.rope import unrotate
+
+_KERNEL_IMPL_PREFIX = "kverr_paged|"
+
+
+def register_kernel_attention(inner: str) -> str:
+    """Register an attention function that decodes from the paged cache; returns its name.
+
+    Single-token steps of a model that holds a :class:`KernelKVCache` run the fused-dequant
+    decode kernel; everything else (the prefill) runs the model's own attention ``inner`` on the
+    fresh keys and values, as a serving engine does.
+    """
+    import sys
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    name = _KERNEL_IMPL_PREFIX + inner
+
+    def paged_attention(module, query, key, value, attention_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
+        cache = getattr(module, "_kverr_kernel_cache", None)
+        if cache is not None and cache.decoding:
+            if query.shape[2] == 1:
+                out = cache.paged.decode(cache.step, module.layer_idx, query[:, :, 0, :].float(),
+                                         sm_scale=kwargs.get("scaling"))
+                return out[:, None].to(query.dtype), None  # [B, 1, n_q_heads, D]
+            # a later chunk of several tokens: causal attention over the cache as stored
+            out = cache.paged.prefill(cache.step, module.layer_idx, query.float(), sm_scale=kwargs.get("scaling"))
+            return out.transpose(1, 2).to(query.dtype), None  # [B, n, n_q_heads, D]
+        if inner == "eager":
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS[inner]
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    AttentionInterface.register(name, paged_attention)
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    if inner in masks:
+        AttentionMaskInterface.register(name, masks[inner])
+    return name
+
+
+class _KernelLayer(CacheLayerMixin):
+    """One layer of a :class:`KernelKVCache`: stores through the quantize-and-store kernel."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: KernelKVCache, layer_idx: int) -> None:
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.owner._store(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.paged.max_pages * self.owner.paged.P
+
+
+class KernelKVCache(Cache):
+    """A transformers cache that runs a :class:`CacheConfig` on the Triton kernels.
+
+    Keys and values go through the quantize-and-store kernel into the paged cache of
+    :class:`kverr.gpu.PagedKVCache`; every single-token decode step's attention is the
+    fused-dequant decode kernel (installed as the model's attention function while the cache is
+    attached; :meth:`close` restores the model). The prefill attends to its fresh values with the
+    model's own attention. On a CPU the kernels run in the Triton interpreter
+    (``TRITON_INTERPRET=1``), slowly but exactly.
+
+    Static scales not given (``static_scales=...``) are set, per layer, from the first tokens it
+    quantizes (the prefill's, sinks and window left out, jointly over the batch), as
+    :class:`KverrCache` sets them; a prefill no longer than sinks + window sets them from all its
+    tokens (KverrCache waits for its first quantized chunk instead).
+
+    Use :meth:`for_model`; a batch of equal-length sequences. The first forward pass (the prefill)
+    attends with the model's own attention; every later one -- single tokens with the decode
+    kernel, chunks of several tokens with the chunked-prefill kernel -- attends to the cache as
+    stored (sinks and window in full precision, the rest dequantized), as :class:`KverrCache` does.
+    """
+
+    def __init__(self, model: Any, config: CacheConfig, *, batch: int = 1, max_tokens: int = 4096, **kwargs: Any) -> None:
+        from kverr.capturing.model import model_dims
+        from kverr.gpu import PagedKVCache
+
+        n_layers, n_heads, n_kv, head_dim, _ = model_dims(model.config)
+        device = next(model.parameters()).device
+        self.config = config
+        self._cos = self._sin = None
+        if config.key_pre_rope:
+            # the cache stores keys before RoPE, as KverrCache does: undo the model's rotation on the
+            # way in; the decode kernel applies it again per key row from the same tables
+            self._cos, self._sin = model_rotary(model)(torch.arange(max_tokens, device=device))
+            kwargs["rope"] = (self._cos, self._sin)
+        # static scales not given: the prefill sets them, as in KverrCache
+        kwargs.setdefault("static_scales", "first")
+        self.paged = PagedKVCache(
+            config, n_layers=n_layers, n_kv_heads=n_kv, n_q_heads=n_heads, head_dim=head_dim,
+            max_batch=batch, max_tokens=max_tokens, device=device, **kwargs,
+        )
+        self.batch, self.length = batch, 0
+        self.step = None
+        self.decoding = False
+        self._model = model
+        self._modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+        if len(self._modules) != n_layers:
+            raise ConfigError(f"found {len(self._modules)} attention modules, expected {n_layers}")
+        configs = {id(c): c for c in [model.config, *(m.config for m in self._modules if hasattr(m, "config"))]}
+        self._saved = {key: (c, c._attn_implementation) for key, c in configs.items()}
+        for c, impl in self._saved.values():
+            c._attn_implementation = register_kernel_attention(impl or "eager")
+        for m in self._modules:
+            m._kverr_kernel_cache = self
+        super().__init__(layers=[_KernelLayer(self, i) for i in range(n_layers)])
+
+    @classmethod
+    def for_model(cls, model: Any, config: CacheConfig, **kwargs: Any) -> KernelKVCache:
+        return cls(model, config, **kwargs)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        B, _, n, _ = k.shape
+        if B != self.batch:
+            raise ShapeError(f"this cache holds {self.batch} sequences, got a batch of {B}")
+        if layer == 0:
+            self.decoding = self.length > 0
+            self.step = self.paged.plan([n] * B)
+            self.length += n
+        k_in = k
+        if self._cos is not None:
+            t0 = self.length - n
+            k_in = unrotate(k.float(), self._cos[t0:self.length], self._sin[t0:self.length])
+        if self.paged.static_pending(layer):
+            # the first chunk quantized sets the static scales, jointly over the batch, from the
+            # same tokens KverrCache quantizes first: the prefill's, sinks and window left out
+            from kverr.gpu.cache import layer_static_scales
+
+            self.paged.set_static_scales(layer_static_scales(self.config, layer, k_in, v))
+        self.paged.store(self.step, layer, k_in, v)
+        return k, v
+
+    def nbytes(self) -> int:
+        """Bytes the paged cache allocated (pools, full-precision buffers, block table)."""
+        return self.paged.nbytes
+
+    def close(self) -> None:
+        """Restore the model's attention functions and detach the cache."""
+        for c, impl in self._saved.values():
+            c._attn_implementation = impl
+        for m in self._modules:
+            if getattr(m, "_kverr_kernel_cache", None) is self:
+                del m._kverr_kernel_cache
+
+    def __enter__(self) -> KernelKVCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
