@@ -623,6 +623,7 @@ def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer,
     """Real keys and values (the bundled capture, layer 0 or 29), every default candidate plus
     static, percentile and symmetric formats, a length that leaves partial token blocks; the
     cache receiving fp16, or int8 rows."""
+    from kverr.calibration.candidates import CALIBRATION_MSE_CLIP
     from kverr.calibration.fastrecon import SharedReconstruct
     from kverr.io import open_capture
     from kverr.quant import Percentile
@@ -630,8 +631,7 @@ def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer,
 
     cap = open_capture("data/smollm2-pydoc-512.zarr")
     extra = (int_format(4, PerChannel(32), clip=Percentile(99.0)), int_format(4, PerHead(), symmetric=True),
-             int_format(3, PerTokenGroup(16), symmetric=True, clip=__import__("kverr.calibration.candidates").calibrate
-                        .candidates.CALIBRATION_MSE_CLIP), float_format("bf16"))
+             int_format(3, PerTokenGroup(16), symmetric=True, clip=CALIBRATION_MSE_CLIP), float_format("bf16"))
     sel = cap.sel(layer=layer)
     x = torch.cat([torch.as_tensor(sel["k"].values[:, :T]), torch.as_tensor(sel["v"].values[:, :T])])
     shared = SharedReconstruct(x, window_dtype=wdt)
