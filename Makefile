@@ -40,8 +40,10 @@ test: $(STAMP)
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks
 
+# The benchmark registry in quick mode (a few minutes; `python -m bench.run` is the full run):
+# one row per measurement into bench/results/benchmarks.csv.
 bench: $(STAMP)
-	$(BIN)/python bench/bench_quant.py
+	$(BIN)/python -m bench.run --quick
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

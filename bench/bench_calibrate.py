@@ -7,6 +7,10 @@ Usage::
 
 Prints wall time, CPU time of this process and its workers, the machine's load average (the CI
 machine is shared: wall time under load is not the code's speed), and the chosen configs.
+
+In the registry (``python -m bench.run calibrate``): one budget (4 bits) over the 4096-token
+capture, which the runner makes once under ``out/bench/``; ``--quick`` a 1024-token capture and 8
+queries per layer. CPU times there are this process's and its finished workers'.
 """
 
 from __future__ import annotations
@@ -16,6 +20,35 @@ import os
 import platform
 import resource
 import time
+
+
+def measure(quick: bool) -> list:
+    """Registry entry: wall and CPU seconds of a whole-model calibration at 4 bits."""
+    import torch
+
+    from bench.common import Row, pydoc_capture
+    from kverr.calibration import calibrate
+    from kverr.io import open_capture
+
+    tokens, queries = (1024, 8) if quick else (4096, 32)
+    path = pydoc_capture(tokens)
+    torch.set_num_threads(1)
+    cap = open_capture(path)
+    load0 = os.getloadavg()[0]
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    self0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    cal = calibrate(cap, 4.0, context=1280, queries=queries, workers=2, capture_path=str(path))
+    wall = time.perf_counter() - t0
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    self1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = sum(getattr(b, f) - getattr(a, f) for a, b in ((self0, self1), (kids0, kids1))
+              for f in ("ru_utime", "ru_stime"))
+    case = f"default model, {tokens}-token capture, 4 bits at 1280 tokens, {queries} queries, 2 workers"
+    return [Row(case, "wall", wall, "s"), Row(case, "cpu", cpu, "s"),
+            Row(case, "score", cal.seconds["score"], "s"), Row(case, "search", cal.seconds["search"], "s"),
+            Row(case, "sensitivity", cal.seconds.get("sensitivity", float("nan")), "s"),
+            Row(case, "load_average_before", load0, "load")]
 
 
 def main() -> None:

@@ -11,6 +11,9 @@ Usage::
 
     python bench/bench_capture.py                       # 2048 tokens, prints the report
     python bench/bench_capture.py --tokens 4096 --write # also writes bench/results/capture-<date>.txt
+
+In the registry (``python -m bench.run capture``): 2048 tokens, 5 repeats, one torch thread;
+``--quick`` 512 tokens, 2 repeats.
 """
 
 from __future__ import annotations
@@ -47,22 +50,13 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
-    ap.add_argument("--write", action="store_true", help="write bench/results/capture-<date>.txt")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
+def timings(tokens: int, repeats: int, dtype: str = "float32") -> dict:
+    """Interleaved forward and capture seconds, zarr write seconds, and what was written."""
     loaded = load_model("default")
     text = load_text("pydoc")
-    ids = tokenize(loaded.tokenizer, text, args.tokens)
+    ids = tokenize(loaded.tokenizer, text, tokens)
     ids_t = torch.as_tensor(ids)[None]
-    pos = torch.arange(args.tokens)[None]
+    pos = torch.arange(tokens)[None]
     base = _base_model(loaded.model)
 
     def forward() -> None:
@@ -70,12 +64,12 @@ def main() -> int:
             base(input_ids=ids_t, position_ids=pos, use_cache=False)
 
     def hooked() -> object:
-        return capture(loaded, ids, dtype=args.dtype, text=text)
+        return capture(loaded, ids, dtype=dtype, text=text)
 
     forward()
     ds = hooked()
     t_fwd, t_cap = [], []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         forward()
         t_fwd.append(time.perf_counter() - t0)
@@ -87,14 +81,42 @@ def main() -> int:
     nbytes = sum(ds[v].nbytes for v in ds.data_vars)
     tmp = Path(tempfile.mkdtemp(prefix="kverr-bench-"))
     try:
-        for i in range(max(2, args.repeats // 2)):
+        for i in range(max(2, repeats // 2)):
             t0 = time.perf_counter()
             write_dataset(ds, tmp / f"c{i}.zarr")
             t_write.append(time.perf_counter() - t0)
         disk = sum(p.stat().st_size for p in (tmp / "c0.zarr").rglob("*") if p.is_file())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return dict(loaded=loaded, ds=ds, t_fwd=t_fwd, t_cap=t_cap, t_write=t_write, nbytes=nbytes, disk=disk)
 
+
+def measure(quick: bool) -> list:
+    """Registry entry: capture time as a ratio to the plain forward, and the zarr write."""
+    from bench.common import Row
+
+    torch.set_num_threads(1)
+    tokens, repeats = (512, 2) if quick else (2048, 5)
+    r = timings(tokens, repeats)
+    fwd, cap, wr = (statistics.median(r[k]) for k in ("t_fwd", "t_cap", "t_write"))
+    case = f"default model, {tokens} tokens, all layers"
+    return [Row(case, "capture_vs_forward", cap / fwd, "ratio"), Row(case, "forward", fwd * 1e3, "ms"),
+            Row(case, "capture", cap * 1e3, "ms"), Row(case, "zarr_write", r["nbytes"] / 2**20 / wr, "MiB/s")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    ap.add_argument("--write", action="store_true", help="write bench/results/capture-<date>.txt")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = timings(args.tokens, args.repeats, args.dtype)
+    loaded, ds, t_fwd, t_cap, t_write = r["loaded"], r["ds"], r["t_fwd"], r["t_cap"], r["t_write"]
+    nbytes, disk = r["nbytes"], r["disk"]
     fwd, cap, wr = (statistics.median(t) for t in (t_fwd, t_cap, t_write))
     now = _dt.datetime.now(_dt.UTC)
     lines = [

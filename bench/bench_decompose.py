@@ -17,6 +17,9 @@ Usage::
     python bench/bench_decompose.py                 # prints the report
     python bench/bench_decompose.py --write         # also appends to bench/results/decompose-<date>.txt
     python bench/bench_decompose.py --memory        # peak RSS of a 32k-token, 512-query run
+
+In the registry (``python -m bench.run decompose``): these shapes, 3 repeats, one torch thread, and
+the memory run; ``--quick`` 1024 tokens, 64 queries, 1 repeat, no memory run.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _machine() -> str:
     )
 
 
-def _data(dtype: torch.dtype):
+def _data(dtype: torch.dtype, T: int = T, Q: int = Q):
     g = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -79,7 +82,7 @@ KV_OF_Q = [h // (HQ // HKV) for h in range(HQ)]
 
 def _grouped(q: torch.Tensor) -> torch.Tensor:
     # [HQ, Q, D] -> [HKV, G·Q, D]: the layout any efficient GQA attention uses
-    return q.reshape(HKV, (HQ // HKV) * Q, D)
+    return q.reshape(HKV, -1, D)
 
 
 def floor_matmuls(layers, mask):
@@ -102,10 +105,10 @@ def decomposition(layers, mask):
         decompose_stream(q, k, v, kh, vh, causal=True, kv_head_of_q=KV_OF_Q)
 
 
-def timing(repeats: int, dtype: torch.dtype) -> dict:
+def timing(repeats: int, dtype: torch.dtype, T: int = T, Q: int = Q) -> dict:
     """Minimum over ``repeats`` interleaved rounds (the machine is shared: the minimum is the
     least disturbed run, and interleaving exposes all three to the same background load)."""
-    layers = _data(dtype)
+    layers = _data(dtype, T, Q)
     qpos = torch.arange(T - Q, T).repeat(HQ // HKV)
     mask = torch.arange(T)[None, :] > qpos[:, None]  # [G·Q, T], True where hidden
     fns = {"matmuls_s": floor_matmuls, "attention_s": floor_attention,
@@ -152,6 +155,24 @@ print(json.dumps({"peak_rss_mib": round(peak / 1024, 1), "rss_before_mib": round
 def memory() -> dict:
     out = subprocess.run([sys.executable, "-c", _MEM], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(quick: bool) -> list:
+    """Registry entry: decomposition time as a ratio to plain attention (and to the two matmuls);
+    in full mode also the peak RSS of the streamed 32k-token, 512-query run."""
+    from bench.common import Row
+
+    torch.set_num_threads(1)
+    t, q, repeats = (1024, 64, 1) if quick else (T, Q, 3)
+    r = timing(repeats, torch.float32, t, q)
+    case = f"{LAYERS} layers, {t} tokens, {q} queries, float32"
+    rows = [Row(case, "decompose_vs_attention", r["ratio_vs_attention"], "ratio"),
+            Row(case, "decompose_vs_matmuls", r["ratio_vs_matmuls"], "ratio"),
+            Row(case, "decompose", r["decompose_s"], "s"), Row(case, "attention", r["attention_s"], "s")]
+    if not quick:
+        m = memory()
+        rows.append(Row("1 layer, 32768 tokens, 512 queries, streamed", "peak_rss", m["peak_rss_mib"], "MiB"))
+    return rows
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,7 @@ objective (predicted KL in nats) with the layer sensitivities recorded in the pr
 * ``<prefix>-predicted-vs-measured.csv``: scheme, effective bits, predicted damage, mean KL, top-1;
 * ``<prefix>-acceptance.md``: the table, per budget whether the calibrated config has a lower mean
   KL than every preset/peer at equal or higher effective bits, per preset/peer whether a calibrated
-  config at equal or fewer effective bits has a lower mean KL, the issue's targets, and the
+  config at equal or fewer effective bits has a lower mean KL, the acceptance targets, and the
   Spearman (and Kendall) rank correlation between predicted damage and measured mean KL.
 """
 

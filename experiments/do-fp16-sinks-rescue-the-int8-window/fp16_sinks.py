@@ -7,7 +7,7 @@ whether the int8 window's loss at 5 and 6.1 bits comes from rounding the attenti
 
 Usage (the arguments of ``kverr evaluate``)::
 
-    python bench/int8_window_fp16_sinks.py evaluate --text <lib>/argparse.py --segments 2 \\
+    python experiments/do-fp16-sinks-rescue-the-int8-window/fp16_sinks.py evaluate --text <lib>/argparse.py --segments 2 \\
         --config fp16win-5b.json --config int8win-5b.json --config int8win-5b-s16.json ...
 """
 import sys

@@ -3,7 +3,7 @@ beside the default measurement (noise at the o_proj input), on the calibration c
 
 Usage::
 
-    python bench/calibrate_sensitivity_kv.py CAPTURE OUT_PREFIX   (e.g. /tmp/kv/pydoc-4096.zarr, see data/README.md)
+    python experiments/do-key-errors-cost-more-than-predicted/sensitivity_kv.py CAPTURE OUT_PREFIX   (the 4096-token pydoc capture, data/README.md)
 
 Writes ``OUT_PREFIX.txt`` (the table printed) and ``OUT_PREFIX.json`` (both :class:`kverr.calibration.Sensitivity` records) and prints, per
 layer, the o_proj weight, the key and value weights and their ratio, and the quadratic checks.
@@ -28,7 +28,7 @@ def main() -> None:
     kv = sensitivity_for_capture(cap, noise="kv", sinks=4)
     lines = [f"# layer sensitivity, default model, {cap_path} (first 640 tokens: 512 prompt + 128 noisy)",
              f"# date: {dt.date.today()}  machine: {platform.node()} ({os.cpu_count()} cpus, shared)",
-             f"# command: python bench/calibrate_sensitivity_kv.py {cap_path} {prefix}",
+             f"# command: python experiments/do-key-errors-cost-more-than-predicted/sensitivity_kv.py {cap_path} {prefix}",
              f"# o_proj noise {o.seconds:.1f} s, kv noise {kv.seconds:.1f} s (one thread each)",
              "# w in nats per unit relative squared o_proj-input error; q = (KL/r)(eps2)/(KL/r)(eps1)",
              "layer  w_o_proj  w_keys  w_values  keys/values  r_keys(eps1)  r_values(eps1)  q_keys  q_values"]

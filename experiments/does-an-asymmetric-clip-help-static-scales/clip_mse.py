@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/calibrate_static_clip_mse.py CAPTURE.zarr [LAYER ...]
+    python experiments/does-an-asymmetric-clip-help-static-scales/clip_mse.py CAPTURE.zarr [LAYER ...]
 
 For each layer (default 3, 14, 25), pre-RoPE keys and values, with and without the Hadamard
 rotation: the summed squared reconstruction error of int2 asymmetric static per-channel scales

@@ -6,7 +6,7 @@ independently over a 24 x 24 grid of ratios 1 .. 0.2, a stronger search than the
 symmetric 9-ratio one; scales and zero points stored in fp16 as the formats do), on the default
 model's keys (pre-RoPE) and values, with and without a Hadamard rotation.
 
-Usage: python bench/calibrate_static_codebook_mse.py CAPTURE   (e.g. /tmp/kv/pydoc-4096.zarr)
+Usage: python experiments/would-nonuniform-codebooks-help-static-scales/codebook_mse.py CAPTURE   (the 4096-token pydoc capture)
 """
 import sys
 

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python bench/calibrate_heldout_merge.py OUT.csv OLD_PRESETS.segments.csv RUN.segments.csv ...
+    python experiments/does-sensitivity-weighting-choose-better-configs/merge.py OUT.csv OLD_PRESETS.segments.csv RUN.segments.csv ...
 
-Rows of ``OLD_PRESETS`` (bench/results/calibrate-heldout.segments.csv, commit 3027e80) are kept for
+Rows of ``OLD_PRESETS`` (bench/results/calibrate-heldout.segments.csv, the first, partial run) are kept for
 presets and peers only: its calibrated rows were measured with an earlier oracle (Hadamard as a
 matrix product, fp32 MSE sums), which none of the presets or peers uses; the calibrated configs
 were re-run on the current code. Every run's segment is renumbered by its text offset (offset 0 is

@@ -3,10 +3,10 @@ how well each sensitivity measurement predicts it.
 
 Usage::
 
-    python bench/calibrate_kv_only.py configs OUT_DIR CONFIG.json ...
+    python experiments/do-key-errors-cost-more-than-predicted/kv_only.py configs OUT_DIR CONFIG.json ...
         # OUT_DIR/only{k,v}-<name>.json for each config (<name>: its name without "calibrated-"):
         # the config with the other side kept in fp16 (then: kverr evaluate --config ...)
-    python bench/calibrate_kv_only.py ratios EVAL.segments.csv CAPTURE CONFIG.json ...
+    python experiments/do-key-errors-cost-more-than-predicted/kv_only.py ratios EVAL.segments.csv CAPTURE CONFIG.json ...
         # measured mean KL of each only-k / only-v config over its segments against the objective's
         # K or V part on CAPTURE, with the config's own (o_proj) weights and with the kv-noise
         # weights of bench/results/calibrate-sensitivity-kv-2026-11-29.json
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def short(name: str) -> str:

@@ -2,7 +2,7 @@
 
 * ``--key F``: key damage times F. Evaluated alone on argparse.py, keys-only and values-only
   versions of the 2.5- and 3-bit configs measured 3.6-3.9x and 2.2x their predicted KL
-  (bench/results/eval/calibrate-kv-only-argparse.*): the default objective under-weights key
+  (bench/results/eval/calibrate-kv-only-argparse.*, experiments/do-key-errors-cost-more-than-predicted/): the default objective under-weights key
   errors about 1.7x.
 * ``--static F``: damage of the integer candidates with static per-channel scales times F. At 4.5 bits the objective under-rates static scales about 2x on both sides
   (bench/results/eval/calibrate-static-kv-only-argparse-4.5b.*).
@@ -12,7 +12,7 @@ Scores once with the default 78 candidates (static scales offered at every budge
 
 Usage::
 
-    python bench/calibrate_reweight.py CAPTURE OUT_DIR [--key F] [--static F] [--budgets 2.5,3]
+    python experiments/does-reweighting-the-objective-help/reweight.py CAPTURE OUT_DIR [--key F] [--static F] [--budgets 2.5,3]
     (writes OUT_DIR/<prefix>-<budget>b.json: prefix kw<F> for --key alone, sp<F> for --static alone)
 """
 import argparse

@@ -10,7 +10,7 @@ for the int8 window's useful range (:data:`kverr.calibration.candidates.INT8_WIN
 
 Usage::
 
-    python bench/calibrate_window_dtype.py CAPTURE OUT.txt [--context 1280] [--max-bits 9]
+    python experiments/where-does-an-int8-window-stop-paying/window_dtype.py CAPTURE OUT.txt [--context 1280] [--max-bits 9]
 """
 import argparse
 import os
@@ -52,7 +52,7 @@ def main() -> None:
                               max_bits=args.max_bits, sensitivity=None if first is None else first.sensitivity)
     grid = np.round(np.arange(2.5, args.max_bits + 1e-9, 0.25), 2)
     lines = [
-        "# Predicted-KL frontiers, int8 window vs fp16 window (python bench/calibrate_window_dtype.py "
+        "# Predicted-KL frontiers, int8 window vs fp16 window (python experiments/where-does-an-int8-window-stop-paying/window_dtype.py "
         f"{args.capture} {args.out.name} --context {args.context} --max-bits {args.max_bits:g})",
         f"# date: {time.strftime('%Y-%m-%d', time.gmtime())}  machine: {platform.node()} ({os.cpu_count()} cpus)  "
         f"wall: {time.perf_counter() - t0:.0f} s",

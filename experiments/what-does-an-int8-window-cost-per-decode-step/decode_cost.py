@@ -4,7 +4,7 @@ twice around fp16, since the machine is shared).
 
 Usage::
 
-    python bench/window_dtype_decode_cost.py
+    python experiments/what-does-an-int8-window-cost-per-decode-step/decode_cost.py   (from the repository root)
 """
 import time, torch, sys
 torch.set_num_threads(1)

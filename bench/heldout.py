@@ -1,0 +1,134 @@
+"""Held-out evaluation: the calibrated configs beside today's formats at equal memory.
+
+The README's results table. The ten committed configs ``data/configs/calibrated-<b>b.json``
+(calibrated on pydoc) and the presets and peers at the same effective bits are evaluated on text
+they were not calibrated on, the stdlib's ``typing.py`` (Python 3.11): P=1024 prefill, N=256
+teacher-forced decode steps, eight disjoint segments from token 0, one torch thread::
+
+    kverr evaluate --threads 1 --greedy 0 --text <python 3.11 lib>/typing.py --offset 0 \\
+        --prefill 1024 --decode 256 --segments 8 --config data/configs/calibrated-<b>b.json ... \\
+        --scheme kivi-2 ... --out out/bench/heldout.csv
+
+then each scheme's predicted KL (the calibration objective, :func:`kverr.calibration.predict`,
+32 queries per layer, with the layer sensitivities recorded in ``calibrated-4b.json``) on the
+4096-token pydoc calibration capture. It writes ``bench/results/heldout.segments.csv`` (the
+per-segment rows, with machine and date) and ``bench/results/heldout-predicted.csv``; the rows of
+the long table are summarised from those two files (:func:`summarise`), so
+``python -m bench.run heldout --from-results`` remakes them without measuring again.
+
+The full run takes one to two hours on two cores (18 schemes x 8 segments), so ``--quick`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench.common import RESULTS, ROOT, WORK, Row, machine, now, pydoc_capture
+
+BUDGETS = ("2.5", "3", "4", "4.3", "4.5", "5", "5.65", "6.1", "8", "8.5")
+CONFIGS = [ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
+#: The presets and peers at the calibrated configs' effective bits (at 1280 tokens).
+SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
+SEGMENTS_CSV = RESULTS / "heldout.segments.csv"
+PREDICTED_CSV = RESULTS / "heldout-predicted.csv"
+SEGMENTS, PREFILL, DECODE = 8, 1024, 256
+#: Acceptance targets: at most this many effective bits -> mean KL at most, top-1 at least.
+TARGETS = ((4.5, 0.002, 0.98), (3.0, 0.02, 0.93))
+
+
+def typing_py() -> Path:
+    import typing
+
+    return Path(typing.__file__)
+
+
+def evaluate() -> None:
+    """Run ``kverr evaluate`` and keep its per-segment rows, stamped, in :data:`SEGMENTS_CSV`."""
+    import pandas as pd
+
+    from kverr.cli import main
+    from kverr.config import atomic_write_text
+
+    out = WORK / "heldout.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = ["evaluate", "--threads", "1", "--greedy", "0", "--text", str(typing_py()), "--offset", "0",
+            "--prefill", str(PREFILL), "--decode", str(DECODE), "--segments", str(SEGMENTS), "--overwrite",
+            "--out", str(out)]
+    for c in CONFIGS:
+        argv += ["--config", str(c)]
+    for s in SCHEMES:
+        argv += ["--scheme", s]
+    if main(argv) != 0:
+        raise RuntimeError("kverr evaluate failed")
+    df = pd.read_csv(out.with_name(out.stem + ".segments.csv"))
+    df["machine"], df["date"] = machine(), now()
+    atomic_write_text(SEGMENTS_CSV, df.to_csv(index=False))
+
+
+def predicted() -> None:
+    """Each scheme's predicted KL on the calibration capture, into :data:`PREDICTED_CSV`."""
+    import pandas as pd
+    import torch
+
+    from kverr.calibration import Sensitivity, predict
+    from kverr.config import PRESETS, CacheConfig, atomic_write_text
+    from kverr.evaluation import PEERS, Scheme
+    from kverr.io import open_capture
+
+    torch.set_num_threads(1)
+    cap = open_capture(pydoc_capture(4096))
+    sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
+    cfgs = {c.name: c for c in map(CacheConfig.load, CONFIGS)}
+    for s in SCHEMES:
+        cfgs[s] = PRESETS[s] if s in PRESETS else Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32)
+    rows = []
+    for name, cfg in cfgs.items():
+        p = predict(cap, cfg, queries=32, weights=sens.weights_k, weights_v=sens.weights_v)
+        rows.append(dict(scheme=name, predicted=p["total"], predicted_k=float(p["k"].sum()),
+                         predicted_v=float(p["v"].sum()), machine=machine(), date=now()))
+    atomic_write_text(PREDICTED_CSV, pd.DataFrame(rows).to_csv(index=False))
+
+
+def summarise() -> list[Row]:
+    """The long-table rows from :data:`SEGMENTS_CSV` and :data:`PREDICTED_CSV`, each with the
+    machine and date of its measurement: per scheme its kind, effective bits, mean KL over the
+    segments and its standard error, top-1, segments, predicted KL, and for a calibrated config
+    its outer option and window dtype (from its JSON)."""
+    import pandas as pd
+
+    seg = pd.read_csv(SEGMENTS_CSV)
+    pred = pd.read_csv(PREDICTED_CSV).set_index("scheme")
+    configs = {json.loads(c.read_text())["name"]: json.loads(c.read_text()) for c in CONFIGS}
+    rows: list[Row] = []
+    for name, g in seg.groupby("scheme", sort=False):
+        if name not in configs and name not in SCHEMES:
+            continue
+        m, d = g["machine"].iloc[0], g["date"].max()
+        kind = "calibrated" if name in configs else ("peer" if name.startswith("quanto") else "preset")
+        n = g["segment"].nunique()
+        rows += [Row(name, "kind", kind, "label", m, d),
+                 Row(name, "effective_bits", float(g["effective_bits"].iloc[0]), "bits", m, d),
+                 Row(name, "mean_kl", float(g["mean_kl"].mean()), "nats", m, d),
+                 Row(name, "mean_kl_se", float(g["mean_kl"].std(ddof=1) / n**0.5), "nats", m, d),
+                 Row(name, "top1", float(g["top1"].mean()), "fraction", m, d),
+                 Row(name, "segments", n, "count", m, d)]
+        p = pred.loc[name]
+        rows.append(Row(name, "predicted", float(p["predicted"]), "nats", p["machine"], p["date"]))
+        if name in configs:
+            c = configs[name]
+            rows += [Row(name, "outer_option", c["provenance"]["outer_option"], "label", m, d),
+                     Row(name, "window_dtype", c["window_dtype"], "label", m, d)]
+    return rows
+
+
+def measure(quick: bool) -> list[Row]:
+    """Registry entry: evaluate, predict, summarise (full mode only)."""
+    evaluate()
+    predicted()
+    return summarise()
+
+
+if __name__ == "__main__":
+    sys.exit("run it through the registry: python -m bench.run heldout [--from-results]")

@@ -1,0 +1,75 @@
+"""The README's results table, rendered from the long table (:data:`bench.common.TABLE`).
+
+    .venv/bin/python -m bench.table              # print the markdown table
+    .venv/bin/python -m bench.table --check      # exit 1 unless README.md and docs/results.md hold it
+
+Rows: the ``heldout`` benchmark's full-mode measurements, one line per scheme, by effective bits
+(calibrated configs before presets and peers at equal bits). A calibrated config is in bold when
+it meets an acceptance target (:data:`bench.heldout.TARGETS`) or a preset or peer sits at its
+effective bits (within 0.005 bit): the comparisons the table is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench.common import ROOT, TABLE
+from bench.heldout import TARGETS
+
+HEADER = ("| config | option | window | effective bits | mean KL, 8 segments (s.e.) | top-1 | predicted |\n"
+          "|---|---|---|---:|---:|---:|---:|")
+#: Files whose copy of the table must equal :func:`render`'s output.
+HOLDERS = ("README.md", "docs/results.md")
+
+
+def heldout_wide(table: Path = TABLE):
+    """One row per scheme, one column per metric, of the full-mode ``heldout`` rows."""
+    import pandas as pd
+
+    t = pd.read_csv(table, dtype={"value": str})
+    t = t[(t.benchmark == "heldout") & (t["mode"] == "full")]
+    w = t.pivot(index="case", columns="metric", values="value")
+    for col in ("effective_bits", "mean_kl", "mean_kl_se", "top1", "predicted"):
+        w[col] = w[col].astype(float)
+    w["calibrated"] = w["kind"] == "calibrated"
+    return w.assign(bits=w.effective_bits.round(2)).sort_values(["bits", "calibrated", "case"],
+                                                                ascending=[True, False, True])
+
+
+def render(table: Path = TABLE) -> str:
+    w = heldout_wide(table)
+    others = w[~w.calibrated]
+    lines = [HEADER]
+    for name, r in w.iterrows():
+        if r.calibrated:
+            met = any(r.effective_bits <= b + 1e-9 and r.mean_kl <= kl and r.top1 >= top for b, kl, top in TARGETS)
+            matched = bool(((others.effective_bits - r.effective_bits).abs() < 0.005).any())
+            bold = met or matched
+            kl = f"{r.mean_kl:#.3g}"
+            cells = [f"**{name}**" if bold else name, r.outer_option, r.window_dtype,
+                     f"{r.effective_bits:.2f}", (f"**{kl}**" if bold else kl) + f" ({r.mean_kl_se:#.2g})"]
+        else:
+            cells = [name, "", "", f"{r.effective_bits:.2f}", f"{r.mean_kl:#.3g} ({r.mean_kl_se:#.2g})"]
+        cells += [f"{r.top1:.3f}", f"{r.predicted:#.3g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help=f"check that {' and '.join(HOLDERS)} hold the table")
+    args = ap.parse_args(argv)
+    text = render()
+    if not args.check:
+        sys.stdout.write(text)
+        return 0
+    bad = [h for h in HOLDERS if text not in (ROOT / h).read_text()]
+    for h in bad:
+        print(f"{h}: its results table differs from `python -m bench.table`", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
