@@ -13,10 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kverr.error import QUERY_METRICS, decompose, decompose_stream
+from kverr.error.naive import decompose_query
 from kverr.exceptions import DTypeError, NonFiniteError, ShapeError
 
 # ---------------------------------------------------------------------------------------------
-# naive float64 reference (definitions only)
+# naive float64 reference (definitions only): kverr.error.naive, one query at a time
 # ---------------------------------------------------------------------------------------------
 
 
@@ -26,33 +27,32 @@ def _mask(Q, T, causal):
     return np.arange(T)[None, :] <= (np.arange(Q) + T - Q)[:, None]
 
 
-def _softmax(s):
-    m = s.max(-1, keepdims=True)
-    e = np.exp(s - m)
-    return e / e.sum(-1, keepdims=True)
-
-
 def naive(q, k, v, kh, vh, causal=True, scale=None):
+    """:func:`kverr.error.naive.decompose_query` over ``q [..., Q, D]`` and ``k, v [..., T, ·]``
+    (batch dims broadcast; causal: the queries are the last Q positions). Rows ``[..., Q, T]``
+    are 0 (weights) or −inf (logits) at hidden keys."""
     q, k, v, kh, vh = (np.asarray(x, np.float64) for x in (q, k, v, kh, vh))
     D = q.shape[-1]
-    Q, T = q.shape[-2], k.shape[-2]
+    Q, T, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     scale = 1 / np.sqrt(D) if scale is None else scale
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    q = np.broadcast_to(q, batch + (Q, D))
+    k, kh = (np.broadcast_to(x, batch + (T, D)) for x in (k, kh))
+    v, vh = (np.broadcast_to(x, batch + (T, Dv)) for x in (v, vh))
     msk = _mask(Q, T, causal)
-    s = np.where(msk, q @ np.swapaxes(k, -1, -2) * scale, -np.inf)
-    s2 = np.where(msk, q @ np.swapaxes(kh, -1, -2) * scale, -np.inf)
-    a, a2 = _softmax(s), _softmax(s2)
-    return {
-        "attn": a,
-        "attn_hat": a2,
-        "key_term": (a2 - a) @ v,
-        "value_term": a @ (vh - v),
-        "cross_term": (a2 - a) @ (vh - v),
-        "total": a2 @ vh - a @ v,
-        "out": a @ v,
-        "mask": msk,
-        "s": s,
-        "s2": s2,
-    }
+    rows = {n: np.zeros(batch + (Q, T)) for n in ("attn", "attn_hat")}
+    rows.update({n: np.full(batch + (Q, T), -np.inf) for n in ("s", "s2")})
+    outs = {n: np.zeros(batch + (Q, Dv)) for n in ("key_term", "value_term", "cross_term", "total", "out")}
+    for b in np.ndindex(batch):
+        for i in range(Q):
+            n = int(msk[i].sum())  # the visible keys are a prefix
+            r = decompose_query(q[b][i], k[b], v[b], kh[b], vh[b], scale, n_visible=n)
+            for name, x in (("attn", r.attn), ("attn_hat", r.attn_hat), ("s", r.logits),
+                            ("s2", r.logits + r.delta_logits)):
+                rows[name][b + (i, slice(0, n))] = x
+            for name in outs:
+                outs[name][b + (i,)] = getattr(r, name)
+    return {**rows, **outs, "mask": msk}
 
 
 def make(rng, batch=(2,), Q=4, T=9, D=8, Dv=None, ek=0.05, ev=0.05, dtype=np.float64, kscale=1.5):

@@ -25,11 +25,13 @@ the values the cache received). With ``decode`` (:func:`decode_steps`) the token
 :mod:`kverr.evaluation` and of a server that quantizes a prompt whole when it is prefilled: the
 queries are decode steps ``d`` spread evenly over ``decode`` steps, and the window of step ``d``
 holds only the ``min(R, d + 1)`` newest tokens (``S <= t <= p - min(R, d + 1)``).
-Then, exactly as :func:`kverr.error.decompose` defines the terms:
+Then the terms as :mod:`kverr.error.terms` defines them (the definitions
+:func:`kverr.error.decompose` uses too):
 
 * keys: ``δs = c·q (M∘E_K)ᵀ``, ``a′ = softmax(s + δs)``, key term ``(a′ − a) V``
-  (formed without cancellation as ``a·expm1(δs − δlse)``);
-* values: value term ``a (M∘E_V)``.
+  (formed without cancellation: :func:`~kverr.error.terms.key_term_from_growth`, or
+  :func:`~kverr.error.terms.weight_change` where that is unsafe);
+* values: value term ``a (M∘E_V)`` (:func:`~kverr.error.terms.value_term`).
 
 The damage of a (layer, kv head, K|V, format) is the squared norm of that term, averaged over
 the queries and summed over the query heads that read the kv head, divided by the layer's mean
@@ -53,6 +55,7 @@ import numpy as np
 import torch
 
 from kverr.config import CacheConfig
+from kverr.error import terms as _terms
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 from kverr.quant.store import reconstruct
@@ -258,15 +261,16 @@ def _grouped(prep: LayerPrep, qi: torch.Tensor, x: torch.Tensor) -> torch.Tensor
 def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
     """Relative key-term damage ``[cand, option, kv_head]`` of key errors ``e_k [cand, kv_head, T, D]``.
 
-    With ``u = a·expm1(δs)`` over the quantized keys (mask ``M``) and ``Z = 1 + Σ M·u``, the
-    changed weights are ``a′ = (a + M·u)/Z``, so the key term is
-    ``(a′ − a)V = (Σ M·u·v − o·(Z − 1)) / Z``: no difference of two nearly equal weights is
-    formed. Where that fp32 form is not safe -- ``e^δs`` overflows, or ``Z`` is so small that
-    its rounding matters (the quantized keys' weights all but vanish) -- the candidate batch is
-    done in float64 as ``a′ − a = a·expm1(δs − log Σ a e^δs)``, which cannot overflow. Work is
-    done per kv head on the block of all query heads reading it (GQA: no copy of a key error per
-    query head), for a batch of candidates at once; ``δs = c·q E_Kᵀ`` is formed once per
-    candidate and reused by every outer option.
+    With the growth ``u = a·expm1(δs)`` over the quantized keys (mask ``M``) and
+    ``Z = 1 + Σ M·u``, the changed weights are ``a′ = (a + M·u)/Z``, so the key term is
+    ``(a′ − a)V = (Σ M·u·v − o·(Z − 1)) / Z`` (:func:`kverr.error.terms.key_term_from_growth`):
+    no difference of two nearly equal weights is formed. Where that fp32 form is not safe --
+    ``e^δs`` overflows, or ``Z`` is so small that its rounding matters (the quantized keys'
+    weights all but vanish) -- the candidate batch is done in float64 as
+    ``a′ − a = a·expm1(δs − log Σ a e^δs)`` (:func:`kverr.error.terms.weight_change`), which
+    cannot overflow. Work is done per kv head on the block of all query heads reading it (GQA:
+    no copy of a key error per query head), for a batch of candidates at once;
+    ``δs = c·q E_Kᵀ`` is formed once per candidate and reused by every outer option.
     """
     C, n_kv = e_k.shape[0], e_k.shape[1]
     keys = _option_keys(options)
@@ -278,25 +282,21 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
         vh = prep.v[h]
         ds = torch.matmul(qh, e_k[:, h].transpose(-1, -2))  # [C, g*n, T]
         ds.mul_(causal)
-        u = torch.expm1(ds).mul_(ah)
+        u = _terms.growth(ah, ds)
         finite = bool(torch.isfinite(u).all())
         for S, R in keys:
             m = _quantized_mask(prep, S, R, g)
             term = None
             if finite:
                 uw = u * m
-                us = uw.sum(-1, keepdim=True)
-                z = 1.0 + us
+                us, z = _terms.growth_normaliser(uw)
                 if bool(torch.isfinite(z).all()) and float(z.min()) > Z_MIN:
-                    term = (torch.matmul(uw, vh) - oh * us) / z
+                    term = _terms.key_term_from_growth(uw, us, z, vh, oh)
             if term is None:
-                # a·e^x ≤ 1 for every a > 0 (x ≤ −log a ≤ 104 in float64: no overflow); a = 0
-                # (masked by causality) contributes nothing, whatever its x.
-                a64 = ah.double()
-                dsm = ds.double() * m
-                lz = torch.logsumexp(torch.log(a64) + dsm, -1, keepdim=True)
-                da = torch.where(a64 > 0, a64 * torch.expm1(dsm - lz), 0.0)
-                term = torch.matmul(da, vh.double())
+                # float64: the logsumexp form cannot overflow, and a = 0 (masked by causality)
+                # contributes nothing, whatever its δs
+                da = _terms.weight_change(ah.double(), ds.double() * m)
+                term = _terms.key_term(da, vh.double())
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
             res[(S, R)][:, h] = err2.mean(-1).sum(-1)
     out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
@@ -318,7 +318,7 @@ def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[Out
         ah = _grouped(prep, qi, prep.a)  # [g*n, T]
         eh = e_v[:, h]  # [C, T, D]
         for S, R in keys:
-            term = torch.matmul(ah * _quantized_mask(prep, S, R, g), eh)  # [C, g*n, D]
+            term = _terms.value_term(ah * _quantized_mask(prep, S, R, g), eh)  # [C, g*n, D]
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
             res[(S, R)][:, h] = err2.mean(-1).sum(-1)
     out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
@@ -401,29 +401,29 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
 
 
 def _layer_arrays(capture: Any, layer: int, need_pre: bool):
-    from kverr.dims import KV_HEAD_OF_Q, LAYER
+    """One layer of a capture as :func:`prepare_layer` takes it.
+
+    Returns ``q [q_head, T, D]``, ``k, v [kv_head, T, D]``, ``k_pre [kv_head, T, D]`` (None
+    unless ``need_pre``), all float32 numpy, the layer's softmax scale and ``kv_head_of_q
+    [q_head]``; the capture's metadata is read through ``ds.kv`` (:mod:`kverr.accessor`).
+    """
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.dims import LAYER
 
     sel = capture.sel({LAYER: layer})
     q = np.asarray(sel["q"].values, dtype=np.float32)
     k = np.asarray(sel["k"].values, dtype=np.float32)
     v = np.asarray(sel["v"].values, dtype=np.float32)
     kp = np.asarray(sel["k_pre"].values, dtype=np.float32) if need_pre else None
-    if "attn_scale" in capture.coords:
-        scale = float(capture["attn_scale"].sel({LAYER: layer}).values)
-    else:
-        scale = 1.0 / math.sqrt(k.shape[-1])
-    kv_map = np.asarray(capture[KV_HEAD_OF_Q].values)
-    return q, k, v, kp, scale, kv_map
+    return q, k, v, kp, capture.kv.attn_scale(layer), capture.kv.kv_head_of_q
 
 
-def capture_positions_rope(capture: Any):
-    import json
+def capture_positions_rope(capture: Any) -> tuple[np.ndarray, dict[str, Any] | None]:
+    """``(ds.kv.positions, ds.kv.rope)``: token positions ``[token]`` and RoPE parameters (or
+    None) of a capture, as :func:`prepare_layer` takes them."""
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
 
-    positions = np.asarray(capture["position"].values) if "position" in capture else None
-    rope = capture.attrs.get("rope")
-    if isinstance(rope, str):
-        rope = json.loads(rope)
-    return positions, rope
+    return capture.kv.positions, capture.kv.rope
 
 
 def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
@@ -440,10 +440,8 @@ def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
     ``weights``), ``k``, ``v`` and ``total`` are weighted (``predicted_kl``, nats), else
     ``total == relative``.
     """
-    from kverr.dims import LAYER
-
-    positions, rope = capture_positions_rope(capture)
-    layers = [int(x) for x in capture[LAYER].values] if layers is None else list(layers)
+    positions, rope = capture_positions_rope(capture)  # registers ds.kv too
+    layers = capture.kv.layers if layers is None else list(layers)
     opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
     base = config.with_(window=0, sinks=0, provenance={})
     dk, dv = [], []

@@ -2,6 +2,9 @@
 
 Array core (numpy or torch, named by axes): :func:`decompose` and :func:`decompose_stream`.
 Named-dim layer over a capture Dataset (xarray + dask): :func:`decompose_capture`.
+The terms themselves (weight change, key, value and cross terms, first order, KL) are defined
+once, in :mod:`kverr.error.terms`, which the calibration objective uses too; :mod:`kverr.error.naive`
+is their plain per-query reference.
 """
 
 from __future__ import annotations

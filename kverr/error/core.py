@@ -8,8 +8,8 @@ For one query q, keys K, values V and scale c (default 1/√D)::
              key term    value term   cross term
 
 The key term enters before the softmax and depends on the query direction and the softmax
-margins; the value term enters after the weights are formed. This module is the array front
-end: it validates inputs, folds batch dims, query-head groups (GQA) and queries into the
+margins; the value term enters after the weights are formed. The terms are defined in
+:mod:`kverr.error.terms`; this module is the array front end: it validates inputs, folds batch dims, query-head groups (GQA) and queries into the
 canonical ``[B, M, ·]`` layout of the streaming engine (:mod:`kverr.error.stream`) and unfolds
 the results. Inputs may be numpy arrays or torch tensors, float32 or float64; results come back
 in the same library and dtype.
@@ -384,7 +384,7 @@ def decompose(
     -----
     ``key_term + value_term + cross_term == total`` holds to round-off. The weight change
     ``attn_hat − attn`` inside the key and cross terms is formed without cancellation (see
-    :mod:`kverr.error.stream`), so those terms are accurate even when tiny.
+    :mod:`kverr.error.terms`), so those terms are accurate even when tiny.
     """
     return _run(q, k, v, k_hat, v_hat, causal=causal, scale=scale, kv_head_of_q=kv_head_of_q,
                 q_positions=q_positions, topk=topk, block_size=block_size, keep_rows=True,

@@ -7,7 +7,8 @@ unless the caller asks for the full rows.
 
 Why two passes. The key term needs δa = a′ − a exactly. Forming a′ and a separately and
 subtracting loses the small difference to cancellation; instead, with δs = q·E_Kᵀ·scale computed
-directly from E_K = K̂ − K,
+directly from E_K = K̂ − K, the weight change is taken in the streaming form of
+:mod:`kverr.error.terms` (which defines every term this engine computes)
 
     δlse = log Σ_j a_j e^{δs_j} = log1p(Σ_j a_j expm1(δs_j))
     δa_j = a_j · expm1(δs_j − δlse)
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kverr.error import terms as _terms
 from kverr.error.metrics import merge_topk, rank_flips, topk_overlap
 
 #: Target number of logit elements per [rows, keys] slab: 2^18 float32 = 1 MiB stays in cache.
@@ -154,12 +156,11 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
         del p, ds, s, sc, e1
 
     lse_rel = torch.log(Z)  # lse − m
-    dlse = torch.log1p(W / Z)
+    dlse = _terms.delta_lse(W, Z)
     mu = PD / Z
     entropy = lse_rel - PS / Z
     # expm1(δs − δlse) = expm1(δs)·e^{−δlse} + expm1(−δlse): one fused op instead of an expm1
-    c_mul = torch.exp(-dlse).unsqueeze(-1)
-    c_add = torch.expm1(-dlse).unsqueeze(-1)
+    c_mul, c_add = _terms.weight_change_factors(dlse)
 
     # ---- pass 2: exact weight change and output terms ---------------------------------------
     R = torch.zeros((B, m, 2 * Dv), dtype=dt, device=dev)  # p·[V, E_V]
@@ -180,7 +181,7 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
             p = torch.exp(s.sub_(mx.unsqueeze(-1)), out=buf[:, :m])
             e1 = torch.expm1(ds, out=buf[:, m:2 * m])
             del s
-        dp = e1.mul_(c_mul).add_(c_add).mul_(p)  # Z·δa, in place of e1
+        dp = _terms.weight_change_from_expm1(p, e1, c_mul, c_add)  # Z·δa, in place of e1
         tv += dp.abs().sum(dim=-1)
         fo_den += torch.linalg.vector_norm(dp, 2, dim=-1) ** 2
         if rows is not None:
@@ -191,25 +192,21 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
         rb = rhs[:, t0:t1]
         R += p @ rb[..., : 2 * Dv]
         R2 += dp @ rb
-        lin = ds.sub_(mu.unsqueeze(-1)).mul_(p)  # Z·Jδs, in place of ds (dead now)
+        lin = _terms.first_order_weight_change(p, ds, mu)  # Z·Jδs, in place of ds (dead now)
         if lin_v is not None:
             lin_v += lin @ rb[..., :Dv]
         fo_num += torch.linalg.vector_norm(torch.sub(lin, dp), 2, dim=-1) ** 2
         del p, ds, e1, dp, lin, buf
 
     inv = (1.0 / Z).unsqueeze(-1)
-    R0, R2 = R * inv, R2 * inv
-    out, value = R0[..., :Dv], R0[..., Dv:2 * Dv]
-    key, cross, dv_hat = R2[..., :Dv], R2[..., Dv:2 * Dv], R2[..., 2 * Dv:]
-    # total = a′V̂ − aV, evaluated as (a′ − a)V̂ + aE_V: the same quantity, formed from
-    # products other than the key and cross terms, and without the a′V̂ ≈ aV cancellation
-    total = dv_hat + value
+    t = _terms.output_terms(R * inv, R2 * inv)
 
     def real(x):  # the hidden-key sentinel back to −inf (padding for the top-k metrics)
         return torch.where(x > neg / 2, x, torch.full_like(x, -math.inf))
 
     return dict(
-        out=out, value=value, key=key, cross=cross, total=total, key_lin=None if lin_v is None else lin_v * inv,
+        out=t["out"], value=t["value"], key=t["key"], cross=t["cross"], total=t["total"],
+        key_lin=None if lin_v is None else lin_v * inv,
         Z=Z, mu=mu, dlse=dlse, entropy=entropy, ds_max=ds_max, ds_sq=ds_sq,
         tv=tv / Z, fo_num=fo_num, fo_den=fo_den,
         top_s=real(top_s), top_i=top_i, top_s2=real(top_s2), top2_s=real(top2_s), top2_i=top2_i,
@@ -268,7 +265,7 @@ def run_engine(
     dt, dev = q.dtype, q.device
     qs = q * scale
     Dv = v.shape[2]
-    rhs = torch.cat([v, v_hat - v, v_hat], dim=-1)
+    rhs = _terms.value_stack(v, v_hat)
     kk = torch.cat([k, k_hat - k], dim=1)
     mc = choose_rows(min(block, T), rows_per_chunk)
     parts = []
@@ -309,7 +306,7 @@ def run_engine(
     pad_b = torch.where(torch.isfinite(top2_s), top2_i, torch.full_like(top2_i, -2))
     o_norm = norm(r["out"])
     key_norm = norm(r["key"])
-    kl = torch.clamp(r["dlse"] - r["mu"], min=0.0)
+    kl = _terms.kl_divergence(r["dlse"], r["mu"])
     metrics = {
         "logit_max_abs": r["ds_max"],
         "logit_rms": torch.sqrt(r["ds_sq"] / n_vis),
