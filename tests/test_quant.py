@@ -361,14 +361,14 @@ def test_asymmetric_mse_clip_never_worse_than_symmetric_per_block(seed, bits, gr
     assert bool((e_asym <= e_sym * (1 + 1e-12) + 1e-12).all())
     # brute force over the pairs (static case): the oracle reaches the least error of any pair
     if static:
-        from kverr.quant.reference import _params
+        from kverr.quant import range_params
 
         lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
         mid, half = (hi + lo) / 2, (hi - lo) / 2
         best = None
         rs = asym.clip.ratios()
         for rl, rh in [(a, b) for a in rs for b in rs]:  # every pair, independently of pairs()
-            sc, z = _params(asym, mid - half * rl, mid + half * rh)
+            sc, z = range_params(asym, mid - half * rl, mid + half * rh)
             e = ((fake_quantize(x, int_format(bits, gran), scale=sc, zero=z) - x) ** 2).double().sum(1)
             best = e if best is None else torch.minimum(best, e)
         assert len(asym.clip.pairs()) == grid * grid and asym.clip.pairs()[0] == (1.0, 1.0)
@@ -462,3 +462,51 @@ def test_zero_tokens_quantize_to_zero_tokens(draw):
     assert dequantize(qt).shape == x.shape and fake_quantize(x, fmt, page_size=PAGE).shape == x.shape
     if qt.scale is not None:  # per-element metadata, as the error decomposition reads it
         assert qt.element_metadata()[0].shape == x.shape
+
+
+@pytest.mark.parametrize("fmt", [
+    int_format(4, PerToken()),
+    int_format(2, PerTokenGroup(16), symmetric=True),
+    int_format(3, PerChannel(None), clip=MSEClip(grid=4, min_ratio=0.5, asymmetric=True)),
+    int_format(4, PerPage(), clip=Percentile(99.0)),
+    int_format(4, PerHead(), rotate="hadamard"),
+    fp8_format(PerToken()),
+], ids=lambda f: f.label())
+def test_staged_api_is_the_oracle_bit_for_bit(fmt):
+    """to_blocks -> clip_range -> fit_params -> encode_blocks -> decode_blocks -> ungroup gives
+    quantize's codes and metadata and fake_quantize's values exactly (T = 37: a padded last
+    block), with the clip range taken once and passed in, as a caller sharing it would."""
+    from kverr.quant import (block_shape, clip_range, decode_blocks, encode_blocks, fake_quantize_blocks,
+                             fit_params, to_blocks)
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 37, 32, generator=g) * torch.linspace(0.5, 4, 32)
+    B, H, T, D = x.shape
+    xr = hadamard_rotate(x) if fmt.rotate == "hadamard" else x
+    blocks = to_blocks(xr, block_shape(fmt, H, T, D, 16))
+    clip = clip_range(fmt, blocks)
+    s, m = fit_params(fmt, blocks, clip=clip)
+    codes = encode_blocks(fmt, blocks.values, s, m)
+    values = blocks.ungroup(decode_blocks(fmt, codes, s, m))
+    shared = blocks.ungroup(fake_quantize_blocks(fmt, blocks, clip=clip))
+    if fmt.rotate == "hadamard":
+        values, shared = hadamard_rotate(values), hadamard_rotate(shared)
+    qt = quantize(x, fmt, page_size=16)
+    assert torch.equal(s, qt.scale) and (m is None) == (qt.zero is None)
+    assert m is None or torch.equal(m, qt.zero)
+    assert torch.equal(blocks.ungroup(codes), qt.unpacked_codes())
+    want = fake_quantize(x, fmt, page_size=16)
+    assert torch.equal(values, want) and torch.equal(shared, want)
+    assert torch.equal(dequantize(qt), want)
+
+
+def test_staged_api_refuses_bad_input():
+    from kverr.quant import fit_params, float_format, to_blocks
+
+    with pytest.raises(ShapeError, match=r"\[B, H, T, D\]"):
+        to_blocks(torch.zeros(3, 4, 8), (1, 1, 8))
+    with pytest.raises(ShapeError, match="does not tile"):
+        to_blocks(torch.zeros(1, 3, 4, 8), (2, 1, 8))
+    blocks = to_blocks(torch.zeros(1, 2, 4, 8), (1, 1, 8))
+    with pytest.raises(ConfigError, match="no scales"):
+        fit_params(float_format("bf16"), blocks)

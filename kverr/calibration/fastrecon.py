@@ -6,9 +6,9 @@ stacked on the head axis) under ~70 formats. Each call casts the input to ``wind
 checks it finite, rotates it (Hadamard formats), regroups it into scale blocks and takes the
 clip range of every block, then encodes and decodes. :class:`SharedReconstruct` does the
 format-independent part once per tensor (cast, check, rotation) and once per scale block shape
-(grouping, clip range), and the rest by the oracle's own functions (``_params``, ``_encode``,
-``mse_search``, ``_from_groups``, ``hadamard_rotate``), so its output equals ``reconstruct``
-**bit for bit** (``tests/test_calibrate.py`` checks every default candidate, static scales
+(:func:`~kverr.quant.to_blocks`, :func:`~kverr.quant.clip_range`), and the rest by the oracle's
+own public stages (:func:`~kverr.quant.fake_quantize_blocks`, ``Blocks.ungroup``,
+:func:`~kverr.quant.hadamard_rotate`), so its output equals ``reconstruct`` **bit for bit** (``tests/test_calibrate.py`` checks every default candidate, static scales
 included: a static block is one more block shape). Percentile clips go through the oracle itself.
 
 Only configs without sinks or window are served (calibration masks sinks and windows per query
@@ -20,20 +20,23 @@ from __future__ import annotations
 import torch
 
 from kverr.config import CacheConfig
-from kverr.quant.formats import TORCH_DTYPES, AbsMax, MSEClip, QuantFormat, token_block
-from kverr.quant.reference import (
-    _clip_range,
-    _decode,
-    _encode,
-    _from_groups,
-    _params,
-    _to_groups,
-    as_float_tensor,
+from kverr.exceptions import ShapeError
+from kverr.quant import (
+    AbsMax,
+    Blocks,
+    MSEClip,
+    QuantFormat,
     block_shape,
+    clip_range,
+    fake_quantize_blocks,
     hadamard_rotate,
-    mse_search,
+    reconstruct,
+    to_blocks,
+    token_block,
 )
-from kverr.quant.store import receive, reconstruct
+from kverr.quant.formats import TORCH_DTYPES
+from kverr.quant.reference import as_float_tensor
+from kverr.quant.store import receive
 
 
 class SharedReconstruct:
@@ -51,15 +54,14 @@ class SharedReconstruct:
     def __init__(self, x: torch.Tensor, *, page_size: int = 64, window_dtype: str = "fp16"):
         x32 = as_float_tensor(x, "x (one layer's keys and values, stacked on the head axis)")  # the oracle's check, once
         if x32.ndim != 3:
-            raise ValueError(f"x must be [H, T, D], got {tuple(x32.shape)}")
+            raise ShapeError(f"x must be [H, T, D] (heads, tokens, channels), got shape {tuple(x32.shape)}")
         self.page_size, self.window_dtype = page_size, window_dtype
         self.x = x32
         # reconstruct: the cache receives the values in window_dtype
         self.x4 = receive(x32[None], window_dtype)
         self._rot: torch.Tensor | None = None
-        self._groups: dict = {}
+        self._blocks: dict = {}
         self._ranges: dict = {}
-        self._masks: dict = {}
 
     def _rotated(self) -> torch.Tensor:
         if self._rot is None:
@@ -70,25 +72,19 @@ class SharedReconstruct:
         T = self.x4.shape[2]
         return T - T % token_block(fmt.granularity, self.page_size)
 
-    def _grouped(self, rot: bool, block: tuple[int, int, int], end: int):
+    def _grouped(self, rot: bool, block: tuple[int, int, int], end: int) -> Blocks:
         key = (rot, block, end)
-        if key not in self._groups:
+        if key not in self._blocks:
             src = self._rotated() if rot else self.x4
-            x = src[:, :, :end, :]
-            self._groups[key] = _to_groups(x, block)
-            if end % block[1]:
-                _, H, _, D = x.shape
-                self._masks[key] = _to_groups(torch.ones((1, H, end, D), dtype=torch.bool), block, fill=False)
-            else:
-                self._masks[key] = None
-        return self._groups[key], self._masks[key]
+            self._blocks[key] = to_blocks(src[:, :, :end, :], block)
+        return self._blocks[key]
 
-    def _range(self, fmt: QuantFormat, rot: bool, block, end: int, g, mask):
+    def _range(self, fmt: QuantFormat, rot: bool, block, end: int, blocks: Blocks):
         key = (rot, block, end, fmt.symmetric)
         if key not in self._ranges:
-            # _clip_range depends on the format only through `symmetric` and a percentile clip
+            # clip_range depends on the format only through `symmetric` and a percentile clip
             # (never served here): absmax and MSE formats share it
-            self._ranges[key] = _clip_range(fmt, g, mask)
+            self._ranges[key] = clip_range(fmt, blocks)
         return self._ranges[key]
 
     def served(self, fmt: QuantFormat) -> bool:
@@ -109,21 +105,12 @@ class SharedReconstruct:
             rot = fmt.rotate == "hadamard"
             _, H, _, D = self.x4.shape
             block = block_shape(fmt, H, end, D, self.page_size)
-            g, mask = self._grouped(rot, block, end)
-            lo, hi = self._range(fmt, rot, block, end, g, mask)
-            vals = _from_groups(self._values(fmt, g, mask, lo, hi), block, (1, H, end, D))
+            blocks = self._grouped(rot, block, end)
+            clip = self._range(fmt, rot, block, end, blocks)
+            vals = blocks.ungroup(fake_quantize_blocks(fmt, blocks, clip=clip))
             if rot:
                 vals = hadamard_rotate(vals)
         if out is None:
             return vals[0]
         out[:, :, :end] = vals
         return out[0]
-
-    @staticmethod
-    def _values(fmt: QuantFormat, g, mask, lo, hi) -> torch.Tensor:
-        """Decoded values of the grouped ``g`` (the oracle's ``_choose_params``, then encode and
-        decode; for an MSE clip the values of the best ratio are kept from the search)."""
-        if not isinstance(fmt.clip, MSEClip):
-            s, m = _params(fmt, lo, hi)
-            return _decode(fmt, _encode(fmt, g, s, m), s, m)
-        return mse_search(fmt, g, mask, lo, hi, values=True)[2]

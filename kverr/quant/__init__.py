@@ -24,16 +24,25 @@ from kverr.quant.formats import (
 )
 from kverr.quant.packing import pack, packed_nbytes, unpack
 from kverr.quant.reference import (
+    Blocks,
     QTensor,
     block_shape,
+    clip_range,
     codes_nbytes,
+    decode_blocks,
     dequantize,
+    encode_blocks,
     fake_quantize,
+    fake_quantize_blocks,
+    fit_params,
     hadamard,
     hadamard_rotate,
     hadamard_scale,
+    mse_search,
     quantize,
+    range_params,
     scale_shape,
+    to_blocks,
 )
 
 __all__ = [
@@ -43,6 +52,9 @@ __all__ = [
     "int_format", "is_static", "pack", "packed_nbytes", "quantize", "scale_shape", "token_block",
     "unpack",
 ]
+# the oracle's stages, for callers that share statistics across many formats
+__all__ += ["Blocks", "clip_range", "decode_blocks", "encode_blocks", "fake_quantize_blocks", "fit_params",
+            "mse_search", "range_params", "to_blocks"]
 
 from kverr.quant.store import ReferenceStore, align_up, quantize_region, reconstruct, token_regions  # noqa: E402
 

@@ -3,6 +3,18 @@
 Kernels, the quantized cache, evaluation and validation all compare against :func:`quantize`
 and :func:`dequantize`; nothing re-implements them.
 
+The oracle runs in stages, each public, so that many candidate formats can share the work that
+does not depend on them (:mod:`kverr.calibration.fastrecon` does)::
+
+    blocks = to_blocks(x4, block_shape(fmt, H, T, D, page_size))  # scale-block layout, once per shape
+    lo, hi = clip_range(fmt, blocks)            # statistics: per format only via `symmetric`
+    scale, zero = fit_params(fmt, blocks, clip=(lo, hi))           # (MSE search included)
+    codes = encode_blocks(fmt, blocks.values, scale, zero)
+    values = blocks.ungroup(decode_blocks(fmt, codes, scale, zero))
+
+:func:`quantize` and :func:`fake_quantize` are these stages in this order, so a caller that runs
+them gets the oracle's numbers bit for bit.
+
 Arithmetic (fp32 throughout, so that a kernel can reproduce every code bit for bit):
 
 * statistics per block: ``amax = max|x|`` (symmetric, fp8) or ``lo = min x, hi = max x``
@@ -227,6 +239,60 @@ def _from_groups(g: torch.Tensor, block: tuple[int, int, int], shape: tuple[int,
     return x.reshape(B, H, nT * bt, D)[:, :, :T, :]
 
 
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """A ``[B, H, T, D]`` float32 tensor laid out in the scale blocks of one block shape.
+
+    Attributes
+    ----------
+    values : torch.Tensor
+        ``[B, nH, nT, nD, bh·bt·bd]``: the elements of every block (``nH = H // bh`` ...), the
+        last token block padded with zeros.
+    mask : torch.Tensor or None
+        ``[1, nH, nT, nD, bh·bt·bd]`` bool, True on real (not padding) elements; None when no
+        block is padded (``T`` a multiple of ``bt``).
+    block : tuple of int
+        ``(bh, bt, bd)``, see :func:`block_shape`.
+    shape : tuple of int
+        ``(B, H, T, D)`` of the tensor.
+    """
+
+    values: torch.Tensor
+    mask: torch.Tensor | None
+    block: tuple[int, int, int]
+    shape: tuple[int, int, int, int]
+
+    def ungroup(self, g: torch.Tensor) -> torch.Tensor:
+        """``g [B, nH, nT, nD, bh·bt·bd]`` (e.g. decoded values) back to ``[B, H, T, D]``,
+        dropping the padding."""
+        return _from_groups(g, self.block, (g.shape[0], *self.shape[1:]))
+
+
+def to_blocks(x: torch.Tensor, block: tuple[int, int, int]) -> Blocks:
+    """Lay out ``x [B, H, T, D]`` in scale blocks of extent ``block = (bh, bt, bd)``.
+
+    The block layout's statistics (:func:`clip_range`) and the formats' parameters are taken on
+    it; formats with the same block shape can share one layout.
+
+    Raises
+    ------
+    kverr.exceptions.ShapeError
+        When ``x`` is not 4-d or the block does not tile its head and channel axes.
+    """
+    if x.ndim != 4:
+        raise ShapeError(f"to_blocks needs x [B, H, T, D], got shape {tuple(x.shape)}")
+    B, H, T, D = x.shape
+    if len(block) != 3 or min(block) < 1 or H % block[0] or D % block[2]:
+        raise ShapeError(
+            f"block {tuple(block)} does not tile [H={H}, T, D={D}]: it must be (bh, bt, bd) with bh "
+            "dividing H and bd dividing D (block_shape gives the one of a format)"
+        )
+    mask = None  # which grouped entries are real tokens; None when no block is padded
+    if T % block[1]:
+        mask = _to_groups(torch.ones((1, H, T, D), dtype=torch.bool, device=x.device), block, fill=False)
+    return Blocks(_to_groups(x, block), mask, tuple(block), (B, H, T, D))
+
+
 def _masked_quantile(v: torch.Tensor, mask: torch.Tensor | None, q: float) -> torch.Tensor:
     """Linear-interpolated quantile ``q`` of the valid (``mask``) entries along the last axis."""
     if mask is None:
@@ -262,8 +328,11 @@ def _sub_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ceil_cast(a.double() - b.double(), "fp32")
 
 
-def _params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stored (scale, zero) for clip range ``[lo, hi]`` of each block (``lo = -hi`` if symmetric).
+
+    ``lo``, ``hi`` are float32 ``[...]`` (one per block); scale and zero come back in the format's
+    scale dtype, same shape; zero is None unless the format is asymmetric.
 
     Every rounding on the way to the stored scale is upward and the zero point is rounded
     downward, so ``[m, m + L*s]`` (or ``[-L*s, L*s]``) covers ``[lo, hi]`` exactly.
@@ -277,8 +346,9 @@ def _params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch
     return s, m
 
 
-def _encode(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """Codes (uint8) of grouped values ``g`` ``[..., n]`` with per-group ``s``, ``m`` ``[...]``."""
+def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """Codes (uint8, unpacked) of grouped values ``g`` ``[..., n]`` (e.g. :attr:`Blocks.values`)
+    with per-group scale ``s`` and zero ``m`` ``[...]`` (:func:`fit_params`)."""
     s32 = s.float().unsqueeze(-1)
     s_div = torch.where(s32 > 0, s32, torch.ones_like(s32))
     if fmt.is_fp8:
@@ -292,8 +362,8 @@ def _encode(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.Tensor 
     return u.to(torch.uint8)
 
 
-def _decode(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """Float32 values of codes ``u`` ``[..., n]`` with per-group ``s``, ``m`` ``[...]``."""
+def decode_blocks(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """Float32 values of codes ``u`` ``[..., n]`` with per-group scale ``s`` and zero ``m`` ``[...]``."""
     s32 = s.float().unsqueeze(-1)
     if fmt.is_fp8:
         return u.view(TORCH_DTYPES[fmt.dtype]).float() * s32
@@ -302,8 +372,14 @@ def _decode(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor 
     return u.float() * s32 + m.float().unsqueeze(-1)
 
 
-def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip range ``(lo, hi)`` per group before any MSE search (``lo = -hi`` if symmetric)."""
+def clip_range(fmt: QuantFormat, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip range ``(lo, hi)``, float32 ``[B, nH, nT, nD]``, of every block before any MSE search
+    (``lo = -hi`` if symmetric).
+
+    It depends on the format only through ``fmt.symmetric`` and a percentile clip: formats that
+    share those and a block layout share it.
+    """
+    g, mask = blocks.values, blocks.mask
     sym = fmt.symmetric
     clip = fmt.clip
     if isinstance(clip, Percentile) and clip.percentile < 100.0:
@@ -323,13 +399,52 @@ def _clip_range(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) ->
     return g.masked_fill(~mask, _INF).amin(-1), g.masked_fill(~mask, -_INF).amax(-1)
 
 
-def _choose_params(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stored (scale, zero) of every block."""
-    lo, hi = _clip_range(fmt, g, mask)
+def _check_scaled(fmt: QuantFormat) -> None:
+    if not isinstance(fmt, QuantFormat):
+        raise ConfigError(f"fmt must be a QuantFormat, got {type(fmt).__name__}")
+    if fmt.is_float:
+        raise ConfigError(f"plain {fmt.dtype} storage has no scales to fit; cast the values instead")
+
+
+def fit_params(fmt: QuantFormat, blocks: Blocks,
+               clip: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored (scale, zero) ``[B, nH, nT, nD]`` of every block, as :func:`quantize` chooses them.
+
+    Parameters
+    ----------
+    fmt : QuantFormat
+        An integer or fp8 format.
+    blocks : Blocks
+        The tensor in the format's block layout (:func:`to_blocks` with :func:`block_shape`).
+    clip : tuple of torch.Tensor, optional
+        ``(lo, hi)`` from :func:`clip_range`, when already taken (it is shared by formats with
+        the same block layout and ``symmetric``); else taken here.
+
+    Returns
+    -------
+    tuple
+        Scale in the format's scale dtype; zero point likewise, or None for symmetric formats.
+    """
+    _check_scaled(fmt)
+    lo, hi = clip_range(fmt, blocks) if clip is None else clip
     if not isinstance(fmt.clip, MSEClip):
-        return _params(fmt, lo, hi)
-    s, m, _ = mse_search(fmt, g, mask, lo, hi)
+        return range_params(fmt, lo, hi)
+    s, m, _ = mse_search(fmt, blocks.values, blocks.mask, lo, hi)
     return s, m
+
+
+def fake_quantize_blocks(fmt: QuantFormat, blocks: Blocks,
+                         clip: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Decoded values ``[B, nH, nT, nD, n]`` float32 of every block: :func:`fit_params`, then
+    :func:`encode_blocks` and :func:`decode_blocks`, bit for bit (for an MSE clip the values of
+    the chosen ratio are kept from the search instead of decoded again).
+    ``blocks.ungroup`` turns them into ``[B, H, T, D]``."""
+    _check_scaled(fmt)
+    lo, hi = clip_range(fmt, blocks) if clip is None else clip
+    if isinstance(fmt.clip, MSEClip):
+        return mse_search(fmt, blocks.values, blocks.mask, lo, hi, values=True)[2]
+    s, m = range_params(fmt, lo, hi)
+    return decode_blocks(fmt, encode_blocks(fmt, blocks.values, s, m), s, m)
 
 
 def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
@@ -344,10 +459,10 @@ def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo:
     mid, half = (hi + lo) / 2, (hi - lo) / 2
     for rl, rh in fmt.clip.pairs():
         if fmt.symmetric or fmt.is_fp8:
-            s, m = _params(fmt, -hi * rh, hi * rh)
+            s, m = range_params(fmt, -hi * rh, hi * rh)
         else:
-            s, m = _params(fmt, mid - half * rl, mid + half * rh)
-        v = _decode(fmt, _encode(fmt, g, s, m), s, m)
+            s, m = range_params(fmt, mid - half * rl, mid + half * rh)
+        v = decode_blocks(fmt, encode_blocks(fmt, g, s, m), s, m)
         # float64 squares of fp32 differences are exact; the sums are order-insensitive to ~1e-16
         sq = (v - g).double() ** 2
         err = (sq if mask is None else sq.masked_fill(~mask, 0.0)).sum(-1)
@@ -498,18 +613,14 @@ def _encode_grouped(x, fmt, page_size, scale, zero) -> _Grouped:
     if fmt.rotate == "hadamard":
         x32 = hadamard_rotate(x32)
     x4 = x32.reshape(math.prod(lead), H, T, D)  # explicit: -1 is ambiguous when T == 0
-    block = block_shape(fmt, H, T, D, page_size)
-    g = _to_groups(x4, block)
-    mask = None  # which grouped entries are real tokens; None when no block is padded
-    if T % block[1]:
-        mask = _to_groups(torch.ones((1, H, T, D), dtype=torch.bool, device=x32.device), block, fill=False)
+    blocks = to_blocks(x4, block_shape(fmt, H, T, D, page_size))
     if scale is not None:
-        s, m = _static_params(fmt, scale, zero, g.shape[:-1], lead)
+        s, m = _static_params(fmt, scale, zero, blocks.values.shape[:-1], lead)
     else:
         if zero is not None:
             raise ConfigError("zero was given without scale; pass both or neither")
-        s, m = _choose_params(fmt, g, mask)
-    return _Grouped(shape, block, _encode(fmt, g, s, m), s, m)
+        s, m = fit_params(fmt, blocks)
+    return _Grouped(shape, blocks.block, encode_blocks(fmt, blocks.values, s, m), s, m)
 
 
 def _static_params(fmt, scale, zero, group_shape, lead):
@@ -556,7 +667,7 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, unrotate: boo
     B = u.shape[0]
     s = qt.scale.reshape(B, *qt.scale.shape[len(lead):])
     m = None if qt.zero is None else qt.zero.reshape(B, *qt.zero.shape[len(lead):])
-    x = _from_groups(_decode(fmt, _to_groups(u, block), s, m), block, (B, H, T, D))
+    x = _from_groups(decode_blocks(fmt, _to_groups(u, block), s, m), block, (B, H, T, D))
     if fmt.rotate == "hadamard" and unrotate:
         x = hadamard_rotate(x)
     return x.reshape(qt.shape).to(dtype)
@@ -579,7 +690,7 @@ def fake_quantize(
     if plan.float_values is not None:
         return plan.float_values.to(torch.float32)
     *lead, H, T, D = plan.shape
-    values = _decode(fmt, plan.codes, plan.scale, plan.zero)
+    values = decode_blocks(fmt, plan.codes, plan.scale, plan.zero)
     out = _from_groups(values, plan.block, (values.shape[0], H, T, D))
     if fmt.rotate == "hadamard":
         out = hadamard_rotate(out)
