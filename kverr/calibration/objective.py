@@ -420,7 +420,8 @@ def _layer_arrays(capture: Any, layer: int, need_pre: bool):
 
 def capture_positions_rope(capture: Any) -> tuple[np.ndarray, dict[str, Any] | None]:
     """``(ds.kv.positions, ds.kv.rope)``: token positions ``[token]`` and RoPE parameters (or
-    None) of a capture, as :func:`prepare_layer` takes them."""
+    None) of a capture, as :func:`prepare_layer` takes them (for callers that do not import
+    :mod:`kverr.accessor` themselves)."""
     import kverr.accessor  # noqa: F401  (registers ds.kv)
 
     return capture.kv.positions, capture.kv.rope
@@ -440,15 +441,17 @@ def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
     ``weights``), ``k``, ``v`` and ``total`` are weighted (``predicted_kl``, nats), else
     ``total == relative``.
     """
-    positions, rope = capture_positions_rope(capture)  # registers ds.kv too
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+
     layers = capture.kv.layers if layers is None else list(layers)
+    positions, rope = capture.kv.positions, capture.kv.rope
     opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
     base = config.with_(window=0, sinks=0, provenance={})
     dk, dv = [], []
     for layer in layers:
         q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, config.key_pre_rope)
-        prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale,
-                             queries=queries, positions=positions, rope=rope, decode=decode)
+        prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
+                             positions=positions, rope=rope, decode=decode)
         dk.append(float(key_damage(prep, key_error(prep, base), [opt]).sum()))
         dv.append(float(value_damage(prep, value_error(prep, base), [opt]).sum()))
     rel = float(sum(dk) + sum(dv))
