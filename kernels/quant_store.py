@@ -167,7 +167,7 @@ def _params(lo, hi, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
 
 @triton.jit
 def _decode(u, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
-    """fp32 values of int32 codes ``u`` (the oracle's ``_decode``: one rounding per multiply and
+    """fp32 values of int32 codes ``u`` (the oracle's ``decode_blocks``: one rounding per multiply and
     per add)."""
     if KIND == 0:
         return (u - (1 << (BITS - 1))).to(tl.float32) * s
