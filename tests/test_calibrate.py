@@ -3,7 +3,6 @@ search (bytes == kverr.memory, provenance, bad input) and the CLI, on a tiny ran
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import numpy as np
@@ -12,7 +11,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kverr.calibration import OuterOption, brute_force, calibrate, check_model_matches, predict, solve
+from kverr.calibration import (
+    CalibrationConfig,
+    OuterOption,
+    brute_force,
+    calibrate,
+    check_model_matches,
+    predict,
+    solve,
+)
 from kverr.calibration.candidates import default_candidates, head_bytes
 from kverr.calibration.objective import key_damage, prepare_layer, value_damage
 from kverr.config import CacheConfig
@@ -186,6 +193,12 @@ SMALL = (int_format(2, PerToken()), int_format(4, PerTokenGroup(16)), int_format
          int_format(8, PerToken()), fp8_format(PerHead()), float_format("fp16"))
 
 
+def cal_at(cap, budget, *, scores=None, sensitivity=None, model=None, **fields):
+    """``calibrate`` at one budget, every other option a CalibrationConfig field."""
+    return calibrate(cap, CalibrationConfig(budgets=budget, **fields), scores=scores, sensitivity=sensitivity,
+                     model=model, workers=1)
+
+
 @pytest.fixture(scope="module")
 def tiny_capture(tmp_path_factory):
     from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
@@ -203,7 +216,7 @@ def tiny_capture(tmp_path_factory):
 def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tiny_capture):
     cap, _, loaded = tiny_capture
     opts = (OuterOption(), OuterOption(sinks=4))
-    cal = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16)
+    cal = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16)
     cfg = cal.config
     shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
     rep = account(cfg, shape, 160)
@@ -221,14 +234,14 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
     assert pv["objective"] == "predicted_kl" and len(pv["sensitivity"]["weights_k"]) == loaded.n_layers
     assert pv["sensitivity"]["noise"] == "o_proj"
     # with noise in the cached keys and values: a weight per side, sparing the options' sinks
-    kv = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16,
+    kv = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16,
                    scores=cal.scores, model=loaded, sensitivity_noise="kv")
     sv = kv.sensitivity
     assert sv.noise == "kv" and sv.sinks == 4 and not np.array_equal(sv.weights_k, sv.weights_v)
     p = predict(cap, kv.config, queries=16, weights=sv.weights_k, weights_v=sv.weights_v)
     assert p["total"] == pytest.approx(kv.config.provenance["predicted_damage"], rel=1e-4)
     with pytest.raises(ConfigError, match="sensitivity_noise"):
-        calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, sensitivity_noise="q")
+        cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, sensitivity_noise="q")
     # round trip of the config file, provenance included
     assert CacheConfig.from_json(cfg.to_json()) == cfg
     # frontier: monotone, and more budget never predicts more damage
@@ -237,7 +250,7 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
     hi = cal.config_at(6.0)
     assert hi.provenance["predicted_damage"] <= pv["predicted_damage"]
     # deterministic
-    cal2 = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, scores=cal.scores)
+    cal2 = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, scores=cal.scores)
     assert cal2.config == cfg
 
 
@@ -254,31 +267,31 @@ def test_window_dtype_rule_and_scores_of_another_window_dtype_are_refused(tiny_c
         window_dtype_for_budget(3.0, "int4")
     cap, _, loaded = tiny_capture
     opts = (OuterOption(sinks=4, window=8),)
-    cal = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8)
+    cal = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8)
     assert cal.config.window_dtype == "int8" and cal.scores.window_dtype == "int8"
     shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
     assert account(cal.config, shape, 160).total_bytes < account(cal.config.with_(window_dtype="fp16"), shape, 160).total_bytes
-    hi = calibrate(cap, 7.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+    hi = cal_at(cap, 7.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                    sensitivity=cal.sensitivity)
     assert hi.config.window_dtype == "fp16"
     with pytest.raises(ConfigError, match="window_dtype='int8', not 'fp16'"):
-        calibrate(cap, 5.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+        cal_at(cap, 5.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                   scores=cal.scores, window_dtype="fp16")
 
 
 def test_calibrate_bad_input(tiny_capture):
     cap, _, _ = tiny_capture
     with pytest.raises(ConfigError, match=r"infeasible.*cheapest possible config costs \d+\.\d+ effective bits"):
-        calibrate(cap, 1.0, context=160, cands_k=SMALL, cands_v=SMALL, queries=8)
+        cal_at(cap, 1.0, context=160, cands_k=SMALL, cands_v=SMALL, queries=8)
     with pytest.raises(CaptureError, match="every layer"):
-        calibrate(cap.isel(layer=[0]), 4.0, cands_k=SMALL, cands_v=SMALL)
+        cal_at(cap.isel(layer=[0]), 4.0, cands_k=SMALL, cands_v=SMALL)
     with pytest.raises(ConfigError, match="tensor"):
-        calibrate(cap, 4.0, cands_k=(int_format(4, __import__("kverr.quant").quant.PerTensor()),), cands_v=SMALL)
+        cal_at(cap, 4.0, cands_k=(int_format(4, __import__("kverr.quant").quant.PerTensor()),), cands_v=SMALL)
 
 
 def test_config_from_another_model_is_refused(tiny_capture):
     cap, _, loaded = tiny_capture
-    cal = calibrate(cap, 8.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
+    cal = cal_at(cap, 8.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
     check_model_matches(cal.config, loaded.weights_sha256)  # same model: fine
     with pytest.raises(ConfigError, match="calibrated on a capture of"):
         check_model_matches(cal.config, "0" * 64, "other")
@@ -329,27 +342,21 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
 
 
 def test_cli_default_options_are_the_library_defaults(tiny_capture, tmp_path, capsys, monkeypatch):
-    """`kverr calibrate` tries the library's default (sinks, window) pairs (S0/R0, S4/R16, S4/R32,
-    S4/R64), with pre-RoPE keys when the capture has them (--key-rope both: each post and pre);
-    --sinks/--window cross instead."""
+    """`kverr calibrate` asks for the CalibrationConfig defaults, so it tries the library's default
+    (sinks, window) pairs (S0/R0, S4/R16, S4/R32, S4/R64), with pre-RoPE keys when the capture has
+    them (--key-rope both: each post and pre); --sinks/--window cross instead."""
     import kverr.calibration as kc
-    from kverr.calibration.candidates import window_dtype_for_budget
-    from kverr.calibration.objective import DEFAULT_DECODE
     from kverr.calibration.search import DEFAULT_OPTIONS
     from kverr.cli import main
 
     seen = []
     real = kc.calibrate
 
-    lib_noise = inspect.signature(real).parameters["sensitivity_noise"].default
-    lib_wdt = inspect.signature(real).parameters["window_dtype"].default
-
-    def spy(*a, **kw):
-        seen.append(tuple(kw["options"]))
-        assert kw["decode"] == DEFAULT_DECODE  # the CLI's defaults are the library's
-        assert kw["sensitivity_noise"] == lib_noise
-        assert kw["window_dtype"] == window_dtype_for_budget(5.0, lib_wdt) and lib_wdt == "auto"
-        return real(*a, **kw)
+    def spy(capture, settings, **kw):
+        assert settings.with_(key_rope=None, sinks=None, windows=None) == CalibrationConfig(budgets=5.0, queries=8)
+        cal = real(capture, settings, **kw)
+        seen.append(cal.options)
+        return cal
 
     monkeypatch.setattr(kc, "calibrate", spy)
     _, path, _ = tiny_capture
@@ -379,7 +386,7 @@ def test_evaluate_refuses_a_config_calibrated_on_another_model(tiny_capture):
     from kverr.evaluation import Scheme, evaluate
 
     cap, _, loaded = tiny_capture
-    cal = calibrate(cap, 8.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
+    cal = cal_at(cap, 8.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
     prov = dict(cal.config.provenance)
     prov["capture"] = {**prov["capture"], "weights_sha256": "0" * 64, "model_id": "another/model"}
     other = cal.config.with_(provenance=prov)
@@ -551,35 +558,35 @@ def test_kl_objective_with_equal_weights_is_the_rel_objective(tiny_capture):
     cap, _, loaded = tiny_capture
     L = loaded.n_layers
     opts = (OuterOption(),)
-    rel = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8, objective="rel")
+    rel = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8, objective="rel")
     assert rel.config.provenance["objective"] == "rel_attn_out_sq" and "sensitivity" not in rel.config.provenance
 
     def sens(w, wv=None):
         return Sensitivity.uniform(w, wv, eps=(0.01, 0.02), tokens=160, noisy=32, kl_positions=32)
 
-    eq = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+    eq = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                    scores=rel.scores, sensitivity=sens([2.0] * L))
     assert eq.config.heads == rel.config.heads and (eq.config.k, eq.config.v) == (rel.config.k, rel.config.v)
     assert eq.config.provenance["predicted_damage"] == pytest.approx(2 * rel.config.provenance["predicted_damage"])
-    bytes_of = lambda cal, layer: int(cal.choices.loc[cal.choices.layer == layer, "bytes"].sum())  # noqa: E731
+    bytes_of = lambda cal, layer: int(cal.choices[4.0].loc[cal.choices[4.0].layer == layer, "bytes"].sum())  # noqa: E731
     for hot in range(L):
         w = [1e-3] * L
         w[hot] = 1.0
-        c = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+        c = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                       scores=rel.scores, sensitivity=sens(w))
         assert bytes_of(c, hot) >= bytes_of(rel, hot)
         assert c.config.provenance["sensitivity"]["weights_k"][hot] == 1.0
     # a side weighted up gets bytes from the other one
-    side_bytes = lambda cal, w: int(cal.choices.loc[cal.choices.which == w, "bytes"].sum())  # noqa: E731
-    kh = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+    side_bytes = lambda cal, w: int(cal.choices[4.0].loc[cal.choices[4.0].which == w, "bytes"].sum())  # noqa: E731
+    kh = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                    scores=rel.scores, sensitivity=sens([1.0] * L, [1e-3] * L))
-    vh = calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
+    vh = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=8,
                    scores=rel.scores, sensitivity=sens([1e-3] * L, [1.0] * L))
     assert side_bytes(kh, "k") > side_bytes(vh, "k") and side_bytes(kh, "v") < side_bytes(vh, "v")
     with pytest.raises(ConfigError, match="objective"):
-        calibrate(cap, 4.0, context=160, cands_k=SMALL, cands_v=SMALL, objective="mse")
+        cal_at(cap, 4.0, context=160, cands_k=SMALL, cands_v=SMALL, objective="mse")
     with pytest.raises(ConfigError, match="layer weights"):
-        calibrate(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, scores=rel.scores,
+        cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, scores=rel.scores,
                   sensitivity=sens([1.0] * (L + 1)))
 
 
@@ -590,13 +597,13 @@ def test_kl_objective_refuses_another_model(tiny_capture, tmp_path):
     cap, _, loaded = tiny_capture
     other = load_model(str(make_tiny_model(tmp_path / "o", "llama", seed=1)))
     with pytest.raises(CaptureError, match="not with the model given"):
-        calibrate(cap, 4.0, context=160, cands_k=SMALL, cands_v=SMALL, model=other)
+        cal_at(cap, 4.0, context=160, cands_k=SMALL, cands_v=SMALL, model=other)
     with pytest.raises(CaptureError, match="token_id"):
-        calibrate(cap.drop_vars("token_id"), 4.0, context=160, cands_k=SMALL, cands_v=SMALL)
+        cal_at(cap.drop_vars("token_id"), 4.0, context=160, cands_k=SMALL, cands_v=SMALL)
     # a capture whose model cannot be found by its recorded name
     bad = cap.assign_attrs(model_id=str(tmp_path / "nowhere"))
     with pytest.raises(CaptureError, match="neither the default model nor a local"):
-        calibrate(bad, 4.0, context=160, cands_k=SMALL, cands_v=SMALL)
+        cal_at(bad, 4.0, context=160, cands_k=SMALL, cands_v=SMALL)
 
 
 def test_cli_calibrate_objectives(tiny_capture, tmp_path, capsys):

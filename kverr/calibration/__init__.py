@@ -4,7 +4,9 @@
 * :mod:`.objective` -- predicted damage from the error decomposition on a capture;
 * :mod:`.sensitivity` -- measured per-layer sensitivity (next-token KL per relative error);
 * :mod:`.knapsack` -- exact multiple-choice knapsack, whole Pareto frontier in one pass;
-* :mod:`.search` -- :func:`calibrate` ties them together and writes provenance;
+* :mod:`.config` -- :class:`CalibrationConfig`, every option of a calibration (versioned JSON);
+* :mod:`.search` -- :func:`calibrate` ties them together (layers scored by dask) and writes
+  provenance;
 * :mod:`.export` -- vLLM and transformers exports (and what they cannot express).
 """
 
@@ -12,11 +14,12 @@ from .candidates import OuterOption, candidate_set, candidates_for_budget, defau
 from .knapsack import Frontier, brute_force, solve
 from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVE_KL_NAME, OBJECTIVE_NAME, OBJECTIVES, predict
 from .sensitivity import Sensitivity, measure_sensitivity, sensitivity_for_capture
-from .search import DEFAULT_OPTIONS, Calibration, Scores, calibrate, check_model_matches, score
+from .config import CalibrationConfig
+from .search import DEFAULT_OPTIONS, Calibration, Scores, Search, calibrate, check_model_matches, score
 
 __all__ = [
-    "Calibration", "DEFAULT_OPTIONS", "Frontier", "OBJECTIVES", "OBJECTIVE_DOC", "OBJECTIVE_KL_DOC",
-    "OBJECTIVE_KL_NAME", "OBJECTIVE_NAME", "OuterOption", "Scores", "Sensitivity", "measure_sensitivity",
+    "Calibration", "CalibrationConfig", "DEFAULT_OPTIONS", "Frontier", "OBJECTIVES", "OBJECTIVE_DOC", "OBJECTIVE_KL_DOC",
+    "OBJECTIVE_KL_NAME", "OBJECTIVE_NAME", "OuterOption", "Scores", "Search", "Sensitivity", "measure_sensitivity",
     "sensitivity_for_capture", "brute_force", "calibrate", "candidate_set", "candidates_for_budget",
     "check_model_matches", "default_candidates",
     "head_bytes", "predict", "score", "solve",

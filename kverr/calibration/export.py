@@ -176,8 +176,9 @@ def export_vllm(config: CacheConfig, out: str | Path, *, capture: Any = None,
     """
     out = Path(out)
     if capture is not None:
-        n_layers = int(capture.attrs.get("model_n_layers", capture.sizes["layer"]))
-        n_kv = capture.sizes["kv_head"]
+        import kverr.accessor  # noqa: F401  (registers ds.kv)
+
+        n_layers, n_kv = capture.kv.n_layers, capture.kv.n_kv_heads
     fmt = check_vllm(config, n_layers, n_kv)
     if fmt is None:
         frag = {"kv_cache_dtype": "auto"}
@@ -186,7 +187,7 @@ def export_vllm(config: CacheConfig, out: str | Path, *, capture: Any = None,
     if capture is None:
         raise CaptureError("the vLLM export needs static fp8 scales; pass the capture they are "
                            "computed from (--capture PATH)")
-    layers = [int(x) for x in capture["layer"].values]
+    layers = capture.kv.layers
     if layers != list(range(n_layers)):
         raise CaptureError(f"the capture has layers {layers}; scales are needed for all {n_layers}")
     check_model_matches(config, capture=capture)
@@ -197,7 +198,7 @@ def export_vllm(config: CacheConfig, out: str | Path, *, capture: Any = None,
         "kv_cache_dtype": "fp8_e4m3",
         "quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": scheme},
         "kverr": {"config": config.name, "clip": fmt.clip.kind,
-                  "capture_weights_sha256": str(capture.attrs.get("weights_sha256", ""))},
+                  "capture_weights_sha256": capture.kv.provenance["weights_sha256"]},
     }
     # Every scale is computed before anything is written.
     tensors, listing = {}, {}

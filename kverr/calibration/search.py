@@ -8,14 +8,12 @@ window included. They depend on the context length, which is recorded in the pro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import os
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,20 +22,27 @@ from kverr.config import CacheConfig, Override, check_model_matches  # noqa: F40
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 
-from .candidates import OuterOption, candidates_for_budget, check_candidates, head_bytes, window_dtype_for_budget
+from .candidates import (
+    OuterOption,
+    candidate_set,
+    candidates_for_budget,
+    check_candidates,
+    default_candidates,
+    head_bytes,
+    window_dtype_for_budget,
+)
+from .config import CalibrationConfig
 from .knapsack import Frontier, solve
-from .sensitivity import DEFAULT_TOKENS, NOISE_SITES, check_capture_model, sensitivity_for_capture
 from .objective import (
     DEFAULT_DECODE,
     OBJECTIVE_DOC,
     OBJECTIVE_KL_DOC,
     OBJECTIVES,
-    _layer_arrays,
-    capture_positions_rope,
     check_queries,
     prepare_layer,
     score_layer,
 )
+from .sensitivity import check_capture_model, sensitivity_for_capture
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +76,10 @@ def outer_options(capture, key_rope: str | None = None, sinks=None, windows=None
     ``windows`` the (sinks, window) pairs are :data:`DEFAULT_SINKS_WINDOWS`; with either, their
     grid (a missing one is ``[0]``).
     """
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+
     if key_rope is None:
-        key_rope = "pre" if "k_pre" in capture and "rope" in capture.attrs else "post"
+        key_rope = "pre" if "k_pre" in capture and capture.kv.rope is not None else "post"
     pres = {"post": [False], "pre": [True], "both": [False, True]}[key_rope]
     if sinks is None and windows is None:
         pairs = list(DEFAULT_SINKS_WINDOWS)
@@ -107,175 +114,326 @@ class Scores:
                       self.options, self.queries, self.window_dtype, self.cpu_seconds, self.decode)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Search:
+    """One knapsack search: the frontier of one window dtype and candidate set, and its configs.
+
+    Attributes
+    ----------
+    window_dtype : str
+        What the searched configs keep their sinks, window and pending tokens in.
+    candidates : str
+        The candidate set searched: ``"all"``, ``"dynamic"`` (:func:`~.candidates.candidate_set`)
+        or ``"custom"`` (explicit candidates for keys and values).
+    budgets : tuple of float
+        The budgets of the calibration this search chose configs for.
+    scores : Scores
+        The damage tables searched.
+    frontier : pandas.DataFrame
+        The Pareto frontier over all outer options: ``option, window, sinks, key_pre_rope,
+        bytes, effective_bits, predicted, index``, by increasing bytes; ``predicted`` is in the
+        objective's units (nats of next-token KL for ``objective="kl"``).
+    frontiers : dict of OuterOption to Frontier
+        The knapsack frontier of each outer option.
+    weights : tuple of numpy.ndarray or None
+        ``(w_k [layer], w_v [layer])`` the damage was weighted by (None: ``objective="rel"``).
+    sensitivity : Sensitivity or None
+        The measured sensitivity the weights come from.
+    shape : kverr.memory.ModelShape
+        The model's layer count, kv heads and head dim.
+    context, page_size, align : int
+        Tokens at which effective bits are counted; the configs' page size and alignment.
+    objective : str
+        ``"kl"`` or ``"rel"``.
+    capture : dict
+        The capture's provenance (``ds.kv.provenance``), as recorded in the configs.
+    seconds : dict of str to float
+        Wall time of this search's ``score`` (0 when its tables were reused) and ``search``.
+    """
+
+    window_dtype: str
+    candidates: str
+    budgets: tuple[float, ...]
+    scores: Scores
+    frontier: Any
+    frontiers: dict[OuterOption, Frontier]
+    weights: tuple[np.ndarray, np.ndarray] | None
+    sensitivity: Any
+    shape: Any
+    context: int
+    page_size: int
+    align: int
+    objective: str
+    capture: dict[str, Any]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
+        """The best config of this search within ``budget_bits`` (no new scoring)."""
+        return _build(self, budget_bits, name)[0]
+
+    def choices_at(self, budget_bits: float) -> Any:
+        """One row per (layer, kv_head, which) of :meth:`config_at`'s config: format label,
+        dtype, bits, granularity, rotate, clip, bytes, predicted and relative damage."""
+        return _build(self, budget_bits, None)[1]
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Result of :func:`calibrate`.
 
     Attributes
     ----------
-    config : CacheConfig
-        The chosen config (provenance filled in).
-    frontier : pandas.DataFrame
-        The Pareto frontier over all outer options: ``option, effective_bits, bytes,
-        predicted`` (+ ``window, sinks, key_pre_rope``), by increasing bits; ``predicted`` is in
-        the objective's units (nats of next-token KL for ``objective="kl"``).
-    choices : pandas.DataFrame
-        One row per (layer, kv_head, which) of the chosen config: format label, bits, bytes,
-        predicted damage.
-    scores : Scores
-        The full damage tables.
+    settings : CalibrationConfig
+        What was asked for.
+    configs : dict of float to CacheConfig
+        The chosen config of each budget (provenance filled in), in the order of the budgets.
+    choices : dict of float to pandas.DataFrame
+        Per budget, one row per (layer, kv_head, which) of its config (:meth:`Search.choices_at`).
+    searches : tuple of Search
+        One per (window dtype, candidate set) the budgets needed, in the order they were run.
+    budget_search : dict of float to int
+        The index in ``searches`` of each budget's search.
+    options : tuple of OuterOption
+        The outer options tried.
+    sensitivity : Sensitivity or None
+        The layer sensitivity of ``objective="kl"`` (measured once, shared by every search).
+    capture : dict
+        The capture's provenance (``ds.kv.provenance``).
+    context : int
+        Tokens at which effective bits are counted.
+    seconds : dict of str to float
+        Wall seconds: ``score`` (checks, model load and scoring), ``search`` (knapsacks),
+        ``sensitivity`` and ``model_load`` (within ``score``), ``sensitivity_cpu``.
     """
 
-    config: CacheConfig
-    frontier: Any
-    choices: Any
-    scores: Scores
-    frontiers: dict[OuterOption, Frontier] = field(default_factory=dict)
-    context: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
-    objective: str = "kl"
-    sensitivity: Any = None
+    settings: CalibrationConfig
+    configs: dict[float, CacheConfig]
+    choices: dict[float, Any]
+    searches: tuple[Search, ...]
+    budget_search: dict[float, int]
+    options: tuple[OuterOption, ...]
+    sensitivity: Any
+    capture: dict[str, Any]
+    context: int
+    seconds: dict[str, float]
+
+    @property
+    def config(self) -> CacheConfig:
+        """The chosen config of a calibration at a single budget."""
+        if len(self.configs) != 1:
+            raise ConfigError(f"this calibration chose {len(self.configs)} configs (budgets "
+                              f"{', '.join(f'{b:g}' for b in self.configs)}); read .configs[budget]")
+        return next(iter(self.configs.values()))
+
+    @property
+    def scores(self) -> Scores:
+        """The damage tables of a calibration that ran a single search."""
+        if len(self.searches) != 1:
+            raise ConfigError(f"this calibration ran {len(self.searches)} searches; read .searches[i].scores")
+        return self.searches[0].scores
+
+    @property
+    def frontier(self) -> Any:
+        """Every search's frontier, one after the other, with columns ``candidates`` and
+        ``window_dtype`` naming the search (what ``kverr calibrate --frontier`` writes)."""
+        import pandas as pd
+
+        return pd.concat([s.frontier.assign(candidates=s.candidates, window_dtype=s.window_dtype)
+                          for s in self.searches], ignore_index=True)
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
-        """The best config within another budget (no new scoring)."""
-        return _build(self, budget_bits, name)
+        """The best config within another budget (no new scoring), from the search of that
+        budget's window dtype and candidate set; a calibration with a single search answers
+        every budget from it."""
+        if len(self.searches) == 1:
+            return self.searches[0].config_at(budget_bits, name)
+        key = _search_key(self.settings, budget_bits)
+        for s in self.searches:
+            if (s.window_dtype, s.candidates) == key:
+                return s.config_at(budget_bits, name)
+        raise ConfigError(f"no search of this calibration covers {budget_bits:g} bits (window dtype "
+                          f"{key[0]}, candidates {key[1]}); calibrate at that budget")
 
 
 # --------------------------------------------------------------------------------------------
-# scoring (parallel over layers)
+# scoring: one dask task per layer, on the scheduler the decomposition uses
 # --------------------------------------------------------------------------------------------
 
 
-_WORKER_CAPTURE: dict[str, Any] = {}
+def _score_block(q, k, v, k_pre, layer_vals, scales, *, kv_map, positions, rope, cands_k, cands_v,
+                 options, queries, page_size, window_dtype, decode):
+    """Score the layers of one chunk; called by dask with numpy arrays.
 
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[L, q_head, token, channel]`` post-RoPE queries.
+    k, v, k_pre : numpy.ndarray
+        ``[L, kv_head, token, channel]`` (``k_pre`` is ``k`` when no option needs it).
+    layer_vals, scales : numpy.ndarray
+        ``[L]`` model layer indices and softmax scales.
 
-def _exit_with_parent(parent: int, interval: float = 0.5) -> None:
-    """End this worker process soon after ``parent`` dies, however it died.
-
-    A parent killed with SIGKILL cannot stop its workers; without this they would score on,
-    orphaned, holding their memory. A daemon thread polls the parent id (portable, unlike
-    Linux's PR_SET_PDEATHSIG, which also fires when the spawning *thread* ends).
+    Returns
+    -------
+    tuple of numpy.ndarray
+        ``K [L, option, cand_k, kv_head]``, ``V [L, option, cand_v, kv_head]`` (float64) and the
+        CPU seconds of each layer ``[L]``.
     """
-    import threading
-    import time
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kverr-exit-with-parent", daemon=True).start()
-
-
-def _init_worker(capture_path: str, threads: int, parent: int | None = None) -> None:
-    """Per-process setup: exit with the parent, one torch thread and the capture opened once
-    (not once per layer)."""
-    import torch
-
-    from kverr.io import open_capture
-
-    if parent is not None:
-        _exit_with_parent(parent)
-    torch.set_num_threads(threads)
-    _WORKER_CAPTURE["capture"] = open_capture(capture_path)
-
-
-def _stop_workers(ex: ProcessPoolExecutor) -> None:
-    """Terminate the workers of ``ex`` now (``shutdown(wait=True)`` would let each finish its
-    layer first: minutes, after an error, Ctrl-C or SIGTERM)."""
-    procs = list((getattr(ex, "_processes", None) or {}).values())
-    for p in procs:
-        p.terminate()
-    ex.shutdown(wait=False, cancel_futures=True)
-    for p in procs:
-        p.join(timeout=5)
-
-
-def _score_one(args) -> tuple[int, np.ndarray, np.ndarray, float]:
     import time
 
     import torch
 
-    capture, layer, cands_k, cands_v, options, queries, page_size, window_dtype, threads, decode = args
-    t0 = time.process_time()
-    if threads:
-        torch.set_num_threads(threads)
-    if capture is None:
-        capture = _WORKER_CAPTURE["capture"]
-    elif isinstance(capture, (str, Path)):
-        from kverr.io import open_capture
-
-        capture = open_capture(capture)
+    # One torch thread per task, whichever worker runs it: a reduction split over more threads
+    # rounds differently, and the tables must not depend on the engine or the worker count.
+    torch.set_num_threads(1)
     need_pre = any(o.key_pre_rope for o in options)
-    q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
-    positions, rope = capture_positions_rope(capture)
-    prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
-                         positions=positions, rope=rope, decode=decode)
-    dk, dv = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
-    return layer, dk, dv, time.process_time() - t0
+    n_l, n_kv = q.shape[0], k.shape[1]
+    dk = np.empty((n_l, len(options), len(cands_k), n_kv))
+    dv = np.empty((n_l, len(options), len(cands_v), n_kv))
+    cpu = np.empty(n_l)
+    for i in range(n_l):
+        t0 = time.thread_time()  # this thread's CPU: other tasks share the process
+        prep = prepare_layer(q[i], k[i], v[i], k_pre[i] if need_pre else None, layer=int(layer_vals[i]),
+                             kv_map=kv_map, scale=float(scales[i]), queries=queries, positions=positions,
+                             rope=rope, decode=decode)
+        dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
+        cpu[i] = time.thread_time() - t0
+        log.debug("layer %d scored", int(layer_vals[i]))
+    return dk, dv, cpu
+
+
+def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
+                options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
+                decode: int | None = DEFAULT_DECODE) -> Any:
+    """The damage tables of :func:`score` as a lazy dask-backed dataset (one task per layer).
+
+    Returns
+    -------
+    xarray.Dataset
+        ``k [layer, option, cand_k, kv_head]``, ``v [layer, option, cand_v, kv_head]`` (float64)
+        and ``cpu_seconds [layer]``; compute it with :func:`kverr.error.xr.compute`.
+    """
+    import xarray as xr
+
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.dims import CHANNEL, KV_HEAD, LAYER, Q_HEAD, TOKEN
+
+    whole = {TOKEN: -1, CHANNEL: -1, Q_HEAD: -1, KV_HEAD: -1, LAYER: 1}
+
+    def per_layer(da):
+        # a layer per chunk: each task reads (on its worker) only the layer it scores
+        if da.chunks is None:
+            da = da.chunk({LAYER: 1})
+        return da.chunk({d: c for d, c in whole.items() if d in da.dims})
+
+    need_pre = any(o.key_pre_rope for o in options)
+    q, k, v = (per_layer(capture[n]) for n in ("q", "k", "v"))
+    k_pre = per_layer(capture["k_pre"]) if need_pre else k
+    layer_idx = capture[LAYER].copy().chunk({LAYER: 1})
+    scales = capture.kv.attn_scales().chunk({LAYER: 1})
+    core = [Q_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL]
+    dk, dv, cpu = xr.apply_ufunc(
+        _score_block, q, k, v, k_pre, layer_idx, scales,
+        input_core_dims=[core[0], core[1], core[1], core[1], [], []],
+        output_core_dims=[["option", "cand_k", KV_HEAD], ["option", "cand_v", KV_HEAD], []],
+        dask="parallelized",
+        output_dtypes=[np.float64, np.float64, np.float64],
+        dask_gufunc_kwargs={"output_sizes": {"option": len(options), "cand_k": len(cands_k),
+                                             "cand_v": len(cands_v)}},
+        kwargs=dict(kv_map=capture.kv.kv_head_of_q, positions=capture.kv.positions, rope=capture.kv.rope,
+                    cands_k=tuple(cands_k), cands_v=tuple(cands_v), options=tuple(options), queries=int(queries),
+                    page_size=int(page_size), window_dtype=window_dtype, decode=decode),
+    )
+    keep = (LAYER, KV_HEAD)
+    return xr.Dataset({"k": dk, "v": dv, "cpu_seconds": cpu}).drop_vars(
+        [c for c in dk.coords if c not in keep])
+
+
+def _with_meanwhile(work, meanwhile):
+    """``work()`` in this thread while ``meanwhile()`` runs in another; both results' errors
+    raised (``work``'s first). ``work`` stays in the calling thread so that Ctrl-C reaches it."""
+    import threading
+
+    if meanwhile is None:
+        return work()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            meanwhile()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            failed.append(exc)
+
+    side = threading.Thread(target=run, name="kverr-calibrate-meanwhile", daemon=True)
+    side.start()
+    out = work()
+    side.join()
+    if failed:
+        raise failed[0]
+    return out
 
 
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
-          options: Sequence[OuterOption], window_dtype: str, queries: int = 64, page_size: int = 64,
-          workers: int = 1, progress: bool = False,
-          capture_path: str | os.PathLike | None = None, meanwhile=None,
-          decode: int | None = DEFAULT_DECODE) -> Scores:
+          options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
+          decode: int | None = DEFAULT_DECODE, scheduler: Any = None, workers: int | None = None,
+          progress: bool = False, meanwhile=None) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
 
-    With ``workers > 1`` and a ``capture_path``, layers are scored by that many processes, each
-    opening the capture once and running one torch thread; every layer is computed the same way
-    whichever process takes it, so the tables do not depend on ``workers``. ``meanwhile``, a
-    callable, runs in this process while the workers score (before scoring when serial).
+    Layers are scored by dask, one task per layer (:func:`lazy_scores`), on the local threads
+    scheduler or a dask.distributed cluster, as :func:`kverr.error.decompose_capture` is. Each
+    task runs one torch thread, so the tables are the same bits whatever the scheduler and the
+    number of workers.
+
+    Parameters
+    ----------
+    capture : xarray.Dataset
+        A capture (:func:`kverr.io.open_capture`; on a cluster its store must be readable by
+        the workers).
+    cands_k, cands_v, options, window_dtype, queries, page_size, decode
+        As in :class:`~.config.CalibrationConfig` (``window_dtype`` resolved: not ``auto``).
+    scheduler : None, str or distributed.Client
+        None or ``"threads"``: local threads; ``"synchronous"``; an address
+        (``tcp://HOST:PORT``) or a Client: that cluster (:func:`kverr.error.xr.compute`).
+    workers : int, optional
+        Local threads scoring layers at once (default: dask's, one per core).
+    progress : bool
+        Show a progress bar.
+    meanwhile : callable, optional
+        Runs in this process, in another thread, while the layers are scored.
+
+    Returns
+    -------
+    Scores
     """
-    from kverr.dims import LAYER
-    from kverr.progress import progress as progress_bar
+    import time
 
-    layers = [int(x) for x in capture[LAYER].values]
-    n_kv = capture.sizes["kv_head"]
-    dk = np.empty((len(options), len(layers), len(cands_k), n_kv))
-    dv = np.empty((len(options), len(layers), len(cands_v), n_kv))
-    parallel = workers > 1 and len(layers) > 1 and capture_path is not None
-    src = None if parallel else capture
-    jobs = [(src, l, tuple(cands_k), tuple(cands_v), tuple(options), queries, page_size,
-             window_dtype, 0, decode) for l in layers]
-    bar = progress_bar(total=len(layers), desc="calibrate: score layers", unit="layer", enabled=progress)
-    pos = {l: i for i, l in enumerate(layers)}
-    cpu = 0.0
-    if parallel:
-        import multiprocessing as mp
+    import dask
+    import torch
 
-        from concurrent.futures import as_completed
+    from kverr.error.xr import compute
 
-        ex = ProcessPoolExecutor(max_workers=min(workers, len(layers)), mp_context=mp.get_context("spawn"),
-                                 initializer=_init_worker, initargs=(str(capture_path), 1, os.getpid()))
-        try:
-            # Dearest layers are not known in advance; submit in order, collect as they finish.
-            futs = [ex.submit(_score_one, job) for job in jobs]
-            if meanwhile is not None:
-                meanwhile()
-
-            for fut in as_completed(futs):
-                layer, a, b, c = fut.result()
-                dk[:, pos[layer]], dv[:, pos[layer]] = a, b
-                cpu += c
-                bar.update()
-        except BaseException:
-            _stop_workers(ex)
-            bar.close()
-            raise
-        ex.shutdown()
-    else:
-        if meanwhile is not None:
-            meanwhile()
-        for job in jobs:
-            layer, a, b, c = _score_one(job)
-            dk[:, pos[layer]], dv[:, pos[layer]] = a, b
-            cpu += c
-            bar.update()
-    bar.close()
-    log.info("scored %d layers: %.1f s CPU in the scoring processes", len(layers), cpu)
-    return Scores(dk, dv, layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries), window_dtype,
-                  cpu, decode)
+    t0 = time.perf_counter()
+    lazy = lazy_scores(capture, cands_k=cands_k, cands_v=cands_v, options=options, window_dtype=window_dtype,
+                       queries=queries, page_size=page_size, decode=decode)
+    where = scheduler if scheduler not in (None, "threads") else f"{workers or 'one per core'} local threads"
+    log.info("scoring %d layers on %s", lazy.sizes["layer"], where)
+    threads = torch.get_num_threads()
+    # Scoring tasks run one torch thread each; so does the sensitivity measured meanwhile, which
+    # restores the count it found when it ends. Both find 1, so neither changes it under the other.
+    torch.set_num_threads(1)
+    try:
+        with dask.config.set(num_workers=workers) if workers else contextlib.nullcontext():
+            done = _with_meanwhile(lambda: compute(lazy, scheduler or "threads", progress=progress,
+                                                   desc="calibrate: score layers"), meanwhile)
+    finally:
+        torch.set_num_threads(threads)
+    dk = np.asarray(done["k"].transpose("option", "layer", "cand_k", "kv_head").values, dtype=np.float64)
+    dv = np.asarray(done["v"].transpose("option", "layer", "cand_v", "kv_head").values, dtype=np.float64)
+    cpu = float(done["cpu_seconds"].sum())
+    log.info("scored %d layers in %.1f s: %.1f s CPU in the scoring tasks", done.sizes["layer"],
+             time.perf_counter() - t0, cpu)
+    return Scores(dk, dv, capture.kv.layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries),
+                  window_dtype, cpu, decode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,211 +544,287 @@ def check_budget(
     return window_dtype, cands_k, cands_v
 
 
+def _search_key(settings: CalibrationConfig, budget_bits: float) -> tuple[str, str]:
+    """``(window dtype, candidate set)`` of a budget: budgets sharing them share one search."""
+    wdt = window_dtype_for_budget(budget_bits, settings.window_dtype)
+    if settings.cands_k is not None and settings.cands_v is not None:
+        return wdt, "custom"
+    return wdt, candidate_set(budget_bits, settings.candidates)
+
+
+def _search_candidates(settings: CalibrationConfig, cand_set: str, head_dim: int):
+    named = None if cand_set == "custom" else default_candidates(head_dim, static=cand_set == "all")
+    return tuple(settings.cands_k or named), tuple(settings.cands_v or named)
+
+
 def calibrate(
     capture: Any,
-    budget_bits: float,
+    config: CalibrationConfig | float,
     *,
-    context: int | None = None,
-    options: Sequence[OuterOption] = DEFAULT_OPTIONS,
-    cands_k: Sequence[QuantFormat] | None = None,
-    cands_v: Sequence[QuantFormat] | None = None,
-    queries: int = 64,
-    page_size: int = 64,
-    window_dtype: str = DEFAULT_WINDOW_DTYPE,
-    align: int = 16,
-    max_bits: float = 8.0,
-    workers: int = 1,
+    scheduler: Any = None,
+    workers: int | None = None,
     progress: bool = False,
-    capture_path: str | os.PathLike | None = None,
-    name: str | None = None,
-    scores: Scores | None = None,
-    objective: str = "kl",
-    sensitivity: Any = None,
     model: Any = None,
-    sensitivity_tokens: int | None = None,
-    sensitivity_noise: str = "o_proj",
-    decode: int | None = DEFAULT_DECODE,
+    sensitivity: Any = None,
+    scores: Scores | None = None,
+    **legacy: Any,
 ) -> Calibration:
-    """Choose a format per (layer, kv head, K|V) minimising the predicted damage within a budget.
+    """Choose a format per (layer, kv head, K|V) minimising the predicted damage within each budget.
+
+    Budgets that share a window dtype and a candidate set share one search (one knapsack
+    frontier per outer option); a search whose candidates are a subset of an earlier one's with
+    the same window dtype reuses its damage tables, and every search shares one sensitivity.
 
     Parameters
     ----------
     capture : xarray.Dataset
         A capture of *every* layer of the model (:func:`kverr.io.open_capture`).
-    budget_bits : float
-        Effective bits per cached element, metadata, sinks and window included, at ``context``.
-    context : int, optional
-        Tokens at which effective bits are counted (default: the capture's length).
-    options : sequence of OuterOption
-        Model-wide sinks / window / pre-RoPE keys to try; the best under the budget wins.
-    cands_k, cands_v : sequence of QuantFormat, optional
-        Candidates (default :func:`~.candidates.candidates_for_budget`: static per-channel
-        scales only below 3.5 bits; the frontier is that of this budget's set).
-    queries : int
-        Sampled query positions per layer for the objective.
-    window_dtype : str
-        What the config keeps its sinks, window and pending token blocks in: ``"auto"``
-        (:func:`~.candidates.window_dtype_for_budget` of ``budget_bits``: int8 rows at low
-        budgets, fp16 at high ones), ``"int8"`` or a float dtype. The cache receives every token
-        in it, so the candidates are scored on the values it leaves; the frontier and every
-        config taken from this calibration use it.
-    max_bits : float
-        The frontier is computed up to ``max(max_bits, budget_bits)`` effective bits.
-    workers : int
-        Processes scoring layers in parallel (needs ``capture_path``).
-    scores : Scores, optional
-        Reuse earlier damage tables (same candidates, options and ``decode``).
-    objective : {"kl", "rel"}
-        ``"kl"``: predicted next-token KL, each layer's relative error weighted by its measured
-        sensitivity (:mod:`.sensitivity`); ``"rel"``: relative errors summed with equal weights.
+    config : CalibrationConfig
+        What to compute. (A number here is the deprecated keyword form
+        ``calibrate(capture, budget_bits, context=..., ...)``: one budget, the old keyword names
+        and defaults -- 64 queries, every default outer option with keys both after and before
+        RoPE.)
+    scheduler : None, str or distributed.Client
+        Where layers are scored (:func:`score`): local threads by default, or a dask.distributed
+        cluster (``tcp://HOST:PORT`` or a Client). The result does not depend on it.
+    workers : int, optional
+        Local threads scoring layers at once (default: one per core).
+    progress : bool
+        Show progress bars.
+    model : str or LoadedModel, optional
+        ``objective="kl"``: the capture's model, already loaded (or a spec), instead of
+        ``config.model``; refused unless its weights are the capture's.
     sensitivity : Sensitivity, optional
-        Reuse a measured sensitivity (``"kl"`` only); otherwise it is measured with the
-        capture's model (or ``model``: a spec or a LoadedModel, which must be the capture's),
-        on the capture's first ``sensitivity_tokens`` tokens, while the workers score, with noise
-        at the ``o_proj`` input (``sensitivity_noise="o_proj"``: one weight per layer) or in the
-        cached keys and values (``"kv"``: a weight per layer and side, sparing the options'
-        largest number of sinks); see :mod:`.sensitivity`.
-    decode : int or None
-        The token policy the objective models: a prompt quantized whole at prefill, then this many
-        decode steps whose window holds only the newest generated tokens (the protocol of
-        ``kverr evaluate``); None lets every query's window hold its most recent tokens.
+        Reuse a measured sensitivity (``"kl"`` only) instead of measuring it while the layers
+        are scored (:mod:`.sensitivity`).
+    scores : Scores, optional
+        Reuse earlier damage tables (same options, window dtype and ``decode``; candidates a
+        superset of each search's).
+
+    Returns
+    -------
+    Calibration
+
+    Raises
+    ------
+    ConfigError
+        A budget below the cheapest possible config, candidates that do not fit the head dim,
+        options covering the whole context, scores or a sensitivity that do not fit.
+    CaptureError
+        A capture of some layers only, without the variables asked for, with sliding-window
+        layers, or of another model than ``model``.
     """
+    if not isinstance(config, CalibrationConfig):
+        config, capture_model, scheduler, workers, progress, sensitivity, scores = _legacy_config(
+            config, legacy, dict(model=model, scheduler=scheduler, workers=workers, progress=progress,
+                                 sensitivity=sensitivity, scores=scores))
+        model = capture_model
+    elif legacy:
+        raise ConfigError(f"calibrate() got unexpected keyword arguments {sorted(legacy)}; every calibration "
+                          "option is a field of the CalibrationConfig")
+    return _calibrate(capture, config, scheduler=scheduler, workers=workers, progress=progress, model=model,
+                      sensitivity=sensitivity, scores=scores)
+
+
+#: Keyword arguments of the deprecated form and the CalibrationConfig field each one sets.
+_LEGACY_FIELDS = {"context": "context", "options": "options", "cands_k": "cands_k", "cands_v": "cands_v",
+                  "queries": "queries", "page_size": "page_size", "window_dtype": "window_dtype",
+                  "align": "align", "max_bits": "max_bits", "name": "name", "objective": "objective",
+                  "sensitivity_tokens": "sensitivity_tokens", "sensitivity_noise": "sensitivity_noise",
+                  "decode": "decode"}
+
+
+def _legacy_config(budget_bits: Any, legacy: dict[str, Any], runtime: dict[str, Any]):
+    """The CalibrationConfig and run arguments of ``calibrate(capture, budget_bits, **kwargs)``."""
+    import warnings
+
+    warnings.warn("calibrate(capture, budget_bits, **options) is deprecated; pass a "
+                  "kverr.calibration.CalibrationConfig: calibrate(capture, CalibrationConfig(budgets=...))",
+                  DeprecationWarning, stacklevel=3)
+    unknown = set(legacy) - set(_LEGACY_FIELDS) - {"capture_path"}
+    if unknown:
+        raise ConfigError(f"calibrate() got unexpected keyword arguments {sorted(unknown)}; allowed: "
+                          f"{', '.join(sorted(_LEGACY_FIELDS))}, scheduler, workers, progress, model, "
+                          "sensitivity, scores")
+    fields_ = {_LEGACY_FIELDS[k]: v for k, v in legacy.items() if k in _LEGACY_FIELDS}
+    fields_.setdefault("options", DEFAULT_OPTIONS)  # the old defaults
+    fields_.setdefault("queries", 64)
+    if isinstance(fields_.get("max_bits"), (int, float)) and isinstance(budget_bits, (int, float)):
+        # the old form drew the frontier up to max(max_bits, budget_bits)
+        fields_["max_bits"] = max(fields_["max_bits"], budget_bits)
+    model = runtime["model"]
+    if isinstance(model, str):
+        fields_["model"], model = model, None
+    config = CalibrationConfig(budgets=budget_bits, **fields_)
+    return (config, model, runtime["scheduler"], runtime["workers"], runtime["progress"],
+            runtime["sensitivity"], runtime["scores"])
+
+
+def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers: int | None, progress: bool,
+               model: Any, sensitivity: Any, scores: Scores | None) -> Calibration:
     import time
 
-    import pandas as pd
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.io import check_finite
 
     t0 = time.perf_counter()
     _check_capture(capture)
-    n_layers_model = int(capture.attrs.get("model_n_layers", capture.sizes["layer"]))
-    layers = [int(x) for x in capture["layer"].values]
-    if layers != list(range(n_layers_model)):
+    kv = capture.kv
+    n_layers = kv.n_layers
+    if kv.layers != list(range(n_layers)):
         raise CaptureError(
-            f"calibration needs every layer of the model; the capture has layers {layers} of "
-            f"{n_layers_model} (recapture with --layers all)"
+            f"calibration needs every layer of the model; the capture has layers {kv.layers} of "
+            f"{n_layers} (recapture with --layers all)"
         )
-    n_kv, head_dim, n_tok = capture.sizes["kv_head"], capture.sizes["channel"], capture.sizes["token"]
-    given_context = bool(context)
-    context = int(context or n_tok)
-    if context < 1:
-        raise ConfigError(f"context={context} must be a positive number of tokens")
-    if not (isinstance(max_bits, (int, float)) and math.isfinite(max_bits) and max_bits > 0):
-        raise ConfigError(f"max_bits={max_bits!r} must be a finite positive number of bits")
-    check_queries(queries, n_tok)
-    options = tuple(options)
-    if not options or len(set(options)) != len(options):
-        raise ConfigError("give at least one outer option, without duplicates")
-    if any(o.key_pre_rope for o in options) and "k_pre" not in capture:
+    n_kv, head_dim, n_tok = kv.n_kv_heads, kv.head_dim, kv.n_tokens
+    context = cfg.context or n_tok
+    check_queries(cfg.queries, n_tok)
+    options = cfg.options or tuple(outer_options(capture, cfg.key_rope, cfg.sinks, cfg.windows))
+    need_pre = any(o.key_pre_rope for o in options)
+    if need_pre and "k_pre" not in capture:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
-    if decode is not None and (isinstance(decode, bool) or not isinstance(decode, int) or decode < 1):
-        raise ConfigError(f"decode={decode!r} must be a positive number of decode steps, or None")
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"objective={objective!r} is not known; use one of {sorted(OBJECTIVES)}")
-    if sensitivity_noise not in NOISE_SITES:
-        raise ConfigError(f"sensitivity_noise={sensitivity_noise!r} is not known; use one of {', '.join(NOISE_SITES)}")
-    if objective == "rel" and sensitivity is not None:
+    if cfg.objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
-    window_dtype, cands_k, cands_v = check_budget(
-        budget_bits, n_layers=n_layers_model, n_kv=n_kv, head_dim=head_dim, context=context, options=options,
-        cands_k=cands_k, cands_v=cands_v, page_size=page_size, window_dtype=window_dtype, align=align,
-        context_from=None if given_context else f"the capture's length, {n_tok} tokens")
-    from kverr.io import check_finite
-
+    # searches in a fixed order: int8 windows first, and within a window dtype "all" (the
+    # superset) before "dynamic", whose search then reuses its damage tables
+    keys = {b: _search_key(cfg, b) for b in cfg.budgets}
+    order = sorted(set(keys.values()), key=lambda g: (g[0] != "int8", g[0], g[1]))
+    # Every budget is checked before any work, so a bad one wastes no scoring.
+    for key in order:
+        cands_k, cands_v = _search_candidates(cfg, key[1], head_dim)
+        for b in sorted(b for b in cfg.budgets if keys[b] == key):
+            check_budget(b, n_layers=n_layers, n_kv=n_kv, head_dim=head_dim, context=context, options=options,
+                         cands_k=cands_k, cands_v=cands_v, page_size=cfg.page_size, window_dtype=key[0],
+                         align=cfg.align,
+                         context_from=None if cfg.context else f"the capture's length, {n_tok} tokens")
+    if scores is not None:
+        for name, want in (("decode", cfg.decode), ("options", options)):
+            if getattr(scores, name) != want:
+                raise ConfigError(f"the scores were computed with {name}={getattr(scores, name)}, not {want}")
+        for key in order:
+            if scores.window_dtype != key[0]:
+                raise ConfigError(f"the scores were computed with window_dtype={scores.window_dtype!r}, "
+                                  f"not {key[0]!r}")
     # A NaN or Inf would surface only after scoring, as a knapsack error that names no tensor.
-    check_finite(capture, ("q", "k", "v") + (("k_pre",) if any(o.key_pre_rope for o in options) else ()))
+    check_finite(capture, ("q", "k", "v") + (("k_pre",) if need_pre else ()))
     sens_box: dict[str, Any] = {"s": sensitivity}
 
-    def _measure() -> None:
-        ts, tc = time.perf_counter(), time.process_time()
-        sens_box["s"] = sensitivity_for_capture(capture, model=model, tokens=sensitivity_tokens or DEFAULT_TOKENS,
-                                                noise=sensitivity_noise, sinks=max(o.sinks for o in options),
+    def measure() -> None:
+        ts, tc = time.perf_counter(), time.thread_time()
+        sens_box["s"] = sensitivity_for_capture(capture, model=model, tokens=cfg.sensitivity_tokens,
+                                                noise=cfg.sensitivity_noise, sinks=max(o.sinks for o in options),
                                                 threads=1, progress=progress)
-        sens_box["t"], sens_box["cpu"] = time.perf_counter() - ts, time.process_time() - tc
+        sens_box["t"], sens_box["cpu"] = time.perf_counter() - ts, time.thread_time() - tc
 
-    need_sens = objective == "kl" and sensitivity is None
+    need_sens = cfg.objective == "kl" and sensitivity is None
     if need_sens:
         from kverr.progress import progress as progress_bar
 
         tl = time.perf_counter()
         # a bar of one step: loading the model takes ~20 s before any other bar can move
         with progress_bar(total=1, desc="calibrate: load the model", unit="model", enabled=progress) as bar:
-            model = check_capture_model(capture, model)  # load once; refuse before any scoring work
+            model = check_capture_model(capture, model or cfg.model)  # load once; refuse before scoring
             bar.update()
         sens_box["load"] = time.perf_counter() - tl
-    if scores is None:
-        scores = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=queries,
-                       page_size=page_size, window_dtype=window_dtype, workers=workers,
-                       progress=progress, capture_path=capture_path, meanwhile=_measure if need_sens else None,
-                       decode=decode)
-    else:
-        if scores.decode != decode:
-            raise ConfigError(f"the scores were computed with decode={scores.decode}, not {decode}")
-        if scores.window_dtype != window_dtype:
-            raise ConfigError(f"the scores were computed with window_dtype={scores.window_dtype!r}, "
-                              f"not {window_dtype!r}")
-        if need_sens:
-            _measure()
+    tables: dict[tuple[str, str], Scores] = {}
+    score_s: dict[tuple[str, str], float] = {}
+    for key in order:
+        wdt, _ = key
+        cands_k, cands_v = _search_candidates(cfg, key[1], head_dim)
+        base = scores if scores is not None else next((s for (w, _), s in tables.items() if w == wdt), None)
+        ts = time.perf_counter()
+        if base is not None:
+            tables[key] = base.subset(cands_k, cands_v)
+            if need_sens and sens_box["s"] is None:
+                measure()
+        else:
+            tables[key] = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=cfg.queries,
+                                page_size=cfg.page_size, window_dtype=wdt, decode=cfg.decode, scheduler=scheduler,
+                                workers=workers, progress=progress,
+                                meanwhile=measure if need_sens and sens_box["s"] is None else None)
+        score_s[key] = time.perf_counter() - ts
     sensitivity = sens_box["s"]
     weights = None
-    if objective == "kl":
+    if cfg.objective == "kl":
         weights = tuple(np.asarray(w, dtype=np.float64) for w in (sensitivity.weights_k, sensitivity.weights_v))
-        if any(w.shape != (n_layers_model,) or not np.all(np.isfinite(w)) or np.any(w < 0) for w in weights):
-            raise ConfigError(f"the sensitivity must hold {n_layers_model} finite non-negative layer weights per side")
+        if any(w.shape != (n_layers,) or not np.all(np.isfinite(w)) or np.any(w < 0) for w in weights):
+            raise ConfigError(f"the sensitivity must hold {n_layers} finite non-negative layer weights per side")
     t1 = time.perf_counter()
-    max_bytes = math.ceil(max(max_bits, budget_bits) * 2 * n_layers_model * n_kv * head_dim * context / 8)
+    max_bytes = math.ceil(cfg.frontier_bits * 2 * n_layers * n_kv * head_dim * context / 8)
+    searches = []
+    for key in order:
+        ts = time.perf_counter()
+        frontier, frontiers = _frontier(tables[key], weights, options, n_layers=n_layers, n_kv=n_kv,
+                                        head_dim=head_dim, context=context, page_size=cfg.page_size,
+                                        window_dtype=key[0], align=cfg.align, max_bytes=max_bytes)
+        searches.append(Search(
+            window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
+            scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
+            sensitivity=sensitivity, shape=kv.shape, context=context, page_size=cfg.page_size, align=cfg.align,
+            objective=cfg.objective, capture=kv.provenance,
+            seconds={"score": score_s[key], "search": time.perf_counter() - ts}))
+    configs, choices, index = {}, {}, {}
+    for b in cfg.budgets:
+        i = order.index(keys[b])
+        configs[b], choices[b] = _build(searches[i], b, cfg.name)
+        index[b] = i
+    t2 = time.perf_counter()
+    return Calibration(
+        settings=cfg, configs=configs, choices=choices, searches=tuple(searches), budget_search=index,
+        options=tuple(options), sensitivity=sensitivity, capture=kv.provenance, context=context,
+        seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0),
+                 "model_load": sens_box.get("load", 0.0), "sensitivity_cpu": sens_box.get("cpu", 0.0)},
+    )
+
+
+def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, head_dim: int, context: int,
+              page_size: int, window_dtype: str, align: int, max_bytes: int):
+    """The knapsack frontier of every outer option, and their common Pareto frontier."""
+    import pandas as pd
+
     frontiers: dict[OuterOption, Frontier] = {}
     rows = []
     for oi, opt in enumerate(options):
         keys, dmg = _groups(scores, oi, n_kv, weights)
-        ck = _costs(cands_k, opt, head_dim, context, page_size, window_dtype, align)
-        cv = _costs(cands_v, opt, head_dim, context, page_size, window_dtype, align)
+        ck = _costs(scores.cands_k, opt, head_dim, context, page_size, window_dtype, align)
+        cv = _costs(scores.cands_v, opt, head_dim, context, page_size, window_dtype, align)
         costs = [ck if w == "k" else cv for (_, _, w) in keys]
         fr = solve(costs, dmg, max_cost=max_bytes)
         frontiers[opt] = fr
         for i in range(len(fr.cost)):
             rows.append(dict(option=opt.label(), window=opt.window, sinks=opt.sinks,
                              key_pre_rope=opt.key_pre_rope, bytes=int(fr.cost[i]),
-                             effective_bits=bits_of(int(fr.cost[i]), n_layers_model, n_kv, head_dim, context),
+                             effective_bits=bits_of(int(fr.cost[i]), n_layers, n_kv, head_dim, context),
                              predicted=float(fr.damage[i]), index=i))
     allf = pd.DataFrame(rows).sort_values(["bytes", "predicted"], kind="stable").reset_index(drop=True)
     pareto = allf[allf["predicted"] < allf["predicted"].cummin().shift(fill_value=np.inf)]
-    t2 = time.perf_counter()
-    cal = Calibration(
-        config=None, frontier=pareto.reset_index(drop=True), choices=None, scores=scores,  # type: ignore[arg-type]
-        frontiers=frontiers, context=context,
-        seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0),
-                 "model_load": sens_box.get("load", 0.0), "sensitivity_cpu": sens_box.get("cpu", 0.0)},
-        objective=objective, sensitivity=sensitivity,
-    )
-    cal._weights = weights
-    cal._meta = dict(n_layers=n_layers_model, n_kv=n_kv, head_dim=head_dim, page_size=page_size,
-                     window_dtype=window_dtype, align=align, capture=_capture_provenance(capture))
-    cal.config = _build(cal, budget_bits, name)
-    return cal
+    return pareto.reset_index(drop=True), frontiers
 
 
-def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfig:
+def _build(search: Search, budget_bits: float, name: str | None) -> tuple[CacheConfig, Any]:
+    """The config of ``search`` within ``budget_bits`` and its per-head choices."""
     import pandas as pd
 
-    m = cal._meta
-    n_layers, n_kv, D = m["n_layers"], m["n_kv"], m["head_dim"]
-    budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * D * cal.context / 8 + 1e-9)
-    fr_all = cal.frontier
+    n_layers, n_kv, D = search.shape.n_layers, search.shape.n_kv_heads, search.shape.head_dim
+    context = search.context
+    budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * D * context / 8 + 1e-9)
+    fr_all = search.frontier
     ok = fr_all[fr_all["bytes"] <= budget_bytes]
     if ok.empty:
         cheapest = int(fr_all["bytes"].min())
         raise ConfigError(
-            f"budget of {budget_bits:g} effective bits is infeasible at {cal.context} tokens: the "
-            f"cheapest possible config costs {bits_of(cheapest, n_layers, n_kv, D, cal.context):.4f} "
+            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens: the "
+            f"cheapest possible config costs {bits_of(cheapest, n_layers, n_kv, D, context):.4f} "
             f"effective bits ({cheapest} bytes)"
         )
     row = ok.iloc[-1]
-    opt = next(o for o in cal.frontiers if o.label() == row["option"])
-    oi = list(cal.frontiers).index(opt)
-    fr = cal.frontiers[opt]
+    opt = next(o for o in search.frontiers if o.label() == row["option"])
+    oi = list(search.frontiers).index(opt)
+    fr = search.frontiers[opt]
     pick = fr.choices[int(row["index"])]
-    weights = getattr(cal, "_weights", None)
-    keys, _ = _groups(cal.scores, oi, n_kv)
-    sc = cal.scores
+    weights = search.weights
+    sc = search.scores
+    keys, _ = _groups(sc, oi, n_kv)
     chosen: dict[tuple[int, int, str], QuantFormat] = {}
     recs = []
     for (layer, h, w), j in zip(keys, pick):
@@ -600,7 +834,7 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
         li = sc.layers.index(layer)
         rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
-        b = head_bytes(f, opt, D, cal.context, m["page_size"], m["window_dtype"], m["align"])
+        b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align)
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
                          bytes=b, predicted=float(d), relative=rel))
@@ -616,17 +850,17 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
             ov = Override(k=None if fk == dk else fk, v=None if fv == dv else fv)
             if ov.k is not None or ov.v is not None:
                 heads[(layer, h)] = ov
-    bits = bits_of(int(row["bytes"]), n_layers, n_kv, D, cal.context)
+    bits = bits_of(int(row["bytes"]), n_layers, n_kv, D, context)
     prov = {
         "tool": "kverr calibrate",
-        "capture": m["capture"],
+        "capture": search.capture,
         "budget_bits": float(budget_bits),
         "effective_bits": bits,
         "bytes": int(row["bytes"]),
-        "context_tokens": cal.context,
+        "context_tokens": context,
         "batch": 1,
-        "objective": OBJECTIVES[cal.objective],
-        "objective_definition": OBJECTIVE_KL_DOC if cal.objective == "kl" else OBJECTIVE_DOC,
+        "objective": OBJECTIVES[search.objective],
+        "objective_definition": OBJECTIVE_KL_DOC if search.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),
         "predicted_relative": float(choices["relative"].sum()),
         "predicted_k": float(choices.loc[choices.which == "k", "predicted"].sum()),
@@ -639,19 +873,20 @@ def _build(cal: Calibration, budget_bits: float, name: str | None) -> CacheConfi
         "candidates_v": len(sc.cands_v),
         "knapsack": {"unit_bytes": fr.unit, "exact": fr.exact},
     }
-    if cal.objective == "kl":
-        prov["sensitivity"] = cal.sensitivity.to_dict()
+    if search.objective == "kl":
+        prov["sensitivity"] = search.sensitivity.to_dict()
     cfg = CacheConfig(
         k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope,
-        page_size=m["page_size"], window_dtype=m["window_dtype"], align=m["align"], heads=heads,
+        page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
         name=name or f"calibrated-{budget_bits:g}b", provenance=prov,
     )
-    cal.choices = choices
-    return cfg
+    return cfg, choices
 
 
 def _check_capture(capture: Any) -> None:
     import xarray as xr
+
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
 
     if not isinstance(capture, xr.Dataset):
         raise CaptureError(f"capture must be an xarray.Dataset, got {type(capture).__name__}")
@@ -660,22 +895,5 @@ def _check_capture(capture: Any) -> None:
             raise CaptureError(f"the capture lacks the variable {n!r}")
     if "kv_head_of_q" not in capture.coords:
         raise CaptureError("the capture lacks the coordinate 'kv_head_of_q'")
-    if "sliding_window" in capture.coords and np.any(np.asarray(capture["sliding_window"].values) > 0):
+    if capture.kv.has_sliding_window:
         raise CaptureError("the capture has sliding-window layers; calibration supports full causal attention")
-
-
-def _capture_provenance(capture: Any) -> dict[str, Any]:
-    a = capture.attrs
-    return {
-        "model_id": str(a.get("model_id", "")),
-        "weights_sha256": str(a.get("weights_sha256", "")),
-        "text_source": str(a.get("text_source", "")),
-        "text_sha256": str(a.get("text_sha256", "")),
-        "token_offset": int(a.get("token_offset", 0)),
-        "tokens": int(capture.sizes["token"]),
-        "created_utc": str(a.get("created_utc", "")),
-        # the model's shape, so that a config is refused on another model (check_model_matches)
-        "n_layers": int(a.get("model_n_layers", capture.sizes["layer"])),
-        "n_kv_heads": int(capture.sizes["kv_head"]),
-        "head_dim": int(capture.sizes["channel"]),
-    }

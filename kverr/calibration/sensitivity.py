@@ -393,9 +393,10 @@ def model_spec_of_capture(capture: Any) -> str:
     """The :func:`kverr.capturing.load_model` spec that loads the model a capture came from."""
     from pathlib import Path
 
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
     from kverr.capturing.model import DEFAULT_MODEL_ID
 
-    mid = str(capture.attrs.get("model_id", ""))
+    mid = capture.kv.provenance["model_id"]
     if mid == DEFAULT_MODEL_ID:
         return "default"
     if mid and Path(mid).is_dir():
@@ -410,9 +411,12 @@ def check_capture_model(capture: Any, model: Any = None) -> Any:
     """The capture's model, loaded (``model``: ``None`` for the one the capture names, a
     :func:`kverr.capturing.load_model` spec, or a LoadedModel), after checking by weights sha256
     that it IS the model the capture was made with; :class:`CaptureError` otherwise."""
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+
     if "token_id" not in capture:
         raise CaptureError("the capture has no token_id: recapture it to measure layer sensitivity")
-    want = str(capture.attrs.get("weights_sha256", ""))
+    recorded = capture.kv.provenance
+    want = recorded["weights_sha256"]
     if not want:
         raise CaptureError("the capture does not record its model's weights sha256; recapture it "
                            "or calibrate with --objective rel")
@@ -423,11 +427,11 @@ def check_capture_model(capture: Any, model: Any = None) -> Any:
     got = str(getattr(model, "weights_sha256", ""))
     if got != want:
         raise CaptureError(
-            f"the capture was made with {capture.attrs.get('model_id')!r} (weights sha256 "
+            f"the capture was made with {recorded['model_id']!r} (weights sha256 "
             f"{want[:12]}...), not with the model given ({getattr(model, 'model_id', '?')!r}, "
             f"{got[:12]}...); calibrate with the capture's own model"
         )
-    n_layers = int(capture.attrs.get("model_n_layers", capture.sizes["layer"]))
+    n_layers = capture.kv.n_layers
     if getattr(model, "n_layers", n_layers) != n_layers:
         raise CaptureError(f"the capture's model has {n_layers} layers, the model given {model.n_layers}")
     return model

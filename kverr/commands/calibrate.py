@@ -78,7 +78,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bits", type=positive_float,
                    help="frontier up to this many bits, at least the largest budget (default: 8 or the "
                    "largest budget, whichever is more)")
-    p.add_argument("--workers", type=positive_int, default=2, help="processes scoring layers (default: %(default)s)")
+    p.add_argument("--workers", type=positive_int, default=2,
+                   help="local threads scoring layers at once, one torch thread each (default: %(default)s)")
+    p.add_argument("--scheduler", metavar="ADDR",
+                   help="a dask.distributed scheduler address (tcp://HOST:PORT) to score layers on; the "
+                   "capture must be readable by its workers (default: local threads)")
     p.add_argument("--objective", default="kl", choices=("kl", "rel"),
                    help="kl (default): predicted next-token KL, each layer's relative attention-output "
                    "error weighted by its sensitivity, measured with the capture's model by noise "
@@ -97,12 +101,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def settings_of(args: argparse.Namespace):
+    """The :class:`~kverr.calibration.CalibrationConfig` the command line asks for."""
+    from kverr.calibration import CalibrationConfig
+
+    return CalibrationConfig(
+        budgets=tuple(args.budget_bits), context=args.context, key_rope=args.key_rope,
+        sinks=None if args.sinks is None else tuple(args.sinks),
+        windows=None if args.window is None else tuple(args.window),
+        candidates=args.candidates, window_dtype=args.window_dtype, queries=args.queries,
+        decode=args.decode or None, max_bits=args.max_bits, objective=args.objective,
+        sensitivity_noise=args.sensitivity_noise, sensitivity_tokens=args.sensitivity_tokens,
+        model=args.model, name=args.name,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kverr.calibration import calibrate
-    from kverr.calibration.candidates import candidate_set, default_candidates, window_dtype_for_budget
-    from kverr.calibration.search import outer_options
     from kverr.config import atomic_write_text
     from kverr.io import check_output_path, open_capture
 
@@ -112,46 +129,27 @@ def run(args: argparse.Namespace) -> int:
     if args.max_bits is not None and args.max_bits < max(budgets):
         raise ConfigError(f"--max-bits {args.max_bits:g} is below the budget of {max(budgets):g} bits: the "
                           f"frontier must reach the budget; give --max-bits {max(budgets):g} or more, or leave it out")
-    max_bits = max(8.0 if args.max_bits is None else args.max_bits, *budgets)
+    if len(set(budgets)) != len(budgets):
+        raise ConfigError(f"--budget-bits {','.join(f'{b:g}' for b in budgets)} names a budget twice")
+    settings = settings_of(args)
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
     for o in outs + ([args.frontier] if args.frontier else []):
         check_output_path(o, overwrite=args.overwrite, kind="file")
     capture = open_capture(args.capture)
-    options = outer_options(capture, args.key_rope, args.sinks, args.window)
-    # budgets grouped by window dtype and candidate set; within a window dtype "all" is scored
-    # first and the "dynamic" search reuses its damage tables (a subset of them); every search
-    # reuses the first one's sensitivity
-    set_of = {b: (window_dtype_for_budget(b, args.window_dtype), candidate_set(b, args.candidates)) for b in budgets}
-    progress = True  # bars are drawn only when stderr is a terminal (kverr.progress)
-    cals: dict = {}
-    # int8-window groups first, and within a window dtype "all" (the superset) before "dynamic"
-    for group in sorted(set(set_of.values()), key=lambda g: (g[0] != "int8", g[0], g[1])):
-        wdt, name = group
-        cands = default_candidates(capture.sizes["channel"], static=name == "all")
-        first = next(iter(cals.values()), None)
-        base = next((c for (w, _), c in cals.items() if w == wdt), None)
-        cal = calibrate(capture, min(b for b in budgets if set_of[b] == group), context=args.context,
-                        options=options, queries=args.queries, cands_k=cands, cands_v=cands,
-                        window_dtype=wdt,
-                        decode=args.decode or None, max_bits=max_bits,
-                        workers=args.workers, progress=progress, capture_path=args.capture, name=args.name,
-                        objective=args.objective, model=args.model, sensitivity_tokens=args.sensitivity_tokens,
-                        sensitivity_noise=args.sensitivity_noise,
-                        scores=None if base is None else base.scores.subset(cands, cands),
-                        sensitivity=None if first is None else first.sensitivity)
-        if first is None and cal.sensitivity is not None:
-            sv = cal.sensitivity
-            r = sv.quadratic_ratio
-            ws = (f"w = {sv.weights_k.min():.3g} .. {sv.weights_k.max():.3g} nats per unit relative squared "
-                  f"error (layer {int(sv.weights_k.argmax())} highest)") if sv.noise == "o_proj" else (
-                  f"nats per unit relative squared error: keys {sv.weights_k.min():.3g} .. "
-                  f"{sv.weights_k.max():.3g} (layer {int(sv.weights_k.argmax())} highest), values "
-                  f"{sv.weights_v.min():.3g} .. {sv.weights_v.max():.3g} (layer {int(sv.weights_v.argmax())})")
-            print(f"layer sensitivity ({sv.noise} noise) on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
-                  f"{ws}; quadratic check (KL/r)(eps2)/(KL/r)(eps1) = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
-        cals[group] = cal
+    # bars are drawn only when stderr is a terminal (kverr.progress)
+    cal = calibrate(capture, settings, scheduler=args.scheduler, workers=args.workers, progress=True)
+    if cal.sensitivity is not None:
+        sv = cal.sensitivity
+        r = sv.quadratic_ratio
+        ws = (f"w = {sv.weights_k.min():.3g} .. {sv.weights_k.max():.3g} nats per unit relative squared "
+              f"error (layer {int(sv.weights_k.argmax())} highest)") if sv.noise == "o_proj" else (
+              f"nats per unit relative squared error: keys {sv.weights_k.min():.3g} .. "
+              f"{sv.weights_k.max():.3g} (layer {int(sv.weights_k.argmax())} highest), values "
+              f"{sv.weights_v.min():.3g} .. {sv.weights_v.max():.3g} (layer {int(sv.weights_v.argmax())})")
+        print(f"layer sensitivity ({sv.noise} noise) on {sv.tokens} tokens in {cal.seconds['sensitivity']:.1f} s: "
+              f"{ws}; quadratic check (KL/r)(eps2)/(KL/r)(eps1) = {np.nanmin(r):.3f} .. {np.nanmax(r):.3f}")
     for b, out in zip(budgets, outs):
-        cfg = cals[set_of[b]].config_at(b, args.name)
+        cfg = cal.configs[b]
         cfg.save(out)
         pv = cfg.provenance
         print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
@@ -160,13 +158,9 @@ def run(args: argparse.Namespace) -> int:
               f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")
     if args.frontier:
-        import pandas as pd
-
-        fr = pd.concat([c.frontier.assign(candidates=n, window_dtype=w) for (w, n), c in cals.items()],
-                       ignore_index=True)
+        fr = cal.frontier
         atomic_write_text(args.frontier, fr.to_csv(index=False))
-        groups = ", ".join(f"{n} ({w} window)" for w, n in cals)
+        groups = ", ".join(f"{s.candidates} ({s.window_dtype} window)" for s in cal.searches)
         print(f"wrote the frontier ({len(fr)} points; candidates {groups}) to {args.frontier}")
-    print(f"scored in {sum(c.seconds['score'] for c in cals.values()):.1f} s, searched in "
-          f"{sum(c.seconds['search'] for c in cals.values()):.1f} s")
+    print(f"scored in {cal.seconds['score']:.1f} s, searched in {cal.seconds['search']:.1f} s")
     return 0

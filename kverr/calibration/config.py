@@ -1,0 +1,264 @@
+"""``CalibrationConfig``: every option of a calibration, typed, validated and versioned.
+
+A calibration is fully described by its capture and one :class:`CalibrationConfig`: the budgets,
+the candidate formats, the outer options (sinks, window, keys before or after RoPE), the
+objective and its sampling. Where the work runs (local threads or a dask.distributed cluster)
+does not change a single bit of the result, so it is an argument of
+:func:`~kverr.calibration.search.calibrate`, not a field here.
+
+The config serializes to a JSON object with a ``version`` field and round-trips exactly, as
+:class:`kverr.config.CacheConfig` does; unknown fields are refused with the list of allowed ones::
+
+    {"version": 1, "budgets": [3.0, 4.0], "context": 1280, "candidates": "auto", ...}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from kverr.exceptions import ConfigError
+from kverr.quant.formats import QuantFormat
+
+from .candidates import CALIBRATION_WINDOW_DTYPES, CANDIDATE_SETS, OuterOption
+from .objective import OBJECTIVES
+from .sensitivity import NOISE_SITES
+
+__all__ = ["CALIBRATION_CONFIG_VERSION", "CalibrationConfig", "DEFAULT_MAX_BITS", "KEY_ROPE_CHOICES"]
+
+#: Version of the calibration config JSON this kverr reads and writes.
+CALIBRATION_CONFIG_VERSION = 1
+#: ``key_rope`` values: keys quantized after RoPE, before it, or both tried (None: ``pre`` when
+#: the capture holds pre-RoPE keys and RoPE parameters, else ``post``).
+KEY_ROPE_CHOICES = ("post", "pre", "both")
+#: The frontier reaches at least this many effective bits (or the largest budget) by default.
+DEFAULT_MAX_BITS = 8.0
+
+def _fail(field_name: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{field_name}={value!r} is not allowed; {allowed}")
+
+
+def _int(value: Any, name: str, minimum: int, maximum: int = 1 << 30) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise _fail(name, value, f"an integer in [{minimum}, {maximum}]")
+    return int(value)
+
+
+def _positive_bits(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _fail(name, value, "a finite positive number of effective bits")
+    return float(value)
+
+
+def _tuple(value: Any, name: str, what: str) -> tuple:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
+        raise _fail(name, value, f"a non-empty list of {what}")
+    if len(set(value)) != len(value):
+        raise _fail(name, value, f"a list of {what} without duplicates")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What :func:`~kverr.calibration.search.calibrate` computes.
+
+    Attributes
+    ----------
+    budgets : tuple of float
+        Effective bits per cached element (metadata, sinks and window included) at ``context``
+        tokens; one config is chosen per budget. A single number is accepted.
+    context : int or None
+        Tokens at which effective bits are counted (None: the capture's length).
+    key_rope : {"post", "pre", "both"} or None
+        Keys quantized after RoPE, before it, or both tried (None: ``pre`` when the capture holds
+        pre-RoPE keys and RoPE parameters, else ``post``).
+    sinks, windows : tuple of int or None
+        Full-precision sink tokens and recent-token windows to try, crossed (a missing one is
+        ``(0,)``); both None: the pairs of :data:`~.search.DEFAULT_SINKS_WINDOWS`.
+    options : tuple of OuterOption or None
+        The outer options to try, given one by one instead of ``key_rope``, ``sinks`` and
+        ``windows`` (which must then be None).
+    candidates : {"auto", "all", "dynamic"}
+        The named candidate set (:func:`~.candidates.candidate_set`): with static per-channel
+        scales, without, or ``auto``, per budget.
+    cands_k, cands_v : tuple of QuantFormat or None
+        Explicit candidates for keys and values, replacing the named set for that side.
+    window_dtype : str
+        What the sinks, window and pending tokens are kept in: ``auto`` (per budget,
+        :func:`~.candidates.window_dtype_for_budget`), ``int8`` or a float dtype.
+    queries : int
+        Sampled query positions per layer for the objective.
+    decode : int or None
+        Decode steps after a prompt quantized whole, as ``kverr evaluate`` does (None: every
+        query's window holds its most recent tokens).
+    page_size, align : int
+        The cache's page size (tokens) and alignment (bytes, a power of two).
+    max_bits : float or None
+        The frontier reaches this many effective bits, at least the largest budget (None:
+        :data:`DEFAULT_MAX_BITS` or the largest budget, whichever is more).
+    objective : {"kl", "rel"}
+        ``kl``: predicted next-token KL (relative errors weighted by the layers' measured
+        sensitivity); ``rel``: relative errors summed with equal weights.
+    sensitivity_noise : {"o_proj", "kv"}
+        ``kl`` only: where the sensitivity's noise is injected (:mod:`.sensitivity`).
+    sensitivity_tokens : int
+        ``kl`` only: calibration tokens the sensitivity is measured on.
+    model : str or None
+        ``kl`` only: the capture's model as a :func:`kverr.capturing.load_model` spec (None: the
+        one the capture names).
+    name : str or None
+        Name of the written configs (None: ``calibrated-<budget>b``).
+    """
+
+    budgets: tuple[float, ...]
+    context: int | None = None
+    key_rope: str | None = None
+    sinks: tuple[int, ...] | None = None
+    windows: tuple[int, ...] | None = None
+    options: tuple[OuterOption, ...] | None = None
+    candidates: str = "auto"
+    cands_k: tuple[QuantFormat, ...] | None = None
+    cands_v: tuple[QuantFormat, ...] | None = None
+    window_dtype: str = "auto"
+    queries: int = 32
+    decode: int | None = None
+    page_size: int = 64
+    align: int = 16
+    max_bits: float | None = None
+    objective: str = "kl"
+    sensitivity_noise: str = "o_proj"
+    sensitivity_tokens: int = 640
+    model: str | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:  # normalise a field of the frozen instance
+            object.__setattr__(self, name, value)
+
+        budgets = self.budgets
+        if isinstance(budgets, (int, float)) and not isinstance(budgets, bool):
+            budgets = (budgets,)
+        budgets = _tuple(budgets, "budgets", "budgets in effective bits")
+        put("budgets", tuple(_positive_bits(b, "budgets") for b in budgets))
+        if self.context is not None:
+            _int(self.context, "context", 1)
+        if self.key_rope is not None and self.key_rope not in KEY_ROPE_CHOICES:
+            raise _fail("key_rope", self.key_rope, f"one of {', '.join(KEY_ROPE_CHOICES)}, or None (automatic)")
+        for name, what in (("sinks", "sink token counts"), ("windows", "window lengths")):
+            value = getattr(self, name)
+            if value is not None:
+                put(name, tuple(_int(x, name, 0) for x in _tuple(value, name, what)))
+        if self.options is not None:
+            opts = _tuple(self.options, "options", "OuterOption")
+            if not all(isinstance(o, OuterOption) for o in opts):
+                raise _fail("options", self.options, "a list of kverr.calibration.OuterOption")
+            if (self.key_rope, self.sinks, self.windows) != (None, None, None):
+                raise ConfigError("options is given one by one; leave key_rope, sinks and windows "
+                                  "unset (they describe the options as a grid)")
+            put("options", opts)
+        if self.candidates not in CANDIDATE_SETS:
+            raise _fail("candidates", self.candidates, f"one of {', '.join(CANDIDATE_SETS)}")
+        for name in ("cands_k", "cands_v"):
+            value = getattr(self, name)
+            if value is not None:
+                cands = _tuple(value, name, "QuantFormat")
+                if not all(isinstance(f, QuantFormat) for f in cands):
+                    raise _fail(name, value, "a list of kverr.quant.QuantFormat")
+                put(name, cands)
+        if self.window_dtype not in CALIBRATION_WINDOW_DTYPES:
+            raise _fail("window_dtype", self.window_dtype, f"one of {', '.join(CALIBRATION_WINDOW_DTYPES)}")
+        _int(self.queries, "queries", 1)
+        if self.decode is not None:
+            _int(self.decode, "decode", 1)
+        _int(self.page_size, "page_size", 1, 1 << 16)
+        _int(self.align, "align", 1, 4096)
+        if self.align & (self.align - 1):
+            raise _fail("align", self.align, "a power of two number of bytes")
+        if self.max_bits is not None:
+            put("max_bits", _positive_bits(self.max_bits, "max_bits"))
+            if self.max_bits < max(self.budgets):
+                raise _fail("max_bits", self.max_bits,
+                            f"the frontier must reach the largest budget, {max(self.budgets):g} bits: give "
+                            "at least that, or None")
+        if self.objective not in OBJECTIVES:
+            raise _fail("objective", self.objective, f"one of {', '.join(OBJECTIVES)}")
+        if self.sensitivity_noise not in NOISE_SITES:
+            raise _fail("sensitivity_noise", self.sensitivity_noise, f"one of {', '.join(NOISE_SITES)}")
+        _int(self.sensitivity_tokens, "sensitivity_tokens", 1)
+        for name in ("model", "name"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise _fail(name, value, "a string or None")
+
+    @property
+    def frontier_bits(self) -> float:
+        """Effective bits the frontier reaches: ``max_bits`` or the default, at least every budget."""
+        return max(DEFAULT_MAX_BITS if self.max_bits is None else self.max_bits, *self.budgets)
+
+    def with_(self, **changes: Any) -> CalibrationConfig:
+        """A copy with fields replaced (validated again)."""
+        return replace(self, **changes)
+
+    # ---- JSON -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict: ``version`` then every field (formats and options as objects)."""
+        out: dict[str, Any] = {"version": CALIBRATION_CONFIG_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "options" and value is not None:
+                value = [{"sinks": o.sinks, "window": o.window, "key_pre_rope": o.key_pre_rope} for o in value]
+            elif f.name in ("cands_k", "cands_v") and value is not None:
+                value = [c.to_dict() for c in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> CalibrationConfig:
+        """Read :meth:`to_dict`'s output; unknown fields and other versions are refused."""
+        from kverr.quant.formats import _check_keys
+
+        names = {f.name for f in fields(cls)}
+        _check_keys(obj, "calibration config", {"version", "budgets"}, names - {"budgets"})
+        if obj["version"] != CALIBRATION_CONFIG_VERSION:
+            raise _fail("version", obj["version"],
+                        f"this kverr reads calibration config version {CALIBRATION_CONFIG_VERSION}")
+        kwargs = {k: v for k, v in obj.items() if k != "version"}
+        if kwargs.get("options") is not None:
+            opts = kwargs["options"]
+            if not isinstance(opts, list):
+                raise _fail("options", opts, "a list of objects with sinks, window and key_pre_rope")
+            parsed = []
+            for i, o in enumerate(opts):
+                _check_keys(o, f"options[{i}]", set(), {"sinks", "window", "key_pre_rope"})
+                sinks, window = _int(o.get("sinks", 0), f"options[{i}].sinks", 0), _int(o.get("window", 0), f"options[{i}].window", 0)
+                pre = o.get("key_pre_rope", False)
+                if not isinstance(pre, bool):
+                    raise _fail(f"options[{i}].key_pre_rope", pre, "true or false")
+                parsed.append(OuterOption(window=window, sinks=sinks, key_pre_rope=pre))
+            kwargs["options"] = tuple(parsed)
+        for name in ("cands_k", "cands_v"):
+            if kwargs.get(name) is not None:
+                if not isinstance(kwargs[name], list):
+                    raise _fail(name, kwargs[name], "a list of format objects")
+                kwargs[name] = tuple(QuantFormat.from_dict(c, f"{name}[{i}]") for i, c in enumerate(kwargs[name]))
+        for name in ("budgets", "sinks", "windows"):
+            if isinstance(kwargs.get(name), list):
+                kwargs[name] = tuple(kwargs[name])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> CalibrationConfig:
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+            raise ConfigError(f"not a calibration config: {exc}") from None
+        return cls.from_dict(obj)
