@@ -4,6 +4,7 @@ search (bytes == kverr.memory, provenance, bad input) and the CLI, on a tiny ran
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -287,6 +288,78 @@ def test_calibrate_bad_input(tiny_capture):
         cal_at(cap.isel(layer=[0]), 4.0, cands_k=SMALL, cands_v=SMALL)
     with pytest.raises(ConfigError, match="tensor"):
         cal_at(cap, 4.0, cands_k=(int_format(4, __import__("kverr.quant").quant.PerTensor()),), cands_v=SMALL)
+
+
+def test_calibration_config_round_trips_and_refuses_bad_fields():
+    cfg = CalibrationConfig(budgets=(3, 4.5), context=1280, options=(OuterOption(sinks=4, window=16, key_pre_rope=True),),
+                            cands_k=SMALL, cands_v=SMALL[:3], queries=16, decode=64, max_bits=9, objective="rel",
+                            name="x")
+    d = cfg.to_dict()
+    assert d["version"] == 1 and json.loads(json.dumps(d)) == d and cfg.budgets == (3.0, 4.5)
+    assert CalibrationConfig.from_dict(d) == cfg and CalibrationConfig.from_json(cfg.to_json()) == cfg
+    plain = CalibrationConfig(budgets=4)
+    assert CalibrationConfig.from_dict(plain.to_dict()) == plain and plain.frontier_bits == 8.0
+    assert CalibrationConfig(budgets=(4, 9.5)).frontier_bits == 9.5
+    with pytest.raises(ConfigError, match=r"unknown field calibration config\.budget; allowed fields: .*budgets"):
+        CalibrationConfig.from_dict({**plain.to_dict(), "budget": 4})
+    with pytest.raises(ConfigError, match="version=2 is not allowed"):
+        CalibrationConfig.from_dict({**plain.to_dict(), "version": 2})
+    for bad, match in [(dict(budgets=()), "budgets=() is not allowed"),
+                       (dict(budgets=(4, float("nan"))), "budgets=nan is not allowed"),
+                       (dict(budgets=(4, 4)), "without duplicates"),
+                       (dict(budgets=4, candidates="some"), "candidates='some' is not allowed; one of auto, all, dynamic"),
+                       (dict(budgets=4, window_dtype="int4"), "window_dtype='int4' is not allowed"),
+                       (dict(budgets=4, objective="mse"), "objective='mse' is not allowed; one of kl, rel"),
+                       (dict(budgets=4, sensitivity_noise="q"), "sensitivity_noise='q' is not allowed"),
+                       (dict(budgets=4, key_rope="mid"), "key_rope='mid' is not allowed; one of post, pre, both"),
+                       (dict(budgets=4, queries=0), "queries=0 is not allowed"),
+                       (dict(budgets=4, align=24), "align=24 is not allowed"),
+                       (dict(budgets=5, max_bits=4), "max_bits=4.0 is not allowed"),
+                       (dict(budgets=4, sinks=(-1,)), "sinks=-1 is not allowed"),
+                       (dict(budgets=4, cands_k=("int4",)), "cands_k=('int4',) is not allowed"),
+                       (dict(budgets=4, options=(OuterOption(),), sinks=(4,)), "leave key_rope, sinks and windows unset")]:
+        with pytest.raises(ConfigError, match=re.escape(match)):
+            CalibrationConfig(**bad)
+
+
+def test_calibrate_several_budgets_and_the_deprecated_keyword_form(tiny_capture):
+    """Budgets of one window dtype and candidate set share a search; each search is what a
+    calibration at its budget alone gives; the old keyword form still works, with a warning."""
+    cap, _, _ = tiny_capture
+    settings = CalibrationConfig(budgets=(5.0, 4.0), context=160, options=(OuterOption(sinks=4, window=8),),
+                                 cands_k=SMALL, cands_v=SMALL, queries=8, objective="rel")
+    cal = calibrate(cap, settings, workers=1)
+    assert list(cal.configs) == [5.0, 4.0] and [s.window_dtype for s in cal.searches] == ["int8", "fp16"]
+    assert cal.budget_search == {5.0: 1, 4.0: 0} and set(cal.frontier.window_dtype) == {"int8", "fp16"}
+    assert cal.config_at(5.0) == cal.configs[5.0] and cal.configs[4.0].window_dtype == "int8"
+    assert list(cal.choices[4.0].columns[:4]) == ["layer", "kv_head", "which", "format"]
+    with pytest.raises(ConfigError, match=r"read \.configs\[budget\]"):
+        cal.config  # noqa: B018
+    one = calibrate(cap, settings.with_(budgets=5.0), workers=1)
+    assert one.config == cal.configs[5.0] and np.array_equal(one.scores.k, cal.searches[1].scores.k)
+    with pytest.warns(DeprecationWarning, match="CalibrationConfig"):
+        old = calibrate(cap, 5.0, context=160, options=settings.options, cands_k=SMALL, cands_v=SMALL, queries=8,
+                        objective="rel", workers=1)
+    assert old.config == one.config
+    with pytest.raises(ConfigError, match="unexpected keyword arguments"):
+        calibrate(cap, settings, queries=8)
+
+
+def test_scores_do_not_depend_on_the_scheduler_or_the_workers(tiny_capture):
+    """Local threads, the synchronous scheduler and a dask.distributed cluster give the same bits."""
+    distributed = pytest.importorskip("distributed")
+    from kverr.calibration import score
+
+    cap, _, loaded = tiny_capture
+    kw = dict(cands_k=SMALL, cands_v=SMALL[:3], window_dtype="fp16", queries=8,
+              options=(OuterOption(), OuterOption(sinks=4, window=8, key_pre_rope=True)))
+    ref = score(cap, scheduler="synchronous", **kw)
+    assert ref.k.shape == (2, loaded.n_layers, len(SMALL), loaded.n_kv_heads) and ref.v.shape[2] == 3
+    runs = [score(cap, workers=2, **kw)]
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=2, dashboard_address=None) as client:
+        runs.append(score(cap, scheduler=client, **kw))
+    for s in runs:
+        assert np.array_equal(s.k, ref.k) and np.array_equal(s.v, ref.v) and s.layers == ref.layers
 
 
 def test_config_from_another_model_is_refused(tiny_capture):
