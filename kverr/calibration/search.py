@@ -1,6 +1,13 @@
 """Calibration: score every candidate per (layer, kv head, K|V) on a capture, then solve the
 knapsack under a budget in effective bits, per outer option, and build the config.
 
+:func:`calibrate` takes the capture and a :class:`~.config.CalibrationConfig` and returns a
+:class:`Calibration`. Layers are scored by dask, one task per layer (:func:`score`), on local
+threads or a dask.distributed cluster: the engine :func:`kverr.error.decompose_capture` uses.
+Threads, not processes, by default: torch releases the GIL in the scoring work, so two threads
+score as fast as two processes without starting any, and a killed calibration leaves nothing
+running.
+
 Effective bits are those :func:`kverr.memory.account` reports for the whole config at
 ``context`` tokens (batch 1): payload, scales, zero points, page rounding, alignment, sinks and
 window included. They depend on the context length, which is recorded in the provenance.
@@ -395,7 +402,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
         None or ``"threads"``: local threads; ``"synchronous"``; an address
         (``tcp://HOST:PORT``) or a Client: that cluster (:func:`kverr.error.xr.compute`).
     workers : int, optional
-        Local threads scoring layers at once (default: dask's, one per core).
+        Local threads scoring layers at once (default: one per core).
     progress : bool
         Show a progress bar.
     meanwhile : callable, optional
