@@ -622,10 +622,7 @@ def calibrate(
         layers, or of another model than ``model``.
     """
     if not isinstance(config, CalibrationConfig):
-        config, capture_model, scheduler, workers, progress, sensitivity, scores = _legacy_config(
-            config, legacy, dict(model=model, scheduler=scheduler, workers=workers, progress=progress,
-                                 sensitivity=sensitivity, scores=scores))
-        model = capture_model
+        config, model = _legacy_config(config, legacy, model)
     elif legacy:
         raise ConfigError(f"calibrate() got unexpected keyword arguments {sorted(legacy)}; every calibration "
                           "option is a field of the CalibrationConfig")
@@ -633,38 +630,34 @@ def calibrate(
                       sensitivity=sensitivity, scores=scores)
 
 
-#: Keyword arguments of the deprecated form and the CalibrationConfig field each one sets.
-_LEGACY_FIELDS = {"context": "context", "options": "options", "cands_k": "cands_k", "cands_v": "cands_v",
-                  "queries": "queries", "page_size": "page_size", "window_dtype": "window_dtype",
-                  "align": "align", "max_bits": "max_bits", "name": "name", "objective": "objective",
-                  "sensitivity_tokens": "sensitivity_tokens", "sensitivity_noise": "sensitivity_noise",
-                  "decode": "decode"}
+#: Keywords of the deprecated form, each the CalibrationConfig field of the same name (its
+#: ``capture_path`` is accepted and unused: dask reads the capture where it is).
+_LEGACY_FIELDS = frozenset({"context", "options", "cands_k", "cands_v", "queries", "page_size", "window_dtype",
+                            "align", "max_bits", "name", "objective", "sensitivity_tokens", "sensitivity_noise",
+                            "decode"})
 
 
-def _legacy_config(budget_bits: Any, legacy: dict[str, Any], runtime: dict[str, Any]):
-    """The CalibrationConfig and run arguments of ``calibrate(capture, budget_bits, **kwargs)``."""
+def _legacy_config(budget_bits: Any, legacy: dict[str, Any], model: Any) -> tuple[CalibrationConfig, Any]:
+    """The CalibrationConfig and loaded model of ``calibrate(capture, budget_bits, **kwargs)``."""
     import warnings
 
     warnings.warn("calibrate(capture, budget_bits, **options) is deprecated; pass a "
                   "kverr.calibration.CalibrationConfig: calibrate(capture, CalibrationConfig(budgets=...))",
                   DeprecationWarning, stacklevel=3)
-    unknown = set(legacy) - set(_LEGACY_FIELDS) - {"capture_path"}
+    unknown = set(legacy) - _LEGACY_FIELDS - {"capture_path"}
     if unknown:
         raise ConfigError(f"calibrate() got unexpected keyword arguments {sorted(unknown)}; allowed: "
                           f"{', '.join(sorted(_LEGACY_FIELDS))}, scheduler, workers, progress, model, "
                           "sensitivity, scores")
-    fields_ = {_LEGACY_FIELDS[k]: v for k, v in legacy.items() if k in _LEGACY_FIELDS}
+    fields_ = {k: v for k, v in legacy.items() if k in _LEGACY_FIELDS}
     fields_.setdefault("options", DEFAULT_OPTIONS)  # the old defaults
     fields_.setdefault("queries", 64)
     if isinstance(fields_.get("max_bits"), (int, float)) and isinstance(budget_bits, (int, float)):
         # the old form drew the frontier up to max(max_bits, budget_bits)
         fields_["max_bits"] = max(fields_["max_bits"], budget_bits)
-    model = runtime["model"]
-    if isinstance(model, str):
+    if isinstance(model, str):  # a spec belongs in the config, a loaded model is passed on
         fields_["model"], model = model, None
-    config = CalibrationConfig(budgets=budget_bits, **fields_)
-    return (config, model, runtime["scheduler"], runtime["workers"], runtime["progress"],
-            runtime["sensitivity"], runtime["scores"])
+    return CalibrationConfig(budgets=budget_bits, **fields_), model
 
 
 def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers: int | None, progress: bool,
