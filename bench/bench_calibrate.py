@@ -10,7 +10,7 @@ machine is shared: wall time under load is not the code's speed), and the chosen
 
 In the registry (``python -m bench.run calibrate``): one budget (4 bits) over the 4096-token
 capture, which the runner makes once under ``out/bench/``; ``--quick`` a 1024-token capture and 8
-queries per layer. CPU times there are this process's and its finished workers'.
+queries per layer. Layers are scored by local threads (``workers``), so the CPU time is this process's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def measure(quick: bool) -> list:
     import torch
 
     from bench.common import Row, pydoc_capture
-    from kverr.calibration import calibrate
+    from kverr.calibration import CalibrationConfig, calibrate
     from kverr.io import open_capture
 
     tokens, queries = (1024, 8) if quick else (4096, 32)
@@ -38,7 +38,7 @@ def measure(quick: bool) -> list:
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     self0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    cal = calibrate(cap, 4.0, context=1280, queries=queries, workers=2, capture_path=str(path))
+    cal = calibrate(cap, CalibrationConfig(budgets=4.0, context=1280, queries=queries), workers=2)
     wall = time.perf_counter() - t0
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     self1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -62,14 +62,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from kverr.calibration import calibrate
+    from kverr.calibration import CalibrationConfig, calibrate
     from kverr.io import open_capture
 
     cap = open_capture(args.capture)
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    cal = calibrate(cap, 4.0, context=args.context, queries=args.queries, workers=args.workers,
-                    capture_path=args.capture, objective=args.objective)
+    cal = calibrate(cap, CalibrationConfig(budgets=4.0, context=args.context, queries=args.queries,
+                                           objective=args.objective), workers=args.workers)
     wall = time.perf_counter() - t0
     ru_self = resource.getrusage(resource.RUSAGE_SELF)
     ru_kids = resource.getrusage(resource.RUSAGE_CHILDREN)

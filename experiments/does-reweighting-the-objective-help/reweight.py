@@ -56,7 +56,7 @@ def main() -> None:
         c.config.save(args.out / f"{name}.json")
         pv = c.config.provenance
         print(name, pv["outer_option"], "predicted (re-weighted) K", pv["predicted_k"], "V", pv["predicted_v"],
-              "static choices", int(c.choices.format.str.contains("/chall").sum()))
+              "static choices", int(c.choices[b].format.str.contains("/chall").sum()))
 
 
 if __name__ == "__main__":
