@@ -356,8 +356,12 @@ def test_scores_do_not_depend_on_the_scheduler_or_the_workers(tiny_capture):
     ref = score(cap, scheduler="synchronous", **kw)
     assert ref.k.shape == (2, loaded.n_layers, len(SMALL), loaded.n_kv_heads) and ref.v.shape[2] == 3
     runs = [score(cap, workers=2, **kw)]
-    with distributed.Client(processes=False, n_workers=1, threads_per_worker=2, dashboard_address=None) as client:
-        runs.append(score(cap, scheduler=client, **kw))
+    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                  dashboard_address=None) as cluster:
+        # by address, with the progress bar: the path `kverr calibrate --scheduler ADDR` takes
+        runs.append(score(cap, scheduler=cluster.scheduler_address, progress=True, **kw))
+        with distributed.Client(cluster, set_as_default=False) as client:
+            runs.append(score(cap, scheduler=client, **kw))
     for s in runs:
         assert np.array_equal(s.k, ref.k) and np.array_equal(s.v, ref.v) and s.layers == ref.layers
 

@@ -133,7 +133,8 @@ def test_distributed_local_cluster_two_workers():
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                                   host="127.0.0.1", protocol="tcp://", dashboard_address=None) as cluster:
         assert cluster.scheduler_address.startswith("tcp://127.0.0.1")
-        remote = decompose_capture(cap, "q4_0", queries=16, scheduler=cluster.scheduler_address)
+        remote = decompose_capture(cap, "q4_0", queries=16, scheduler=cluster.scheduler_address,
+                                   progress=True)  # the progress bar needs no default client
         with distributed.Client(cluster) as client:
             assert len(client.scheduler_info()["workers"]) == 2
     for name in ("kl", "key_rel", "value_rel", "k_mse", "layer_key_share"):

@@ -380,18 +380,6 @@ def _with_meanwhile(work, meanwhile):
     return out
 
 
-def _client(address: str) -> Any:
-    """A dask.distributed Client of the scheduler at ``address``, set as the default one."""
-    try:
-        import distributed
-    except ImportError as exc:  # pragma: no cover - distributed is in the analysis extra
-        raise ConfigError("a scheduler address needs the 'distributed' package") from exc
-    try:
-        return distributed.Client(address, timeout="20s")
-    except (OSError, TimeoutError) as exc:
-        raise ConfigError(f"cannot reach the dask scheduler at {address}: {exc}") from exc
-
-
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
           options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
           decode: int | None = DEFAULT_DECODE, scheduler: Any = None, workers: int | None = None,
@@ -444,10 +432,6 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
         with contextlib.ExitStack() as stack:
             if workers:
                 stack.enter_context(dask.config.set(num_workers=workers))
-            if isinstance(scheduler, str) and ("://" in scheduler or ":" in scheduler):
-                # connected here as the default client: compute's progress bar over a cluster
-                # (distributed.as_completed) needs one
-                scheduler = stack.enter_context(_client(scheduler))
             done = _with_meanwhile(lambda: compute(lazy, scheduler or "threads", progress=progress,
                                                    desc="calibrate: score layers"), meanwhile)
     finally:

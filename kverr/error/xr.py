@@ -388,9 +388,11 @@ def _compute_on(ds, client, progress, desc):
         from kverr.progress import progress as progress_bar
 
         futures = distributed.futures_of(persisted)
-        for _ in progress_bar(distributed.as_completed(futures), total=len(futures), desc=desc,
-                              unit="chunk"):
-            pass
+        # as_completed looks up the current client; this one need not be the default
+        with client.as_current():
+            for _ in progress_bar(distributed.as_completed(futures), total=len(futures), desc=desc,
+                                  unit="chunk"):
+                pass
     # gather through the same client (the default scheduler may be a different one)
     return client.compute(persisted).result()
 
