@@ -329,7 +329,7 @@ def evaluate(
     return pd.DataFrame(rows)
 
 
-def summarize(df: Any) -> Any:
+def summarize_schemes(df: Any) -> Any:
     """Mean (and spread over segments) per (scheme, prefill), ordered by effective bits."""
     metrics = ["effective_bits", "mean_kl", "p50_kl", "p99_kl", "top1", "ppl", "ppl_ref", "ppl_delta"]
     if "first_divergence" in df:

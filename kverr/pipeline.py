@@ -135,7 +135,7 @@ def run_pipeline(out: str | Path, *, model: str = "default", capture: str | Path
     from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
     from kverr.config import atomic_write_text
     from kverr.error.xr import decompose_capture, layer_table
-    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, segment_jobs, summarize
+    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, segment_jobs, summarize_schemes
     from kverr.exceptions import ConfigError, TextError
     from kverr.io import check_output_path, open_capture
     from kverr.memory import model_shape
@@ -221,7 +221,7 @@ def run_pipeline(out: str | Path, *, model: str = "default", capture: str | Path
     sch = parse_schemes(list(schemes), [str(cfg_path)], config_option=None)
     df = evaluate(loaded, held, sch, prefill=[prefill], decode=decode, segments=segments,
                   offset=offset, greedy_steps=0, progress=progress)
-    summ = summarize(df)
+    summ = summarize_schemes(df)
     pred = {}
     for s in sch:
         if s.config is not None:

@@ -13,7 +13,7 @@ from kverr.capturing.text import Text
 from kverr.cli import main
 from kverr.config import PRESETS, CacheConfig, Override
 from kverr.exceptions import ConfigError, TextError
-from kverr.evaluation import compare, evaluate, first_divergence, parse_schemes, summarize
+from kverr.evaluation import compare, evaluate, first_divergence, parse_schemes, summarize_schemes
 from kverr.quant import float_format
 
 
@@ -72,7 +72,7 @@ def test_full_precision_scheme_is_lossless_and_quantized_ones_are_not(tiny):
     k2 = df[df.scheme == "kivi-2"]
     assert (k2["mean_kl"] > 0).all()
     assert (k2["measured_cache_bytes"] > 0).all()
-    s = summarize(df)
+    s = summarize_schemes(df)
     assert list(s["segments"]) == [2, 2, 2]
     assert s["effective_bits"].is_monotonic_increasing
 

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kverr.capturing import load_model, load_text, supported_shape
     from kverr.config import atomic_write_text, check_model_matches
-    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, summarize
+    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, summarize_schemes
     from kverr.io import check_output_path
 
     import torch
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         prefill=args.prefill or [1024], decode=args.decode, segments=args.segments, offset=args.offset,
         prefill_policy=args.prefill_policy, greedy_steps=args.greedy, on_row=save_rows,
     )
-    summary = summarize(df)
+    summary = summarize_schemes(df)
     atomic_write_text(out, summary.to_csv(index=False))
     plot = plot_kl_vs_bits(summary, out.with_suffix(".png"))
     cols = ["scheme", "prefill", "effective_bits", "mean_kl", "p99_kl", "top1", "ppl", "ppl_fp16"]
