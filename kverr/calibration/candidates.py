@@ -44,23 +44,16 @@ from functools import lru_cache
 
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError
-from kverr.quant.formats import (
-    CALIBRATION_MSE_CLIP,
-    STATIC_MSE_CLIP,
-    PerChannel,
-    PerHead,
-    PerTensor,
-    PerToken,
-    PerTokenGroup,
-    WINDOW_DTYPES,
-    QuantFormat,
-    float_format,
-    fp8_format,
-    int_format,
-)
+from kverr.catalog import CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP, default_candidates
+from kverr.quant.formats import PerTensor, WINDOW_DTYPES, QuantFormat
 
-# The two MSE clips the candidates search (CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP) are defined
-# with the formats, where ahead-of-time compilation reads them too.
+__all__ = [
+    "CALIBRATION_MSE_CLIP", "STATIC_MSE_CLIP", "OuterOption", "candidate_set", "candidates_for_budget",
+    "check_candidates", "default_candidates", "head_bytes",
+]
+
+# The candidate list and the clips it searches live in the format catalog (kverr.catalog),
+# which ahead-of-time compilation reads too.
 
 
 @dataclass(frozen=True)
@@ -121,39 +114,6 @@ def window_dtype_for_budget(budget_bits: float, which: str = "auto") -> str:
 def candidates_for_budget(budget_bits: float, head_dim: int = 64, which: str = "auto") -> tuple[QuantFormat, ...]:
     """The default candidates of :func:`candidate_set` ``(budget_bits, which)``."""
     return default_candidates(head_dim, static=candidate_set(budget_bits, which) == "all")
-
-
-def default_candidates(head_dim: int = 64, *, static: bool = True) -> tuple[QuantFormat, ...]:
-    """The default candidate formats (the same list for keys and values), in a fixed order;
-    ``static=False`` leaves out the integers with static per-channel scales."""
-    out: list[QuantFormat] = []
-    grans = [PerToken(), PerTokenGroup(32), PerChannel(32), PerChannel(64)]
-    for bits in (2, 3, 4):
-        for g in grans:
-            for rot in ("none", "hadamard"):
-                for clip in (None, CALIBRATION_MSE_CLIP):
-                    out.append(int_format(bits, g, clip=clip, rotate=rot))
-    for bits in (2, 3, 4) if static else ():
-        for rot in ("none", "hadamard"):
-            for clip in (None, CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP):
-                out.append(int_format(bits, PerChannel(None), clip=clip, rotate=rot))
-    for g in (PerToken(), PerTokenGroup(32)):
-        for rot in ("none", "hadamard"):
-            out.append(int_format(8, g, rotate=rot))
-    out.append(int_format(8, PerTokenGroup(32), symmetric=True))
-    for g in (PerToken(), PerTokenGroup(32), PerHead()):
-        for rot in ("none", "hadamard"):
-            out.append(fp8_format(g, rotate=rot))
-    out.append(float_format("fp16"))
-    return tuple(f for f in out if _fits(f, head_dim))
-
-
-def _fits(fmt: QuantFormat, head_dim: int) -> bool:
-    try:
-        fmt.check_head_dim(head_dim)
-    except ConfigError:
-        return False
-    return True
 
 
 def check_candidates(cands: Sequence[QuantFormat], head_dim: int, page_size: int, which: str) -> None:

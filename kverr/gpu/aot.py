@@ -95,21 +95,24 @@ def _elements():
 
 def _rotated_mse(f: QuantFormat) -> QuantFormat:
     """``f`` with a Hadamard rotation and the calibrator's MSE clip (the other constexpr branches)."""
-    from kverr.quant.formats import CALIBRATION_MSE_CLIP
+    from kverr.catalog import CALIBRATION_MSE_CLIP
 
     return dataclasses.replace(f, rotate="hadamard", clip=CALIBRATION_MSE_CLIP)
 
 
-def formats(full: bool, P: int = 64) -> list[QuantFormat]:
-    """The formats the calibrator can emit: every element format x every granularity, each also
-    rotated with an MSE clip (``full``); or each element format at per-token scales plus each
+def formats(full: bool, P: int = 64, D: int = 128) -> list[QuantFormat]:
+    """With ``full``: every format of the catalog (:func:`kverr.catalog.catalog`: presets,
+    calibration candidates, window formats) and every element format x every granularity, each
+    also rotated with an MSE clip. Otherwise each element format at per-token scales plus each
     granularity with int4, and the rotated/MSE branches on each scale layout (the test set)."""
+    from kverr.catalog import catalog
+
     fmts: list[QuantFormat] = [float_format("fp16")]
     grans = _granularities(P)
     elems = _elements()
     if full:
         plain = [e(g) for e in elems for _, g in grans]
-        fmts += plain + [_rotated_mse(f) for f in plain]
+        fmts += [*catalog(D), *plain, *(_rotated_mse(f) for f in plain)]
     else:
         fmts += [e(PerToken()) for e in elems]
         fmts += [int_format(4, g) for name, g in grans if name != "tok"]
@@ -203,7 +206,7 @@ def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int =
     constexprs)``."""
     from kverr_kernels import decode, quant_store
 
-    specs = [kernel_spec(f, D, P) for f in formats(full, P)]
+    specs = [kernel_spec(f, D, P) for f in formats(full, P, D)]
     block_n = 32 if D <= 64 else 16  # as PagedKVCache chooses
     jobs = []
     for s in specs:

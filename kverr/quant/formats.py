@@ -258,12 +258,6 @@ class MSEClip:
         return [(a, b) for a in rs for b in rs] if self.asymmetric else [(r, r) for r in rs]
 
 
-#: The clip searched by the calibration's MSE candidates: 5 ratios from 1 down to 0.6 (cheap
-#: enough for 4096 tokens). Ahead-of-time compilation builds the kernels with it too.
-CALIBRATION_MSE_CLIP = MSEClip(grid=5, min_ratio=0.6)
-#: The deeper clip also searched for static per-channel scales: 9 ratios from 1 down to 0.2.
-STATIC_MSE_CLIP = MSEClip(grid=9, min_ratio=0.2)
-
 Clip = Union[AbsMax, Percentile, MSEClip]
 CLIPS: dict[str, type] = {c.kind: c for c in (AbsMax, Percentile, MSEClip)}
 
