@@ -2,7 +2,7 @@
 
 Configs whose name ends in ``-s16`` are evaluated with their sinks stored as fp16 rows (the window
 and pending token blocks in the config's ``window_dtype``); every other config as it is. A patch of
-``kverr.cache.KverrLayer._append`` for this run only: the library has no such option. It asks
+``kverr.hf.reference.KverrLayer._append`` for this run only: the library has no such option. It asks
 whether the int8 window's loss at 5 and 6.1 bits comes from rounding the attention sinks.
 
 Usage (the arguments of ``kverr evaluate``)::
@@ -12,7 +12,7 @@ Usage (the arguments of ``kverr evaluate``)::
 """
 import sys
 
-import kverr.cache as kc
+import kverr.hf.reference as kc
 from kverr.quant.store import WindowRows
 
 _append = kc.KverrLayer._append

@@ -11,7 +11,7 @@ torch.set_num_threads(1)
 from kverr.capturing import load_text
 from kverr.capturing.model import load_model
 from kverr.capturing.text import tokenize
-from kverr.cache import cache_for
+from kverr.hf import cache_for
 from kverr.evaluation import teacher_forced
 from kverr.config import CacheConfig
 m = load_model("default")

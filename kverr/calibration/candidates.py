@@ -23,7 +23,7 @@ static ones):
 * plain fp16 -- 1.
 
 Static scales are set when the cache first quantizes (a sequence's prefill, in
-:class:`kverr.cache.KverrCache`; tokens beyond that range saturate) or given calibrated; the
+:class:`kverr.hf.KverrCache`; tokens beyond that range saturate) or given calibrated; the
 objective sets them over the whole calibration capture. :func:`candidates_for_budget` offers
 them only below :data:`STATIC_BELOW_BITS`: held out on the default model they won at 2.5 and 3
 bits and lost at 4 to 5 bits, where the objective still preferred them (README, "Calibrate").

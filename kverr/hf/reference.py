@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 try:  # transformers >= 4.56 has layer-based caches
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as exc:  # pragma: no cover - transformers is a dependency of this module
-    raise ImportError("kverr.cache needs transformers >= 4.56 (layer-based caches)") from exc
+    raise ImportError("kverr.hf needs transformers >= 4.56 (layer-based caches)") from exc
 
 Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
