@@ -17,7 +17,7 @@ from kverr.cli import main
 from kverr.io import write_dataset
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_io import synthetic_capture  # noqa: E402
+from captures import synthetic_capture  # noqa: E402
 
 
 def run(capsys, *argv):
@@ -404,7 +404,7 @@ def test_a_rerun_clears_only_the_stale_temporaries_of_its_own_target(tmp_path):
         sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
         import xarray as xr
         from kverr.io import write_dataset
-        from test_io import synthetic_capture
+        from captures import synthetic_capture
         real = xr.Dataset.to_zarr
         def half(self, store, *a, **k):
             real(self[["q"]], store, *a, **k)

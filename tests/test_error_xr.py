@@ -17,42 +17,16 @@ from kverr.config import PRESETS, CacheConfig, resolve
 from kverr.error import QUERY_METRICS, decompose_capture, decompose_stream
 from kverr.exceptions import CaptureError, ConfigError, ShapeError
 from kverr.quant import PerTokenGroup, int_format, reconstruct
-from kverr.rope import apply_rope, default_inv_freq
+from kverr.rope import apply_rope
+
+from captures import synthetic_capture as shared_capture
 
 REAL = Path(__file__).resolve().parents[1] / "data" / "smollm2-pydoc-512.zarr"
 
 
-def synthetic_capture(n_layers=2, hq=4, hkv=2, T=160, D=64, seed=0) -> xr.Dataset:
-    """A small capture-shaped dataset with real RoPE between k_pre and k."""
-    rng = np.random.default_rng(seed)
-    inv = default_inv_freq(D, 10000.0)
-    rope = json.dumps({"inv_freq": inv.tolist(), "attention_scaling": 1.0})
-    pos = np.arange(T)
-    q = rng.normal(size=(n_layers, hq, T, D)).astype(np.float32)
-    k_pre = rng.normal(size=(n_layers, hkv, T, D)).astype(np.float32)
-    k_pre[..., 3] += 4.0  # an outlier channel, as real keys have
-    k = apply_rope(torch.from_numpy(k_pre), pos, rope).numpy()
-    v = rng.normal(size=(n_layers, hkv, T, D)).astype(np.float32)
-    dims4 = ("layer", "kv_head", "token", "channel")
-    return xr.Dataset(
-        {
-            "q": (("layer", "q_head", "token", "channel"), q),
-            "k_pre": (dims4, k_pre),
-            "k": (dims4, k),
-            "v": (dims4, v),
-            "position": ("token", pos.astype(np.int32)),
-        },
-        coords={
-            "layer": [0, 1][:n_layers],
-            "q_head": np.arange(hq),
-            "kv_head": np.arange(hkv),
-            "token": pos,
-            "channel": np.arange(D),
-            "kv_head_of_q": ("q_head", np.arange(hq) // (hq // hkv)),
-            "attn_scale": ("layer", np.full(n_layers, D**-0.5)),
-        },
-        attrs={"rope": rope, "model_n_layers": n_layers, "head_dim": D},
-    )
+def synthetic_capture(n_layers=2, hq=4, hkv=2, T=160, D=64, seed=0):
+    """The shared synthetic capture at this module's sizes, with an outlier key channel."""
+    return shared_capture(n_layers, hq, hkv, T, D, seed, outlier_channel=3)
 
 
 def _direct(cap, config, layer_pos, queries, pre_rope=False):

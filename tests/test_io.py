@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -18,42 +17,9 @@ from kverr.dims import CAPTURE_VARS, KV_HEAD_OF_Q, SCHEMA_VERSION
 from kverr.exceptions import CaptureError, OutputExistsError
 from kverr.io import open_capture, validate_capture, write_dataset
 
+from captures import synthetic_capture
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def synthetic_capture(n_layers=2, n_q=4, n_kv=2, n_tokens=64, head_dim=16, seed=0) -> xr.Dataset:
-    """A dataset with the capture schema and random contents."""
-    rng = np.random.default_rng(seed)
-    kv = ("layer", "kv_head", "token", "channel")
-
-    def arr(heads):
-        return rng.standard_normal((n_layers, heads, n_tokens, head_dim)).astype(np.float32)
-
-    return xr.Dataset(
-        {
-            "q": (("layer", "q_head", "token", "channel"), arr(n_q)),
-            "k_pre": (kv, arr(n_kv)),
-            "k": (kv, arr(n_kv)),
-            "v": (kv, arr(n_kv)),
-            "token_id": (("token",), rng.integers(0, 100, n_tokens).astype(np.int32)),
-            "position": (("token",), np.arange(n_tokens, dtype=np.int32)),
-        },
-        coords={
-            "layer": np.arange(n_layers),
-            KV_HEAD_OF_Q: ("q_head", np.arange(n_q) // (n_q // n_kv)),
-        },
-        attrs={
-            "model_id": "synthetic",
-            "weights_sha256": "0" * 64,
-            "rope": json.dumps({"rope_theta": 1e4, "inv_freq": [1.0] * (head_dim // 2)}),
-            "head_dim": head_dim,
-            "dtype": "float32",
-            "text_source": "",
-            "text_sha256": "",
-            "kverr_version": "test",
-            "schema_version": SCHEMA_VERSION,
-        },
-    )
 
 
 def test_round_trip_is_exact_lazy_and_chunked_by_layer(tmp_path):
@@ -138,7 +104,7 @@ def test_a_killed_writer_never_leaves_a_dataset_at_the_final_path(tmp_path, when
         sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / "tests")!r})
         import xarray as xr
         import kverr.io as kio
-        from test_io import synthetic_capture
+        from captures import synthetic_capture
         real = xr.Dataset.to_zarr
         def die(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
