@@ -8,7 +8,7 @@ clip range of every block, then encodes and decodes. :class:`SharedReconstruct` 
 format-independent part once per tensor (cast, check, rotation) and once per scale block shape
 (:func:`~kverr.quant.to_blocks`, :func:`~kverr.quant.clip_range`), and the rest by the oracle's
 own public stages (:func:`~kverr.quant.fake_quantize_blocks`, ``Blocks.ungroup``,
-:func:`~kverr.quant.hadamard_rotate`), so its output equals ``reconstruct`` **bit for bit** (``tests/test_calibrate.py`` checks every default candidate, static scales
+:func:`~kverr.quant.hadamard_rotate`), so its output equals ``reconstruct`` **bit for bit** (``tests/calibration/test_calibrate.py`` checks every default candidate, static scales
 included: a static block is one more block shape). Percentile clips go through the oracle itself.
 
 Only configs without sinks or window are served (calibration masks sinks and windows per query

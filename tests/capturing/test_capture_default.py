@@ -20,7 +20,7 @@ from kverr.rope import apply_rope, default_inv_freq
 
 from bounds import attention_rounding_bound
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data" / "smollm2-pydoc-512.zarr"
 GGUF_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 N_TOKENS = 256

@@ -21,7 +21,7 @@ from kverr.rope import apply_rope
 
 from captures import synthetic_capture as shared_capture
 
-REAL = Path(__file__).resolve().parents[1] / "data" / "smollm2-pydoc-512.zarr"
+REAL = Path(__file__).resolve().parents[2] / "data" / "smollm2-pydoc-512.zarr"
 
 
 def synthetic_capture(n_layers=2, hq=4, hkv=2, T=160, D=64, seed=0):
