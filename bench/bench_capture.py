@@ -39,15 +39,7 @@ from kverr.capturing import capture, load_model, load_text, tokenize  # noqa: E4
 from kverr.capturing.hooks import _base_model  # noqa: E402
 from kverr.io import write_dataset  # noqa: E402
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from bench.common import cpu_name  # noqa: E402
 
 
 def timings(tokens: int, repeats: int, dtype: str = "float32") -> dict:
@@ -122,7 +114,7 @@ def main() -> int:
     lines = [
         f"kverr capture benchmark, {now:%Y-%m-%d %H:%M} UTC",
         f"machine: {' '.join(platform.uname())}",
-        f"cpu: {cpu_model()}, {os.cpu_count()} logical cpus, torch threads {torch.get_num_threads()}, "
+        f"cpu: {cpu_name()}, {os.cpu_count()} logical cpus, torch threads {torch.get_num_threads()}, "
         f"load average at start {os.getloadavg()[0]:.2f}",
         f"python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {ds.attrs['transformers_version']}",
