@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from kverr.capturing import load_model, load_text, tokenize  # noqa: E402
-from kverr.evaluation import Scheme, _cache_kwarg, make_cache, parse_schemes  # noqa: E402
+from kverr.evaluation import Scheme, make_cache, parse_schemes  # noqa: E402
+from kverr.hf import cache_kwarg  # noqa: E402
 
 
 FULL_SCHEMES = "int4-token-g64,kivi-4,kivi-2,q8_0,fp8-e4m3-head,quanto-int4,quanto-int2"
@@ -39,7 +40,7 @@ def step_times(context: int, steps: int, schemes: str) -> dict[str, float]:
     model = lm.model
     ids = torch.as_tensor(tokenize(lm.tokenizer, load_text("pydoc"), context + steps, offset=5000))
     all_schemes = [Scheme("unquantized", "reference"), *parse_schemes(schemes.split(","))]
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     caches = {}
     with torch.no_grad():
         for s in all_schemes:

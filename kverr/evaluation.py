@@ -19,7 +19,6 @@ residual 128) — each at its effective bits including metadata.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -92,12 +91,6 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     return out
 
 
-def _cache_kwarg(model: Any) -> str:
-    """Name of the cache argument of ``model.forward`` (``cache`` from transformers 5.x)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def make_cache(scheme: Scheme, model: Any) -> Any:
     """A fresh cache object for ``scheme``."""
     if scheme.kind == "kverr":
@@ -128,7 +121,9 @@ def teacher_forced(model: Any, cache: Any, ids: torch.Tensor, prefill: int, *, f
     Decode step ``t`` feeds ``ids[prefill + t]`` and predicts ``ids[prefill + t + 1]``. The
     prefill's own prediction is not a decode step (its attention used fresh values) and is left out.
     """
-    kw = _cache_kwarg(model)
+    from kverr.hf import cache_kwarg
+
+    kw = cache_kwarg(model)
     model(ids[None, :prefill], use_cache=True, **{kw: cache})
     if flush and hasattr(cache, "flush"):
         cache.flush()
@@ -142,7 +137,9 @@ def teacher_forced(model: Any, cache: Any, ids: torch.Tensor, prefill: int, *, f
 @torch.no_grad()
 def greedy(model: Any, cache: Any, prompt: torch.Tensor, steps: int, *, flush: bool) -> list[int]:
     """Greedy continuation of ``prompt`` for ``steps`` tokens through ``cache``."""
-    kw = _cache_kwarg(model)
+    from kverr.hf import cache_kwarg
+
+    kw = cache_kwarg(model)
     out = model(prompt[None], use_cache=True, **{kw: cache})
     if flush and hasattr(cache, "flush"):
         cache.flush()

@@ -22,7 +22,7 @@ from kverr.hf import KernelKVCache, cache_for  # noqa: E402
 from kverr.capturing import float_environment, load_model  # noqa: E402
 from kverr.capturing.tiny import make_tiny_model  # noqa: E402
 from kverr.config import PRESETS  # noqa: E402
-from kverr.evaluation import _cache_kwarg  # noqa: E402
+from kverr.hf import cache_kwarg  # noqa: E402
 
 
 def run(model, cache, ids, chunks, record=None, force=None):
@@ -36,7 +36,7 @@ def run(model, cache, ids, chunks, record=None, force=None):
                 record[_i, n - 1] = (k.clone(), v.clone())
             return _inner(k, v, *a, **kw)
         layer.update = update
-    out, t, kw = [], 0, _cache_kwarg(model)
+    out, t, kw = [], 0, cache_kwarg(model)
     with torch.no_grad():
         for n in chunks:
             out.append(torch.log_softmax(model(input_ids=ids[None, t:t + n], use_cache=True, **{kw: cache}).logits[0].float(), -1))

@@ -18,7 +18,17 @@ from kverr.exceptions import ConfigError
 from kverr.hf.kernel import KernelKVCache
 from kverr.hf.reference import Cache, KverrCache, KverrLayer, model_rotary
 
-__all__ = ["KernelKVCache", "KverrCache", "KverrLayer", "cache_for", "kernels_support", "model_rotary"]
+__all__ = ["KernelKVCache", "KverrCache", "KverrLayer", "cache_for", "cache_kwarg", "kernels_support",
+           "model_rotary"]
+
+
+def cache_kwarg(model: Any) -> str:
+    """Name of the cache argument of ``model.forward`` and ``generate`` (``cache`` from
+    transformers 5.x, ``past_key_values`` before)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def cache_for(model: Any, config: CacheConfig, *, backend: str = "auto", **kwargs: Any) -> Cache:

@@ -84,6 +84,10 @@ class _KernelLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.paged.max_pages * self.owner.paged.P
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ConfigError("beam search is not supported on the kernel path (its pages are not reordered); "
+                          "use cache_for(..., backend='reference')")
+
 
 class KernelKVCache(Cache):
     """A transformers cache that runs a :class:`CacheConfig` on the Triton kernels.

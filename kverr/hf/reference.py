@@ -101,6 +101,20 @@ class _Group:
         return total + sum(c.nbytes for c in self.chunks)
 
 
+def _select_batch(qt: QTensor, index: torch.Tensor) -> QTensor:
+    """``qt`` for the sequences ``index`` of its leading batch dim. Metadata without that dim
+    (static scales, shared by the batch) is kept as it is."""
+    lead = qt.codes.ndim
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.ndim < lead:
+            return t
+        return t.index_select(0, index.to(t.device))
+
+    shape = (int(index.numel()), *qt.shape[1:])
+    return QTensor(pick(qt.codes), pick(qt.scale), pick(qt.zero), qt.fmt, shape, qt.page_size)
+
+
 class KverrLayer(CacheLayerMixin):
     """One layer of a :class:`KverrCache`."""
 
@@ -172,6 +186,19 @@ class KverrLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep the sequences ``beam_idx`` (beam search): every stored tensor is selected along
+        the batch, codes and scales as stored, so nothing is quantized again. Static scales are
+        shared by the batch and stay."""
+        if self.cumulative_length == 0:
+            return
+        for w in WHICH:
+            for g in self.groups[w]:
+                g.sinks = None if g.sinks is None else g.sinks.select(beam_idx)
+                g.pending = None if g.pending is None else g.pending.select(beam_idx)
+                g.chunks = [_select_batch(c, beam_idx) for c in g.chunks]
+                g.decoded = [d.index_select(0, beam_idx.to(d.device)) for d in g.decoded]
 
     def reset(self) -> None:
         self.cumulative_length = 0

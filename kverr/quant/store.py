@@ -101,6 +101,11 @@ class WindowRows:
         cut = lambda t: None if t is None else t[..., lo:hi, :]  # noqa: E731
         return WindowRows(cut(self.data), cut(self.scale), self.window_dtype, cut(self.values))
 
+    def select(self, index: torch.Tensor) -> WindowRows:
+        """The rows of the sequences ``index`` (along the leading batch dim), as stored."""
+        pick = lambda t: None if t is None else t.index_select(0, index.to(t.device))  # noqa: E731
+        return WindowRows(pick(self.data), pick(self.scale), self.window_dtype, pick(self.values))
+
     def cat(self, other: WindowRows) -> WindowRows:
         """These tokens followed by ``other``'s."""
         def join(a, b):

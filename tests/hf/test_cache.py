@@ -69,6 +69,31 @@ def test_cache_holds_exactly_what_reconstruct_says_whatever_the_chunking(cfg, T,
     assert cache.nbytes() == t.total - t.page_rounding - t.padding
 
 
+@given(cfg=configs(L, H, D).filter(lambda c: not c.key_pre_rope), T=st.integers(1, 90),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=25)
+def test_beam_reorder_selects_the_stored_sequences_as_stored(cfg, T, seed):
+    # Beam search keeps some sequences and repeats others: every stored tensor (codes, scales,
+    # sinks, window rows, the dequantized chunks) is selected along the batch, nothing quantized
+    # again, so the cache then reads exactly the selected rows of what it read before; and a
+    # later step stores on top of the reordered rows as it would on any others.
+    g = torch.Generator().manual_seed(seed)
+    B = 3
+    ks = [torch.randn(B, H, T + 1, D, generator=g) for _ in range(L)]
+    vs = [torch.randn(B, H, T + 1, D, generator=g) for _ in range(L)]
+    cache = KverrCache(cfg, L, H, D)
+    _feed(cache, [k[:, :, :T] for k in ks], [v[:, :, :T] for v in vs], [T])
+    before = [(cache.read(i, "k"), cache.read(i, "v")) for i in range(L)]
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    for i in range(L):
+        assert torch.equal(cache.read(i, "k"), before[i][0][beam_idx])
+        assert torch.equal(cache.read(i, "v"), before[i][1][beam_idx])
+    for i in range(L):
+        cache.update(ks[i][:, :, T:], vs[i][:, :, T:], i)
+    assert cache.get_seq_length() == T + 1 and cache.read(0, "k").shape == (B, H, T + 1, D)
+
+
 def test_prefill_attends_to_fresh_values_later_steps_to_storage():
     cfg = PRESETS["q4_0"]
     ks = [torch.randn(1, H, 40, 32)]
@@ -172,10 +197,31 @@ def test_generate_runs_through_the_cache(tiny):
     cfg = PRESETS["kivi-2"].with_(window=8)
     ids = torch.randint(0, 256, (1, 30))
     cache = KverrCache.for_model(tiny.model, cfg)
-    out = tiny.model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    from kverr.hf import cache_kwarg
+
+    out = tiny.model.generate(ids, **{cache_kwarg(tiny.model): cache}, max_new_tokens=12, do_sample=False)
     assert out.shape == (1, 42)
     assert cache.get_seq_length() == 41  # the last generated token is never fed back
     assert cache.layers[0].groups["v"][0].n_quantized > 0
+
+
+def test_beam_search_through_the_cache(tiny):
+    # With fp32 storage the cache holds exactly what the model's own cache holds, so beam search
+    # (which reorders the cache every step) gives the same tokens; a quantized config runs too.
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, num_beams=2)
+    exact = CacheConfig(k=float_format("fp32"), v=float_format("fp32"), window_dtype="fp32")
+    from kverr.hf import cache_kwarg
+
+    def generate(cache):
+        return tiny.model.generate(ids, **{cache_kwarg(tiny.model): cache}, **kw)
+
+    want = generate(DynamicCache())
+    assert torch.equal(generate(KverrCache.for_model(tiny.model, exact)), want)
+    out = generate(KverrCache.for_model(tiny.model, PRESETS["kivi-2"]))
+    assert out.shape == want.shape
 
 
 @pytest.mark.float_order
@@ -230,9 +276,9 @@ def _recording(cache, record=None, force=None):
 
 
 def _chunked_logprobs(model, cache, ids, chunks):
-    from kverr.evaluation import _cache_kwarg
+    from kverr.hf import cache_kwarg
 
-    out, t, kw = [], 0, _cache_kwarg(model)
+    out, t, kw = [], 0, cache_kwarg(model)
     with torch.no_grad():
         for n in chunks:
             logits = model(input_ids=ids[None, t:t + n], use_cache=True, **{kw: cache}).logits[0]
