@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kverr.calibration import calibrate
+from kverr.calibration import CalibrationConfig, calibrate
 from kverr.calibration.candidates import default_candidates
 from kverr.calibration.search import outer_options
 from kverr.io import open_capture
@@ -41,8 +41,9 @@ def main() -> None:
     cap = open_capture(args.capture)
     opts = outer_options(cap)
     cands = default_candidates(cap.sizes["channel"], static=True)
-    base = calibrate(cap, min(budgets), context=1280, options=opts, queries=32, workers=2,
-                     capture_path=args.capture, cands_k=cands, cands_v=cands)
+    settings = CalibrationConfig(budgets=min(budgets), context=1280, options=opts, queries=32,
+                                 cands_k=cands, cands_v=cands)
+    base = calibrate(cap, settings, workers=2)
     sc = base.scores
     static = np.array([args.static if not c.is_float and is_static(c.granularity) else 1.0 for c in cands])
     scores = dataclasses.replace(sc, k=sc.k * args.key * static[None, None, :, None],
@@ -51,8 +52,7 @@ def main() -> None:
                                   f"sp{args.static:g}" if args.static != 1 else "") if p) or "plain"
     for b in budgets:
         name = f"{prefix}-{b:g}b"
-        c = calibrate(cap, b, context=1280, options=opts, queries=32, scores=scores, sensitivity=base.sensitivity,
-                      cands_k=cands, cands_v=cands, name=name)
+        c = calibrate(cap, settings.with_(budgets=b, name=name), scores=scores, sensitivity=base.sensitivity)
         c.config.save(args.out / f"{name}.json")
         pv = c.config.provenance
         print(name, pv["outer_option"], "predicted (re-weighted) K", pv["predicted_k"], "V", pv["predicted_v"],

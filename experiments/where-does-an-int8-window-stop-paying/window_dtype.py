@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kverr.calibration import calibrate
+from kverr.calibration import CalibrationConfig, calibrate
 from kverr.calibration.candidates import INT8_WINDOW_BELOW_BITS, default_candidates
 from kverr.calibration.search import outer_options
 from kverr.config import atomic_write_text
@@ -47,9 +47,9 @@ def main() -> None:
     cals = {}
     for wdt in ("int8", "fp16"):
         first = next(iter(cals.values()), None)
-        cals[wdt] = calibrate(cap, 3.0, context=args.context, options=opts, queries=32, workers=2,
-                              capture_path=args.capture, cands_k=cands, cands_v=cands, window_dtype=wdt,
-                              max_bits=args.max_bits, sensitivity=None if first is None else first.sensitivity)
+        settings = CalibrationConfig(budgets=3.0, context=args.context, options=opts, queries=32, cands_k=cands,
+                                     cands_v=cands, window_dtype=wdt, max_bits=max(args.max_bits, 3.0))
+        cals[wdt] = calibrate(cap, settings, workers=2, sensitivity=None if first is None else first.sensitivity)
     grid = np.round(np.arange(2.5, args.max_bits + 1e-9, 0.25), 2)
     lines = [
         "# Predicted-KL frontiers, int8 window vs fp16 window (python experiments/where-does-an-int8-window-stop-paying/window_dtype.py "

@@ -418,15 +418,6 @@ def _layer_arrays(capture: Any, layer: int, need_pre: bool):
     return q, k, v, kp, capture.kv.attn_scale(layer), capture.kv.kv_head_of_q
 
 
-def capture_positions_rope(capture: Any) -> tuple[np.ndarray, dict[str, Any] | None]:
-    """``(ds.kv.positions, ds.kv.rope)``: token positions ``[token]`` and RoPE parameters (or
-    None) of a capture, as :func:`prepare_layer` takes them (for callers that do not import
-    :mod:`kverr.accessor` themselves)."""
-    import kverr.accessor  # noqa: F401  (registers ds.kv)
-
-    return capture.kv.positions, capture.kv.rope
-
-
 def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
             layers: Sequence[int] | None = None, weights: Sequence[float] | None = None,
             weights_v: Sequence[float] | None = None, decode: int | None = DEFAULT_DECODE) -> dict[str, Any]:

@@ -568,7 +568,7 @@ def _search_candidates(settings: CalibrationConfig, cand_set: str, head_dim: int
 
 def calibrate(
     capture: Any,
-    config: CalibrationConfig | float,
+    config: CalibrationConfig,
     *,
     scheduler: Any = None,
     workers: int | None = None,
@@ -576,7 +576,6 @@ def calibrate(
     model: Any = None,
     sensitivity: Any = None,
     scores: Scores | None = None,
-    **legacy: Any,
 ) -> Calibration:
     """Choose a format per (layer, kv head, K|V) minimising the predicted damage within each budget.
 
@@ -589,10 +588,7 @@ def calibrate(
     capture : xarray.Dataset
         A capture of *every* layer of the model (:func:`kverr.io.open_capture`).
     config : CalibrationConfig
-        What to compute. (A number here is the deprecated keyword form
-        ``calibrate(capture, budget_bits, context=..., ...)``: one budget, the old keyword names
-        and defaults -- 64 queries, every default outer option with keys both after and before
-        RoPE.)
+        What to compute: every option that changes the result.
     scheduler : None, str or distributed.Client
         Where layers are scored (:func:`score`): local threads by default, or a dask.distributed
         cluster (``tcp://HOST:PORT`` or a Client). The result does not depend on it.
@@ -624,42 +620,10 @@ def calibrate(
         layers, or of another model than ``model``.
     """
     if not isinstance(config, CalibrationConfig):
-        config, model = _legacy_config(config, legacy, model)
-    elif legacy:
-        raise ConfigError(f"calibrate() got unexpected keyword arguments {sorted(legacy)}; every calibration "
-                          "option is a field of the CalibrationConfig")
+        raise ConfigError(f"calibrate() takes a kverr.calibration.CalibrationConfig, got {type(config).__name__} "
+                          f"{config!r}: calibrate(capture, CalibrationConfig(budgets=...))")
     return _calibrate(capture, config, scheduler=scheduler, workers=workers, progress=progress, model=model,
                       sensitivity=sensitivity, scores=scores)
-
-
-#: Keywords of the deprecated form, each the CalibrationConfig field of the same name (its
-#: ``capture_path`` is accepted and unused: dask reads the capture where it is).
-_LEGACY_FIELDS = frozenset({"context", "options", "cands_k", "cands_v", "queries", "page_size", "window_dtype",
-                            "align", "max_bits", "name", "objective", "sensitivity_tokens", "sensitivity_noise",
-                            "decode"})
-
-
-def _legacy_config(budget_bits: Any, legacy: dict[str, Any], model: Any) -> tuple[CalibrationConfig, Any]:
-    """The CalibrationConfig and loaded model of ``calibrate(capture, budget_bits, **kwargs)``."""
-    import warnings
-
-    warnings.warn("calibrate(capture, budget_bits, **options) is deprecated; pass a "
-                  "kverr.calibration.CalibrationConfig: calibrate(capture, CalibrationConfig(budgets=...))",
-                  DeprecationWarning, stacklevel=3)
-    unknown = set(legacy) - _LEGACY_FIELDS - {"capture_path"}
-    if unknown:
-        raise ConfigError(f"calibrate() got unexpected keyword arguments {sorted(unknown)}; allowed: "
-                          f"{', '.join(sorted(_LEGACY_FIELDS))}, scheduler, workers, progress, model, "
-                          "sensitivity, scores")
-    fields_ = {k: v for k, v in legacy.items() if k in _LEGACY_FIELDS}
-    fields_.setdefault("options", DEFAULT_OPTIONS)  # the old defaults
-    fields_.setdefault("queries", 64)
-    if isinstance(fields_.get("max_bits"), (int, float)) and isinstance(budget_bits, (int, float)):
-        # the old form drew the frontier up to max(max_bits, budget_bits)
-        fields_["max_bits"] = max(fields_["max_bits"], budget_bits)
-    if isinstance(model, str):  # a spec belongs in the config, a loaded model is passed on
-        fields_["model"], model = model, None
-    return CalibrationConfig(budgets=budget_bits, **fields_), model
 
 
 def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers: int | None, progress: bool,

@@ -322,9 +322,9 @@ def test_calibration_config_round_trips_and_refuses_bad_fields():
             CalibrationConfig(**bad)
 
 
-def test_calibrate_several_budgets_and_the_deprecated_keyword_form(tiny_capture):
+def test_calibrate_several_budgets_and_one_form_of_call(tiny_capture):
     """Budgets of one window dtype and candidate set share a search; each search is what a
-    calibration at its budget alone gives; the old keyword form still works, with a warning."""
+    calibration at its budget alone gives; options come only in a CalibrationConfig."""
     cap, _, _ = tiny_capture
     settings = CalibrationConfig(budgets=(5.0, 4.0), context=160, options=(OuterOption(sinks=4, window=8),),
                                  cands_k=SMALL, cands_v=SMALL, queries=8, objective="rel")
@@ -337,11 +337,9 @@ def test_calibrate_several_budgets_and_the_deprecated_keyword_form(tiny_capture)
         cal.config  # noqa: B018
     one = calibrate(cap, settings.with_(budgets=5.0), workers=1)
     assert one.config == cal.configs[5.0] and np.array_equal(one.scores.k, cal.searches[1].scores.k)
-    with pytest.warns(DeprecationWarning, match="CalibrationConfig"):
-        old = calibrate(cap, 5.0, context=160, options=settings.options, cands_k=SMALL, cands_v=SMALL, queries=8,
-                        objective="rel", workers=1)
-    assert old.config == one.config
-    with pytest.raises(ConfigError, match="unexpected keyword arguments"):
+    with pytest.raises(ConfigError, match=r"takes a kverr\.calibration\.CalibrationConfig, got float"):
+        calibrate(cap, 5.0)
+    with pytest.raises(TypeError, match="queries"):
         calibrate(cap, settings, queries=8)
 
 
