@@ -23,7 +23,7 @@ from typing import Any
 from kverr.exceptions import ConfigError
 from kverr.quant.formats import QuantFormat
 
-from .candidates import CALIBRATION_WINDOW_DTYPES, CANDIDATE_SETS, OuterOption
+from .candidates import CALIBRATION_WINDOW_DTYPES, CANDIDATE_SETS, DEFAULT_WINDOW_DTYPE, OuterOption
 from .objective import OBJECTIVES
 from .sensitivity import NOISE_SITES
 
@@ -122,7 +122,7 @@ class CalibrationConfig:
     candidates: str = "auto"
     cands_k: tuple[QuantFormat, ...] | None = None
     cands_v: tuple[QuantFormat, ...] | None = None
-    window_dtype: str = "auto"
+    window_dtype: str = DEFAULT_WINDOW_DTYPE
     queries: int = 32
     decode: int | None = None
     page_size: int = 64

@@ -30,6 +30,7 @@ from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 
 from .candidates import (
+    DEFAULT_WINDOW_DTYPE,
     OuterOption,
     candidate_set,
     candidates_for_budget,
@@ -63,13 +64,6 @@ log = logging.getLogger(__name__)
 #: when the capture holds pre-RoPE keys (104 s instead of 152 s on two idle cores, default model,
 #: 4096-token capture).
 DEFAULT_SINKS_WINDOWS = ((0, 0), (4, 16), (4, 32), (4, 64))
-#: The dtype calibrated configs keep their sinks, window and pending token blocks in: ``auto``,
-#: int8 rows with an fp16 scale each (:func:`kverr.quant.formats.window_format`, D + 2 bytes a
-#: row instead of fp16's 2 D) below :data:`~.candidates.INT8_WINDOW_BELOW_BITS`, fp16 from there
-#: on (:func:`~.candidates.window_dtype_for_budget`). Held out, the int8 window lowered the 3-bit
-#: config's KL by ~30 % and the 4.5-bit one's by ~12 % against fp16 on two validation texts, and
-#: raised the 5-bit one's by ~30 % (README).
-DEFAULT_WINDOW_DTYPE = "auto"
 DEFAULT_OPTIONS = tuple(OuterOption(window=r, sinks=s_, key_pre_rope=pre)
                         for pre in (False, True) for s_, r in DEFAULT_SINKS_WINDOWS)
 
