@@ -128,7 +128,7 @@ def run_pipeline(out: str | Path, *, model: str = "default", capture: str | Path
     PipelineResult
     """
     from kverr.calibration import CalibrationConfig, calibrate, check_model_matches, predict
-    from kverr.calibration.export import export
+    from kverr.engines import export
     from kverr.calibration.objective import check_queries
     from kverr.calibration.plots import plot_frontier
     from kverr.calibration.search import check_budget

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kverr.calibration.export import export
+    from kverr.engines import export
     from kverr.config import check_model_matches, resolve
     from kverr.memory import model_shape
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kverr.calibration.export import check_hf, check_vllm, export, import_hf, import_vllm
+from kverr.engines import export
+from kverr.engines.hf import check_hf, import_hf
+from kverr.engines.vllm import check_vllm, import_vllm
 from kverr.config import PRESETS, CacheConfig, Override
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant import PerHead, PerTensor, PerTokenGroup, fp8_format, int_format, quantize
