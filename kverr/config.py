@@ -468,9 +468,14 @@ def resolve(spec: str | os.PathLike | CacheConfig) -> CacheConfig:
     s = str(spec)
     if s in PRESETS:
         return PRESETS[s]
+    from kverr.engines import engine_presets  # the engines' formats, named after the engine
+
+    engines = engine_presets()
+    if s in engines:
+        return engines[s]
     if Path(s).exists() or s.endswith(".json") or os.sep in s:
         return CacheConfig.load(s)
-    raise ConfigError(f"{s!r} is neither a preset nor a config file; presets: {', '.join(PRESETS)}")
+    raise ConfigError(f"{s!r} is neither a preset nor a config file; presets: {', '.join([*PRESETS, *engines])}")
 
 
 __all__ = [

@@ -68,16 +68,19 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     ``config_option`` is the option that gives config files in the calling command, named in
     error messages; None when the command has none.
     """
+    from kverr.engines import engine_presets
+
     hint = f" (give a config file with {config_option})" if config_option else ""
+    named = {**PRESETS, **engine_presets()}
     out: list[Scheme] = []
     for s in schemes:
         if s in PEERS:
             out.append(Scheme(s, "quanto", nbits=PEERS[s]))
-        elif s in PRESETS:
-            out.append(Scheme(s, "kverr", PRESETS[s]))
+        elif s in named:
+            out.append(Scheme(s, "kverr", named[s]))
         else:
             raise ConfigError(
-                f"--scheme {s!r} is not known; schemes: {', '.join([*PRESETS, *PEERS])}{hint}"
+                f"--scheme {s!r} is not known; schemes: {', '.join([*named, *PEERS])}{hint}"
             )
     for path in configs:
         cfg = resolve(path)

@@ -18,6 +18,24 @@ from kverr.exceptions import ConfigError
 FORMATS = ("vllm", "hf")
 
 
+def engine_presets() -> dict[str, CacheConfig]:
+    """The engines' own cache formats as kverr configs, by name (``vllm-...``, ``hf-...``).
+
+    Each engine module defines ``PRESETS``; the names say which engine serves them, and each
+    preset's comment names the engine code whose numbers it follows. :func:`kverr.config.resolve`
+    and ``kverr presets`` read them beside kverr's own :data:`kverr.config.PRESETS`.
+    """
+    from kverr.engines import hf, vllm
+
+    out: dict[str, CacheConfig] = {}
+    for module in (vllm, hf):
+        for name, cfg in module.PRESETS.items():
+            if name in out:
+                raise AssertionError(f"engine preset {name!r} is defined twice")
+            out[name] = cfg
+    return out
+
+
 def export(config: CacheConfig, fmt: str, out: str | Path, *, capture: Any = None,
            n_layers: int | None = None, n_kv: int | None = None, head_dim: int | None = None,
            overwrite: bool = False) -> list[Path]:

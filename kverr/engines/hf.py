@@ -21,6 +21,9 @@ from kverr.quant.formats import AbsMax, PerToken, PerTokenGroup, int_format
 #: The files the export writes (an existing folder holding only these may be overwritten).
 FILES = ("generation_config.json",)
 
+#: This engine's cache formats as kverr configs, by name (see :func:`kverr.engines.engine_presets`).
+PRESETS: dict[str, CacheConfig] = {}
+
 
 def check_hf(config: CacheConfig, n_layers: int | None = None, n_kv: int | None = None,
              head_dim: int | None = None) -> dict[str, Any]:

@@ -27,6 +27,9 @@ from kverr.quant.formats import PerHead, PerTensor, QuantFormat, fp8_format
 #: The files the export writes (an existing folder holding only these may be overwritten).
 FILES = ("config.json", "kv_scales.json", "kv_scales.safetensors")
 
+#: This engine's cache formats as kverr configs, by name (see :func:`kverr.engines.engine_presets`).
+PRESETS: dict[str, CacheConfig] = {}
+
 
 def check_vllm(config: CacheConfig, n_layers: int | None = None, n_kv: int | None = None) -> QuantFormat | None:
     """The single fp8 format vLLM would use (None: unquantized ``auto``), or raise ConfigError."""
