@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kverr.config import WHICH, CacheConfig, check_model_matches
+from kverr.engines.vllm_dtypes import PRESETS as _DTYPE_PRESETS
 from kverr.engines.common import common_refusals, formats_of, refuse, shape_of, uniform, write_folder
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.io import check_output_path
@@ -28,7 +29,7 @@ from kverr.quant.formats import PerHead, PerTensor, QuantFormat, fp8_format
 FILES = ("config.json", "kv_scales.json", "kv_scales.safetensors")
 
 #: This engine's cache formats as kverr configs, by name (see :func:`kverr.engines.engine_presets`).
-PRESETS: dict[str, CacheConfig] = {}
+PRESETS: dict[str, CacheConfig] = dict(_DTYPE_PRESETS)
 
 
 def check_vllm(config: CacheConfig, n_layers: int | None = None, n_kv: int | None = None) -> QuantFormat | None:
