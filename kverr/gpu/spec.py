@@ -24,6 +24,7 @@ from kverr.quant.formats import (
     PerToken,
     PerTokenGroup,
     QuantFormat,
+    arithmetic_options,
     is_static,
     token_block,
 )
@@ -109,6 +110,13 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
     check_head_dim(D)
     if fmt.is_float:
         return KernelSpec(KIND_FLOAT, 16, 0, GRAN_ROW, D, 1, 1, D, False, fmt)
+    opts = arithmetic_options(fmt)
+    if opts:
+        raise KernelError(
+            f"{fmt.label()}: {', '.join(f'{k}={v!r}' for k, v in opts.items())} is not implemented by the "
+            "kernels (they round scales outward, divide, and round codes half to even); use the reference "
+            "path (kverr.quant)"
+        )
     g = fmt.granularity
     ratios: tuple[float, ...] = ()
     if isinstance(fmt.clip, MSEClip):

@@ -287,6 +287,14 @@ def clip_from_dict(obj: Any, where: str = "clip") -> Clip:
 # --------------------------------------------------------------------------------------------
 
 ROTATIONS = ("none", "hadamard")
+#: How integer codes round: ``half_even`` is ``rint`` of the fp32 quotient; ``half_away`` adds
+#: ``±0.5`` in fp32 (the sign of the quotient; ``+`` for zero) and truncates toward zero, as an
+#: int8 store that truncates does after the ``+0.5`` (so a quotient of ``0.5 - 2**-25`` gives 1).
+ROUNDINGS = ("half_even", "half_away")
+#: How a scale is derived from its clipped range: ``outward`` rounds every step up (the zero point
+#: down) so that the grid covers the range; ``nearest`` is the plain fp32 quotient
+#: ``amax / L`` (``(hi - m) / L``), each operation and the cast to the scale dtype to nearest.
+SCALE_ROUNDINGS = ("outward", "nearest")
 
 
 @dataclass(frozen=True)
@@ -313,6 +321,18 @@ class QuantFormat:
     rotate
         ``"hadamard"`` multiplies the head dimension by a normalised Hadamard matrix before
         quantizing (dequantization rotates back); spreads outlier channels. ``"none"``.
+    rounding
+        Integers only: ``"half_even"`` (default) or ``"half_away"``, see :data:`ROUNDINGS`.
+    scale_rounding
+        ``"outward"`` (default) or ``"nearest"``, see :data:`SCALE_ROUNDINGS`.
+    scale_floor
+        Scales below it (fp32) are raised to it before the cast to the scale dtype, so no block
+        has a zero scale (``0``, the default: no floor; a zero scale then stores ``s = 0``).
+    reciprocal
+        Encode by multiplying by the fp32 reciprocal ``1 / s`` instead of dividing by ``s``.
+
+    The last four default to kverr's own arithmetic and are written to JSON only when they
+    differ from it, so configs written before they existed read (and hash) the same.
     """
 
     dtype: str = "int"
@@ -322,6 +342,10 @@ class QuantFormat:
     scale_dtype: str = "fp16"
     clip: Clip = field(default_factory=AbsMax)
     rotate: str = "none"
+    rounding: str = "half_even"
+    scale_rounding: str = "outward"
+    scale_floor: float = 0.0
+    reciprocal: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BITS:
@@ -342,6 +366,16 @@ class QuantFormat:
             raise _fail("scale_dtype", self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}")
         if self.rotate not in ROTATIONS:
             raise _fail("rotate", self.rotate, f"one of {', '.join(ROTATIONS)}")
+        if self.rounding not in ROUNDINGS:
+            raise _fail("rounding", self.rounding, f"one of {', '.join(ROUNDINGS)}")
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise _fail("scale_rounding", self.scale_rounding, f"one of {', '.join(SCALE_ROUNDINGS)}")
+        f = self.scale_floor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < float("inf"):
+            raise _fail("scale_floor", f, "a finite number >= 0 (0: no floor)")
+        object.__setattr__(self, "scale_floor", float(f))
+        if not isinstance(self.reciprocal, bool):
+            raise _fail("reciprocal", self.reciprocal, "true or false")
         if self.is_float:
             # Plain floats carry no scale: normalise the unused fields so equality is meaningful.
             for name, default in (
@@ -350,9 +384,15 @@ class QuantFormat:
                 ("scale_dtype", "fp32"),
                 ("clip", AbsMax()),
                 ("rotate", "none"),
+                ("rounding", "half_even"),
+                ("scale_rounding", "outward"),
+                ("scale_floor", 0.0),
+                ("reciprocal", False),
             ):
                 object.__setattr__(self, name, default)
             return
+        if self.is_fp8 and self.rounding != "half_even":
+            raise _fail("rounding", self.rounding, f"{self.dtype} codes are the cast's round-half-to-even")
         if self.dtype.startswith("fp8") and not self.symmetric:
             raise _fail("symmetric", False, f"{self.dtype} is symmetric (a scale, no zero point)")
         if isinstance(self.clip, MSEClip) and self.clip.asymmetric and not self.has_zero:
@@ -395,6 +435,11 @@ class QuantFormat:
         return 2 ** (self.bits - 1) - 1 if self.symmetric else 2**self.bits - 1
 
     @property
+    def arithmetic_is_default(self) -> bool:
+        """Whether rounding, scale rounding, scale floor and reciprocal are kverr's defaults."""
+        return not arithmetic_options(self)
+
+    @property
     def scale_bytes(self) -> int:
         return 4 if self.scale_dtype == "fp32" else 2
 
@@ -434,6 +479,14 @@ class QuantFormat:
             )
         if self.rotate != "none":
             parts.append("had")
+        opts = arithmetic_options(self)
+        if opts:
+            parts.append("".join((
+                "ha" if "rounding" in opts else "",
+                "rn" if "scale_rounding" in opts else "",
+                f"f{self.scale_floor:g}" if "scale_floor" in opts else "",
+                "rcp" if "reciprocal" in opts else "",
+            )))
         return "/".join(parts)
 
     # ---- JSON ---------------------------------------------------------------------------------
@@ -449,11 +502,12 @@ class QuantFormat:
             "scale_dtype": self.scale_dtype,
             "clip": clip_to_dict(self.clip),
             "rotate": self.rotate,
+            **arithmetic_options(self),
         }
 
     @classmethod
     def from_dict(cls, obj: Any, where: str = "format") -> QuantFormat:
-        fields = {"dtype", "bits", "symmetric", "granularity", "scale_dtype", "clip", "rotate"}
+        fields = {"dtype", "bits", "symmetric", "granularity", "scale_dtype", "clip", "rotate", *ARITHMETIC_DEFAULTS}
         _check_keys(obj, where, {"dtype"}, fields - {"dtype"})
         dtype = obj["dtype"]
         if dtype not in ELEMENT_BITS:
@@ -483,10 +537,28 @@ class QuantFormat:
             kwargs["clip"] = clip_from_dict(obj["clip"], f"{where}.clip")
         if "rotate" in obj:
             kwargs["rotate"] = obj["rotate"]
+        for name in ARITHMETIC_DEFAULTS:
+            if name in obj:
+                kwargs[name] = obj[name]
         try:
             return cls(**kwargs)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+
+
+#: The arithmetic options and their defaults (kverr's own arithmetic); JSON holds only those
+#: that differ.
+ARITHMETIC_DEFAULTS: dict[str, Any] = {
+    "rounding": "half_even",
+    "scale_rounding": "outward",
+    "scale_floor": 0.0,
+    "reciprocal": False,
+}
+
+
+def arithmetic_options(fmt: QuantFormat) -> dict[str, Any]:
+    """The arithmetic options of ``fmt`` that differ from :data:`ARITHMETIC_DEFAULTS`."""
+    return {k: getattr(fmt, k) for k, d in ARITHMETIC_DEFAULTS.items() if getattr(fmt, k) != d}
 
 
 def float_format(dtype: str = "fp16") -> QuantFormat:

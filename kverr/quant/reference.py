@@ -34,6 +34,12 @@ codes. ``rint`` is round-half-to-even; divisions are IEEE fp32. A block whose sc
 (all-zero, or constant for asymmetric) divides by one instead, stores ``s = 0`` and reconstructs
 exactly ``m`` (or zero).
 
+Formats may change four of these steps (:class:`~kverr.quant.formats.QuantFormat`'s arithmetic
+options, each defaulting to the above), as serving engines compute them: ``scale_rounding=
+"nearest"`` (``s = amax / L`` in fp32, rounded to nearest), ``scale_floor`` (``s = max(s,
+floor)`` in fp32 before the cast to the scale dtype), ``reciprocal`` (``x * (1 / s)`` instead of
+``x / s``) and ``rounding="half_away"`` (``trunc(q ± 0.5)`` instead of ``rint(q)``).
+
 The Hadamard rotation is the fast Walsh-Hadamard transform in a fixed butterfly order
 (:func:`hadamard_rotate`), not a matrix product, whose summation order would be the BLAS's: the
 kernels repeat the same fp32 additions and get the same rotated values, hence the same codes.
@@ -328,37 +334,76 @@ def _sub_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ceil_cast(a.double() - b.double(), "fp32")
 
 
+def _floored(fmt: QuantFormat, v: torch.Tensor) -> torch.Tensor:
+    """``max(v, fp32(fmt.scale_floor))`` in fp32 (``v`` unchanged without a floor)."""
+    if not fmt.scale_floor:
+        return v
+    return torch.maximum(v, torch.tensor(fmt.scale_floor, dtype=torch.float32, device=v.device))
+
+
+def near_cast(v: torch.Tensor, dtype: str, what: str = "scale") -> torch.Tensor:
+    """``v`` (float32) rounded to the nearest value representable in ``dtype`` (ties to even)."""
+    r = v.to(TORCH_DTYPES[dtype])
+    _check_metadata_finite(r, dtype, what)
+    return r
+
+
 def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stored (scale, zero) for clip range ``[lo, hi]`` of each block (``lo = -hi`` if symmetric).
 
     ``lo``, ``hi`` are float32 ``[...]`` (one per block); scale and zero come back in the format's
     scale dtype, same shape; zero is None unless the format is asymmetric.
 
-    Every rounding on the way to the stored scale is upward and the zero point is rounded
-    downward, so ``[m, m + L*s]`` (or ``[-L*s, L*s]``) covers ``[lo, hi]`` exactly.
+    With ``scale_rounding="outward"`` (the default) every rounding on the way to the stored scale
+    is upward and the zero point is rounded downward, so ``[m, m + L*s]`` (or ``[-L*s, L*s]``)
+    covers ``[lo, hi]`` exactly. With ``"nearest"`` the scale is the fp32 quotient ``hi / L``
+    (``(hi - m) / L``), each operation and cast rounded to nearest, so the top of the range may
+    sit a rounding above the grid's and be clamped. A ``scale_floor`` raises the fp32 scale to
+    it before the cast to the scale dtype.
     """
-    if fmt.is_fp8:
-        return ceil_cast(_div_up(hi, fp8_max(fmt.dtype)), fmt.scale_dtype), None
-    if fmt.symmetric:
-        return ceil_cast(_div_up(hi, fmt.levels), fmt.scale_dtype), None
+    top = fp8_max(fmt.dtype) if fmt.is_fp8 else fmt.levels
+    sym = fmt.is_fp8 or fmt.symmetric
+    if fmt.scale_rounding == "nearest":
+        if sym:
+            return near_cast(_floored(fmt, hi / top), fmt.scale_dtype), None
+        m = near_cast(lo, fmt.scale_dtype, "zero point")
+        return near_cast(_floored(fmt, (hi - m.float()) / top), fmt.scale_dtype), m
+    if sym:
+        return ceil_cast(_floored(fmt, _div_up(hi, top)), fmt.scale_dtype), None
     m = floor_cast(lo, fmt.scale_dtype)
-    s = ceil_cast(_div_up(_sub_up(hi, m.float()), fmt.levels), fmt.scale_dtype)
+    s = ceil_cast(_floored(fmt, _div_up(_sub_up(hi, m.float()), top)), fmt.scale_dtype)
     return s, m
+
+
+def round_codes(fmt: QuantFormat, q: torch.Tensor) -> torch.Tensor:
+    """Integer-valued fp32 ``q`` rounded by the format's :data:`~kverr.quant.formats.ROUNDINGS`:
+    ``rint`` (half to even), or ``trunc(q ± 0.5)`` with the ``± 0.5`` an fp32 addition."""
+    if fmt.rounding == "half_away":
+        return torch.where(q >= 0, q + 0.5, q - 0.5).trunc_()
+    return torch.round(q)
 
 
 def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """Codes (uint8, unpacked) of grouped values ``g`` ``[..., n]`` (e.g. :attr:`Blocks.values`)
-    with per-group scale ``s`` and zero ``m`` ``[...]`` (:func:`fit_params`)."""
+    with per-group scale ``s`` and zero ``m`` ``[...]`` (:func:`fit_params`).
+
+    The quotient is ``x / s`` in fp32, or with ``reciprocal`` ``x * (1 / s)`` (two fp32
+    operations); a zero scale divides by one."""
     s32 = s.float().unsqueeze(-1)
     s_div = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    if fmt.reciprocal:
+        inv = torch.div(torch.ones_like(s_div), s_div)
+        scaled = lambda v: v * inv  # noqa: E731
+    else:
+        scaled = lambda v: v / s_div  # noqa: E731
     if fmt.is_fp8:
         fmax = fp8_max(fmt.dtype)
-        return (g / s_div).clamp(-fmax, fmax).to(TORCH_DTYPES[fmt.dtype]).view(torch.uint8)
+        return scaled(g).clamp(-fmax, fmax).to(TORCH_DTYPES[fmt.dtype]).view(torch.uint8)
     L = fmt.levels
     if fmt.symmetric:
-        u = torch.round(g / s_div).clamp(-L, L) + 2 ** (fmt.bits - 1)
+        u = round_codes(fmt, scaled(g)).clamp(-L, L) + 2 ** (fmt.bits - 1)
     else:
-        u = torch.round((g - m.float().unsqueeze(-1)) / s_div).clamp(0, L)
+        u = round_codes(fmt, scaled(g - m.float().unsqueeze(-1))).clamp(0, L)
     return u.to(torch.uint8)
 
 
