@@ -1,0 +1,266 @@
+"""vLLM's cache dtypes as kverr presets: the oracle gives vLLM's numbers bit for bit.
+
+Each test restates, in plain torch, the arithmetic of the vLLM 0.33 kernel a preset follows (the
+restatement is the specification) and compares kverr's oracle with it: codes, scales and
+dequantized values, bit for bit, on random tensors and on adversarial rows (ties at .5, all-zero
+rows, rows under the scale floor, rows whose scaled maximum rounds above the largest code).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kverr.config import PRESETS as KVERR_PRESETS
+from kverr.config import CacheConfig, resolve
+from kverr.engines.vllm import PRESETS as VLLM_PRESETS
+from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE, PRESETS
+from kverr.exceptions import KernelError
+from kverr.memory import ModelShape, account
+from kverr.quant import dequantize, fake_quantize, quantize
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max, vLLM's FP8_MAX on CUDA
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's arithmetic, restated
+# --------------------------------------------------------------------------------------------
+
+
+def vllm_per_token_head(x: torch.Tensor, cache_dtype: torch.dtype):
+    """``_reshape_cache_per_token_head`` for one of K or V: ``x [tokens, kv_heads, head_size]``
+    in the model dtype -> (codes in ``cache_dtype``, fp32 scales ``[tokens, kv_heads]``).
+
+    Per (token, head): the row as fp32, ``scale = max(max|row| / QUANT_MAX, 1e-6)`` (an fp32
+    division, the constant 1e-6 as fp32), ``q = row * (1.0 / scale)``; int8 moves ``q`` half a
+    unit away from zero (``q >= 0``: +0.5, else -0.5) before the store truncates; both clamp to
+    ``[QUANT_MIN, QUANT_MAX]`` and the store converts (int8: toward zero; fp8: to nearest even).
+    """
+    quant_max, quant_min = {torch.int8: (127.0, -128.0), torch.float8_e4m3fn: (FP8_MAX, -FP8_MAX)}[cache_dtype]
+    rows = x.to(torch.float32)
+    absmax = rows.abs().amax(dim=-1)
+    scale = torch.maximum(absmax / quant_max, torch.tensor(1e-6, dtype=torch.float32))
+    inverse = torch.tensor(1.0, dtype=torch.float32) / scale
+    q = rows * inverse[..., None]
+    if cache_dtype == torch.int8:
+        q = torch.where(q >= 0, q + 0.5, q - 0.5)
+    q = torch.clamp(q, quant_min, quant_max)
+    return q.to(cache_dtype), scale
+
+
+def vllm_read(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the unified attention kernel multiplies out: ``float(code) * scale`` per (token, head)."""
+    return codes.to(torch.float32) * scale[..., None]
+
+
+def vllm_static_fp8(x: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """``reshape_and_cache_kernel_flash`` with an fp8 cache: ``x / k_scale`` in fp32, stored as
+    e4m3 (the conversion saturates at ±448 and rounds to nearest even)."""
+    q = x.to(torch.float32) / torch.tensor(k_scale, dtype=torch.float32)
+    return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+TIE_ROW_INT8 = [127.0, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 3.5, -3.5,
+                # the largest floats below 0.5: +0.5 rounds to 1.0 in fp32, so vLLM stores ±1
+                0.49999997, -0.49999997, 1.4999999, -1.4999999, 0.0, -0.0, 1e-30]
+# amax 448 -> scale 1: e4m3 midpoints (1.0625 between 1 and 1.125, 17 between 16 and 18, ...)
+TIE_ROW_FP8 = [448.0, -448.0, 1.0625, -1.0625, 1.1875, 17.0, -17.0, 0.0009765625, 0.0029296875,
+               0.0, -0.0, 232.0, 240.0, -208.0, 0.4375 + 0.03125, 2e-30, 1.0, -1.0]
+
+
+@functools.lru_cache(maxsize=None)
+def reciprocal_split_rows(cache_dtype: torch.dtype, model_dtype: torch.dtype, D: int) -> torch.Tensor:
+    """Two rows (``[2, D]`` fp32, values of ``model_dtype``) in which ``x * (1 / s)`` and ``x / s``
+    round some elements to different codes: the first maxima in ``[1, 2)`` (16-bit grid) for
+    which such values exist, the row then scaled by 1 and by 64 (exact: ``s`` and ``1 / s``
+    scale by the same power of two)."""
+    quant_max = 127.0 if cache_dtype == torch.int8 else FP8_MAX
+    if cache_dtype == torch.int8:
+        code = lambda q: (q + 0.5).trunc()  # noqa: E731
+        bounds = torch.arange(0, 127, dtype=torch.float32) + 0.5
+    else:
+        code = lambda q: q.to(torch.float8_e4m3fn).float()  # noqa: E731
+        grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        bounds = (grid[:-1] + grid[1:]) / 2
+    grid16 = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.bfloat16 if model_dtype == torch.bfloat16
+                                                              else torch.float16).float()
+    rows = []
+    for amax in grid16[(grid16 >= 1) & (grid16 < 2)]:
+        s = amax / quant_max
+        if model_dtype == torch.float32:  # fp32 neighbours (up to 4 ulps) of the code boundaries
+            x, step = [bounds * s], bounds * s
+            for direction in (float("inf"), 0.0):
+                step = bounds * s
+                for _ in range(4):
+                    step = torch.nextafter(step, torch.full_like(step, direction))
+                    x.append(step)
+            x = torch.cat(x)
+        else:  # every 16-bit value
+            x = grid16
+        x = x[x < amax]
+        split = x[code(x * (torch.tensor(1.0) / s)) != code(x / s)][: D - 1]
+        if len(split):
+            rows.append(torch.cat([amax.reshape(1), split, torch.zeros(D - 1 - len(split))]))
+        if len(rows) == 2:
+            return torch.stack([rows[0], rows[1] * 64])
+    raise AssertionError("no maximum in [1, 2) separates division from the reciprocal")  # pragma: no cover
+
+
+def adversarial(D: int, cache_dtype: torch.dtype, seed: int, model_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[tokens, 3 heads, D]`` fp32: tie rows, zero rows, rows under the scale floor, tiny and
+    huge rows, and random rows (about a fifth of which scale their maximum above the top code)."""
+    g = torch.Generator().manual_seed(seed)
+    tie = TIE_ROW_INT8 if cache_dtype == torch.int8 else TIE_ROW_FP8
+    rows = []
+    r = torch.zeros(D)
+    r[: len(tie)] = torch.tensor(tie)
+    rows += [r, r[torch.randperm(D, generator=g)], -r]
+    rows += [torch.zeros(D), torch.full((D,), -0.0)]
+    rows += [torch.randn(D, generator=g) * 1e-9, torch.randn(D, generator=g) * 3e-5]  # the floor
+    rows += [torch.randn(D, generator=g).clamp(-6, 6) * 1e4, torch.randn(D, generator=g) * 1e-3]
+    spike = torch.randn(D, generator=g) * 1e-2
+    spike[int(torch.randint(D, (1,), generator=g))] = 37.0
+    rows.append(spike)
+    rows.append(torch.full((D,), 5.25))  # constant row: every element is the maximum
+    rows += list(reciprocal_split_rows(cache_dtype, model_dtype, D))  # division != reciprocal
+    n = len(rows)
+    rand = torch.randn(3 * 40 - n, D, generator=g) * torch.rand(3 * 40 - n, 1, generator=g).mul(8).exp2()
+    return torch.cat([torch.stack(rows), rand]).reshape(40, 3, D).to(model_dtype)
+
+
+def cases():
+    for name, cache_dtype in (("vllm-int8-per-token-head", torch.int8),
+                              ("vllm-fp8-per-token-head", torch.float8_e4m3fn)):
+        for D in (64, 128, 80):
+            for model_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                yield pytest.param(name, cache_dtype, D, model_dtype, id=f"{name}-D{D}-{str(model_dtype)[6:]}")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# The per-token-head dtypes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,cache_dtype,D,model_dtype", list(cases()))
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_per_token_head_is_vllms_arithmetic_bit_for_bit(name, cache_dtype, D, model_dtype, which):
+    fmt = getattr(PRESETS[name], which)
+    for seed in range(3):
+        x = adversarial(D, cache_dtype, seed, model_dtype)  # vLLM receives the model dtype
+        codes, scale = vllm_per_token_head(x, cache_dtype)
+        ref = vllm_read(codes, scale)
+
+        kx = x.permute(1, 0, 2)  # kverr's [kv_head, token, channel]
+        qt = quantize(kx, fmt)
+        assert qt.scale.dtype == torch.float32 and qt.scale.shape == (3, 40, 1)
+        assert torch.equal(bits(qt.scale[..., 0]), bits(scale.T))
+        u = qt.unpacked_codes()
+        if cache_dtype == torch.int8:
+            mine = u.to(torch.int16) - 128
+            assert torch.equal(mine, codes.permute(1, 0, 2).to(torch.int16))
+        else:
+            assert torch.equal(u, codes.view(torch.uint8).permute(1, 0, 2))
+        assert torch.equal(bits(dequantize(qt)), bits(ref.permute(1, 0, 2)))
+        assert torch.equal(bits(fake_quantize(kx, fmt)), bits(ref.permute(1, 0, 2)))
+
+
+def test_the_adversarial_rows_reach_every_branch():
+    """The inputs above exercise what the tests claim: ties, the floor, the clamp."""
+    x = adversarial(64, torch.int8, 0)
+    rows = x.to(torch.float32)
+    scale = torch.maximum(rows.abs().amax(-1) / 127.0, torch.tensor(1e-6))
+    q = rows * (1.0 / scale)[..., None]
+    assert bool((q.abs() > 127).any())  # the clamp decides some codes
+    assert bool((rows.abs().amax(-1) / 127.0 < 1e-6).any())  # the floor decides some scales
+    assert bool(((q - q.trunc()).abs() == 0.5).any())  # exact ties
+    for dtype in (torch.int8, torch.float8_e4m3fn):  # division and the reciprocal disagree
+        for model_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            rows = reciprocal_split_rows(dtype, model_dtype, 64)
+            assert torch.equal(rows.to(model_dtype).float(), rows)
+            s = rows.amax(-1, keepdim=True) / (127.0 if dtype == torch.int8 else FP8_MAX)
+            codes, _ = vllm_per_token_head(rows[None], dtype)
+            divided = torch.where(rows / s >= 0, rows / s + 0.5, rows / s - 0.5) if dtype == torch.int8 else rows / s
+            assert not torch.equal(codes[0].float(), divided.clamp(-FP8_MAX, FP8_MAX).to(dtype).float())
+    codes, _ = vllm_per_token_head(x, torch.int8)
+    assert int(codes.min()) >= -127  # QUANT_MIN=-128 is never reached with these scales
+    x8 = adversarial(64, torch.float8_e4m3fn, 0)
+    s8 = torch.maximum(x8.abs().amax(-1) / FP8_MAX, torch.tensor(1e-6))
+    assert bool(((x8 * (1.0 / s8)[..., None]).abs() > FP8_MAX).any())
+
+
+def test_half_away_rounding_is_what_makes_int8_agree():
+    """The same format with kverr's default rounding (half to even) gives other codes on ties."""
+    import dataclasses
+
+    fmt = PRESETS["vllm-int8-per-token-head"].k
+    x = adversarial(64, torch.int8, 0)
+    codes, _ = vllm_per_token_head(x, torch.int8)
+    even = dataclasses.replace(fmt, rounding="half_even")
+    u = quantize(x.permute(1, 0, 2), even).unpacked_codes().to(torch.int16) - 128
+    assert not torch.equal(u, codes.permute(1, 0, 2).to(torch.int16))
+
+
+def test_static_fp8_is_kverrs_fp8_tensor_preset():
+    """``--kv-cache-dtype fp8``: x / k_scale cast to e4m3 is kverr's fp8-e4m3-tensor with the
+    static scale given, saturating values included; so no vllm- preset of its own."""
+    fmt = KVERR_PRESETS["fp8-e4m3-tensor"].k
+    assert "vllm-fp8" not in PRESETS
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 50, 64, generator=g) * 4
+    x[0, 3, :5] = torch.tensor([1e4, -1e4, 0.0, 17.0 * 0.0625, 1.0625 * 0.0625])  # saturate, ties
+    for k_scale in (0.0625, 0.012345, 1.0):
+        codes = vllm_static_fp8(x, k_scale)
+        qt = quantize(x, fmt, scale=torch.tensor(k_scale))
+        assert torch.equal(qt.unpacked_codes(), codes.view(torch.uint8))
+        want = codes.to(torch.float32) * torch.tensor(k_scale, dtype=torch.float32)
+        assert torch.equal(bits(qt.dequantize()), bits(want))
+
+
+# --------------------------------------------------------------------------------------------
+# Presets: names, dtype strings, memory, kernels
+# --------------------------------------------------------------------------------------------
+
+
+def test_presets_are_named_served_and_resolvable():
+    assert set(KV_CACHE_DTYPE) == set(PRESETS)
+    assert KV_CACHE_DTYPE == {"vllm-int8-per-token-head": "int8_per_token_head",
+                              "vllm-fp8-per-token-head": "fp8_per_token_head"}
+    for name, cfg in PRESETS.items():
+        assert name.startswith("vllm-") and cfg.name == name
+        assert VLLM_PRESETS[name] is cfg and resolve(name) is cfg
+        assert cfg.window == 0 and cfg.sinks == 0 and not cfg.layers and not cfg.heads  # all quantized
+        assert CacheConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_memory_is_vllms_per_slot_bytes():
+    """``TritonAttentionBackend.customize_spec``: per (token, kv head) a slot holds
+    ``(head_size_k + head_size_v) * 1`` bytes of codes and two fp32 scales."""
+    L, H, D = 3, 2, 128
+    for name in PRESETS:
+        cfg = PRESETS[name]
+        T = 4 * cfg.page_size
+        slot = (D + D) * 1 + 2 * 4
+        rep = account(cfg, ModelShape(L, H, D), T, batch=2)
+        assert rep.total_bytes == 2 * L * T * H * slot
+        totals = rep.totals
+        assert totals.scales == 2 * L * T * H * 2 * 4 and totals.zeros == 0
+
+
+def test_kernels_refuse_the_per_token_head_arithmetic_in_one_line():
+    from kverr.gpu.spec import kernel_spec
+
+    for cfg in PRESETS.values():
+        with pytest.raises(KernelError) as exc:
+            kernel_spec(cfg.k, 128, 64)
+        msg = str(exc.value)
+        assert "\n" not in msg and "not implemented by the kernels" in msg and "reciprocal=True" in msg
