@@ -39,11 +39,13 @@ def engine_presets() -> dict[str, CacheConfig]:
 def export(config: CacheConfig, fmt: str, out: str | Path, *, capture: Any = None,
            n_layers: int | None = None, n_kv: int | None = None, head_dim: int | None = None,
            overwrite: bool = False) -> list[Path]:
-    """Dispatch to :func:`export_vllm` or :func:`export_hf`."""
+    """Dispatch to :func:`kverr.engines.vllm.export_vllm` (an overlay; its files) or
+    :func:`kverr.engines.hf.export_hf`."""
     if fmt == "vllm":
         from kverr.engines.vllm import export_vllm
 
-        return export_vllm(config, out, capture=capture, n_layers=n_layers, n_kv=n_kv, overwrite=overwrite)
+        return list(export_vllm(config, out, capture=capture, n_layers=n_layers, n_kv=n_kv,
+                                overwrite=overwrite).files)
     if fmt == "hf":
         from kverr.engines.hf import export_hf
 
