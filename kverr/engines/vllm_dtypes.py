@@ -25,15 +25,31 @@ Expressed exactly:
 
 Not expressed (left out of :data:`PRESETS` rather than approximated):
 
-* ``int4_per_token_head`` (``v1/attention/ops/int4_per_token_head.py``) needs three things the
-  oracle lacks: a randomized Hadamard transform (a fixed random sign vector before the
-  transform), an asymmetric grid whose zero point is an integer code (``zp = round(-min / s)``
-  clamped to ``[0, 15]``, codes ``round(x / s + zp)``) instead of kverr's real-valued block
-  minimum, and the scale the decoder reads differing from the one that encoded (the zero point
-  overwrites the low four mantissa bits of the fp32 scale).
-* ``turboquant_*`` (``model_executor/layers/quantization/turboquant/``): codebook (Lloyd-Max
-  centroid) codes for keys with an fp16 vector norm and norm correction, and vLLM's rule for
-  which layers stay unquantized; the oracle has no codebook element format.
+* ``int4_per_token_head`` (``v1/attention/ops/int4_per_token_head.py``). (1) The rotation is
+  ``single_rht``: a fixed ±1 sign vector (``torch.bernoulli`` from seed ``0x9E3779B9``) then an
+  *unnormalised* Hadamard transform (norm ``sqrt(b)``, block-diagonal for a head size that is not a
+  power of two), computed on CUDA by the hadacore tensor-core kernel in bf16 (fp32 input goes
+  through bf16) and cast back to the model dtype before quantizing; its rounding is that kernel's,
+  not a butterfly the oracle can restate, so the rotated values, hence the codes, cannot be
+  matched bit for bit. (2) The grid is asymmetric with an *integer* zero point
+  (``zp = clamp(round(-min / s), 0, 15)``, codes ``clamp(round(x * (1/s) + zp), 0, 15)``,
+  ``s = max((max - min) / 15, 1e-6)``), not kverr's real-valued block minimum. (3) The stored fp32
+  scale carries ``zp`` in its low four mantissa bits, so the scale the reader multiplies by is not
+  the one that encoded. (2) and (3) would be general options (an integer zero point; a scale
+  stored after encoding with its own rounding); (1) needs the rotation's arithmetic defined.
+* ``turboquant_*`` (``model_executor/layers/quantization/turboquant/``,
+  ``v1/attention/ops/triton_turboquant_store.py``). Keys at 3/4 bits are Lloyd-Max codebook
+  indices of the Hadamard-rotated unit vector with an fp16 vector norm (and, ``_nc``, the norm
+  corrected on decode); the oracle has no codebook element format. Values (all four dtypes) are
+  uniform 3/4-bit with ``s = (max - min) / L`` floored at 1e-8 and codes
+  ``trunc((x - min) / s + 0.5)`` computed with the fp32 ``s`` and ``min``, but stored as fp16
+  scale and fp16 zero, which the reader uses: again a stored scale that differs from the encoding
+  one. ``turboquant_k8v4`` keys are a plain fp8 cast (no scale: kverr's fp8 with a static scale
+  of 1; e4m3 on Hopper, ``e4b15`` on Ampere/Ada, which kverr lacks). And ``arg_utils`` adds
+  ``TurboQuantConfig.get_boundary_skip_layers`` to the skipped layers: the first and last
+  ``min(2, num_layers // 2)`` layers of a dense model stay in the model dtype (none in a hybrid
+  one), which depends on the model's layer count, so a model-independent preset cannot hold it
+  (a config built for a known layer count can, with ``layers`` overrides).
 """
 
 from __future__ import annotations
