@@ -14,7 +14,7 @@ import torch
 
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
-from kverr.hf.reference import Cache, CacheLayerMixin, model_rotary
+from kverr.hf.reference import Cache, CacheLayerMixin, left_pads, model_rotary
 from kverr.rope import unrotate
 
 _KERNEL_IMPL_PREFIX = "kverr_paged|"
@@ -73,6 +73,11 @@ class _KernelLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.owner.length == 0 and self.layer_idx == 0:
+            pads = left_pads(kwargs, key_states.shape[0], key_states.shape[-2])
+            if pads is not None and any(pads):
+                raise ConfigError(f"left-padded batches (pads {pads}) are not supported on the kernel path (its pages "
+                                  "would store and quantize the pads); use cache_for(..., backend='reference')")
         return self.owner._store(self.layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
@@ -87,6 +92,20 @@ class _KernelLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ConfigError("beam search is not supported on the kernel path (its pages are not reordered); "
                           "use cache_for(..., backend='reference')")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise ConfigError("crop (assisted/speculative decoding) is not supported on the kernel path (its pages "
+                          "cannot be un-quantized); use cache_for(..., backend='reference')")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ConfigError("batch_repeat_interleave is not supported on the kernel path (its pages are not "
+                          "copied between sequences); use cache_for(..., backend='reference')")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ConfigError("batch_select_indices is not supported on the kernel path (its pages are not "
+                          "reordered); use cache_for(..., backend='reference')")
 
 
 class KernelKVCache(Cache):
@@ -104,7 +123,9 @@ class KernelKVCache(Cache):
     :class:`KverrCache` sets them; a prefill no longer than sinks + window sets them from all its
     tokens (KverrCache waits for its first quantized chunk instead).
 
-    Use :meth:`for_model`; a batch of equal-length sequences. The first forward pass (the prefill)
+    Use :meth:`for_model`; a batch of equal-length sequences: a left-padded batch, beam search,
+    crop (assisted decoding), batch selections and ``copy.deepcopy`` are refused, each with one
+    line naming the reference path (:class:`KverrCache`), which supports them. The first forward pass (the prefill)
     attends with the model's own attention; every later one -- single tokens with the decode
     kernel, chunks of several tokens with the chunked-prefill kernel -- attends to the cache as
     stored (sinks and window in full precision, the rest dequantized), as :class:`KverrCache` does.
@@ -168,6 +189,10 @@ class KernelKVCache(Cache):
             self.paged.set_static_scales(layer_static_scales(self.config, layer, k_in, v))
         self.paged.store(self.step, layer, k_in, v)
         return k, v
+
+    def __deepcopy__(self, memo: dict) -> KernelKVCache:
+        raise ConfigError("a KernelKVCache cannot be copied (it is attached to its model and holds device pages); "
+                          "use cache_for(..., backend='reference') for a copyable cache")
 
     def nbytes(self) -> int:
         """Bytes the paged cache allocated (pools, full-precision buffers, block table)."""

@@ -18,6 +18,28 @@ Static granularities (``tensor``, ``head``, ``channel`` over all tokens) take th
 the first chunk they quantize (the prefill) unless ``static_scales`` were given (calibrated), and
 keep them: later tokens beyond that range saturate, as they would in a deployed cache.
 
+Left-padded batches (``generate(input_ids, attention_mask=...)``): transformers gives the pad
+positions of a left-padded prompt position id 0 and each sequence's real tokens the positions
+``0..n-1`` (the attention mask's cumulative sum); the cache reads the pads off the position ids of
+the first update (:func:`left_pads`). Pads are never stored, so nothing about them is quantized:
+each sequence is then stored on its own from its first real token, as if it had been alone --
+its sinks are its own first real tokens, its token blocks (per-page, per-channel groups) start at
+its first real token, its keys are stored before RoPE at its own positions -- and the window is
+the most recent tokens (the same positions for every sequence: the padding is on the left).
+Reading gives the pad positions zeros, which the attention mask hides. Static scales not given
+are the one exception to "as if alone": they are shared by the batch (as a deployed cache's
+calibrated scales are), set jointly from the real tokens the sequences quantize in the first
+update that quantizes any -- pads never count. A prompt with no padding, or a model that does not
+pass ``position_ids`` to its cache, is stored as one batch.
+
+:meth:`KverrLayer.crop` (speculative/assisted decoding) is exact: it removes tokens of the last
+update by restoring the cache as it was before that update and storing the kept part again, so
+the cache then holds what it would hold had only the kept tokens arrived (token policy and static
+scales included). Older tokens may already be quantized from values the cache no longer holds:
+cropping into them is refused. ``copy.deepcopy`` gives an independent cache; batch selections
+(``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``) move stored tensors as
+they are.
+
 Keys can be stored before RoPE (``key_pre_rope``): the cache undoes the rotation with the
 model's own rotary embedding and applies it again when it reads keys back.
 
@@ -27,6 +49,7 @@ config; this class is the CPU reference path that evaluation runs on.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +87,27 @@ def model_rotary(model: Any) -> Rotary:
         return cos[0].float(), sin[0].float()
 
     return fn
+
+
+def left_pads(kwargs: dict[str, Any], batch: int, n: int) -> list[int] | None:
+    """The pad count of each sequence of a left-padded first update, read off ``position_ids``
+    (from transformers' generate: pads at position 0, real tokens at ``0..n_b-1``); None when the
+    update carries no ``[batch, n]`` position ids of that form (then nothing is taken as padding)."""
+    pos = kwargs.get("position_ids")
+    if pos is None and isinstance(kwargs.get("kwargs"), dict):
+        pos = kwargs["kwargs"].get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.ndim != 2 or tuple(pos.shape) != (batch, n) or n == 0:
+        return None
+    pos = pos.long()
+    pads = []
+    for row in pos:
+        p = n - 1 - int(row[-1])
+        if not 0 <= p < n:
+            return None
+        if not torch.equal(row[p:].cpu(), torch.arange(n - p)) or bool((row[:p] != 0).any()):
+            return None
+        pads.append(p)
+    return pads
 
 
 @dataclass
@@ -116,11 +160,15 @@ def _select_batch(qt: QTensor, index: torch.Tensor) -> QTensor:
 
 
 class KverrLayer(CacheLayerMixin):
-    """One layer of a :class:`KverrCache`."""
+    """One layer of a :class:`KverrCache`.
+
+    A left-padded batch is stored as one :class:`KverrLayer` per sequence (``rows``), each fed
+    only its real tokens; see the module documentation for the rule.
+    """
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # crop restores the last update exactly (see crop)
 
     def __init__(
         self,
@@ -142,6 +190,12 @@ class KverrLayer(CacheLayerMixin):
         }
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
+        # a left-padded batch: one layer per sequence, fed its real tokens; pads per sequence
+        self.rows: list[KverrLayer] | None = None
+        self.pads: list[int] | None = None
+        # (state before the last update, its keys, its values, its pads): what crop restores
+        self._undo: tuple[dict[str, Any], torch.Tensor, torch.Tensor, list[int] | None] | None = None
+        self._no_undo = "it holds no update"  # why there is nothing to undo
 
     # ---- transformers API -----------------------------------------------------------------
 
@@ -159,18 +213,9 @@ class KverrLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         start = self.cumulative_length
-        n = key_states.shape[-2]
-        keys_in = key_states
-        if self.config.key_pre_rope:
-            cos, sin = self._cos_sin(start, start + n)
-            keys_in = unrotate(key_states.float(), cos, sin)
-        self._append("k", keys_in)
-        self._append("v", value_states)
-        self.cumulative_length += n
-        self._flush(respect_window=True)
+        pads = left_pads(kwargs, key_states.shape[0], key_states.shape[-2]) if start == 0 else None
+        self._store_update(key_states, value_states, pads)
         if start == 0:
             # The prefill attends to its fresh values, as a serving engine's prefill does.
             return key_states, value_states
@@ -187,11 +232,50 @@ class KverrLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers 5; a positive value is the
+        length to keep, as transformers 4 passes it; 0 removes nothing).
+
+        Exact: the cache goes back to its state before the last update and stores that update's
+        kept tokens again, so it holds what it would hold had only those tokens arrived (the
+        token policy and static scales re-derived from them). Only tokens of the last update
+        can be removed -- older ones may already be quantized from values the cache no longer
+        holds -- and not after :meth:`KverrCache.flush` or a batch selection.
+        """
+        T = self.cumulative_length
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, T - tokens_to_remove)
+        if remove == 0:
+            return
+        if self._undo is None:
+            raise ConfigError(f"layer {self.layer_idx}: cannot crop {remove} of {T} tokens: {self._no_undo}, so the "
+                              "cache cannot re-derive what it would hold without them")
+        last = self._undo[1].shape[-2]
+        if remove > last:
+            raise ConfigError(f"layer {self.layer_idx}: cannot crop {remove} of {T} tokens: only the {last} tokens of "
+                              "the last update can be removed exactly (older ones may already be quantized from "
+                              "values the cache no longer holds)")
+        before, k, v, pads = self._undo
+        self._restore(before)
+        self._undo, self._no_undo = None, "the last update was already cropped away"
+        keep = last - remove
+        if keep:
+            self._store_update(k[..., :keep, :], v[..., :keep, :], pads)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep the sequences ``beam_idx`` (beam search): every stored tensor is selected along
         the batch, codes and scales as stored, so nothing is quantized again. Static scales are
-        shared by the batch and stay."""
+        shared by the batch and stay. A sequence of a padded batch taken twice is copied."""
         if self.cumulative_length == 0:
+            return
+        self._undo, self._no_undo = None, "the batch was reordered or selected after the last update"
+        if self.rows is not None:
+            idx = [int(i) for i in beam_idx.tolist()]
+            taken: set[int] = set()
+            rows = []
+            for i in idx:
+                rows.append(copy.deepcopy(self.rows[i]) if i in taken else self.rows[i])
+                taken.add(i)
+            self.rows, self.pads = rows, [self.pads[i] for i in idx]
             return
         for w in WHICH:
             for g in self.groups[w]:
@@ -200,12 +284,125 @@ class KverrLayer(CacheLayerMixin):
                 g.chunks = [_select_batch(c, beam_idx) for c in g.chunks]
                 g.decoded = [d.index_select(0, beam_idx.to(d.device)) for d in g.decoded]
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each sequence ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
+        if self.cumulative_length == 0:
+            return
+        self.reorder_cache(torch.arange(self._batch()).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the sequences ``indices`` (integer indices or a boolean mask)."""
+        if self.cumulative_length == 0:
+            return
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self.reorder_cache(indices.long())
+
     def reset(self) -> None:
         self.cumulative_length = 0
+        self.rows = self.pads = self._undo = None
+        self._no_undo = "it holds no update"
         for w in WHICH:
             self.groups[w] = [_Group(g.fmt, g.heads) for g in self.groups[w]]
 
     # ---- storage ---------------------------------------------------------------------------
+
+    def _batch(self) -> int:
+        if self.rows is not None:
+            return len(self.rows)
+        for w in WHICH:
+            for g in self.groups[w]:
+                for t in (g.sinks, g.pending):
+                    if t is not None:
+                        return int(t.data.shape[0])
+                if g.chunks:
+                    return int(g.chunks[0].shape[0])
+        raise ShapeError(f"layer {self.layer_idx} holds no tokens yet")
+
+    def _state(self) -> dict[str, Any]:
+        """What an update changes, as references (stored tensors are never modified in place)."""
+        return {
+            "length": self.cumulative_length,
+            "groups": {w: [(g.sinks, list(g.chunks), list(g.decoded), g.pending, g.static_scale, g.static_zero)
+                           for g in self.groups[w]] for w in WHICH},
+            "rows": None if self.rows is None else [(r, r._state()) for r in self.rows],
+            "pads": self.pads,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.cumulative_length = state["length"]
+        for w in WHICH:
+            for g, saved in zip(self.groups[w], state["groups"][w]):
+                g.sinks, chunks, decoded, g.pending, g.static_scale, g.static_zero = saved
+                g.chunks, g.decoded = list(chunks), list(decoded)
+        self.rows, self.pads = None, state["pads"]
+        if state["rows"] is not None:
+            self.rows = []
+            for r, s in state["rows"]:
+                r._restore(s)
+                self.rows.append(r)
+
+    def _store_update(self, k: torch.Tensor, v: torch.Tensor, pads: list[int] | None) -> None:
+        """Store one update (``pads``: of a first update) and remember how to undo it."""
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        before = self._state()
+        start, n = self.cumulative_length, k.shape[-2]
+        if start == 0 and pads is not None and any(pads):
+            self.rows = [KverrLayer(self.config, self.layer_idx, self.n_kv_heads, self.rotary, self.static_scales)
+                         for _ in pads]
+            self.pads = list(pads)
+        if self.rows is None:
+            self._ingest(k, v)
+            self._flush(respect_window=True)
+        else:
+            if k.shape[0] != len(self.rows):
+                raise ShapeError(f"layer {self.layer_idx} holds {len(self.rows)} sequences, got a batch of {k.shape[0]}")
+            for b, (row, p) in enumerate(zip(self.rows, self.pads)):
+                lo = max(0, p - start)  # the pads of this update (those of the prefill)
+                if lo < n:
+                    row._ingest(k[b:b + 1, :, lo:], v[b:b + 1, :, lo:])
+            self._share_static_scales(respect_window=True)
+            for row in self.rows:
+                row._flush(respect_window=True)
+            self.cumulative_length += n
+        self._undo = (before, k, v, pads)
+
+    def _ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append tokens (keys before RoPE if the config says so) without quantizing any."""
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        start, n = self.cumulative_length, k.shape[-2]
+        keys_in = k
+        if self.config.key_pre_rope:
+            cos, sin = self._cos_sin(start, start + n)
+            keys_in = unrotate(k.float(), cos, sin)
+        self._append("k", keys_in)
+        self._append("v", v)
+        self.cumulative_length += n
+
+    def _share_static_scales(self, respect_window: bool) -> None:
+        """Padded batch: static scales not given are set once, jointly over the real tokens the
+        sequences quantize in the first update that quantizes any (as one batch does)."""
+        for w in WHICH:
+            if self.static_scales.get(w) is not None:
+                continue
+            for gi, g0 in enumerate(self.rows[0].groups[w]):
+                if g0.fmt.is_float or not is_static(g0.fmt.granularity) or g0.static_scale is not None:
+                    continue
+                blocks = []
+                for row in self.rows:
+                    g = row.groups[w][gi]
+                    n = row._flushable(g, respect_window)
+                    if n:
+                        blocks.append(g.pending.tokens(0, n).float())
+                if not blocks:
+                    continue
+                ref = quantize(torch.cat(blocks, dim=2), g0.fmt, page_size=self.config.page_size)
+                scale, zero = ref.scale[0], None if ref.zero is None else ref.zero[0]
+                for row in self.rows:
+                    row.groups[w][gi].static_scale, row.groups[w][gi].static_zero = scale, zero
 
     def _cos_sin(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rotary is None:
@@ -223,13 +420,21 @@ class KverrLayer(CacheLayerMixin):
             if part.n:
                 g.pending = part if g.pending is None else g.pending.cat(part)
 
+    def _flushable(self, g: _Group, respect_window: bool) -> int:
+        """How many pending tokens of ``g`` the token policy quantizes now (whole token blocks)."""
+        avail = g.n_pending - (self.config.window if respect_window else 0)
+        tb = token_block(g.fmt.granularity, self.config.page_size)
+        return max(0, avail) // tb * tb
+
     def _flush(self, respect_window: bool) -> None:
-        P = self.config.page_size
+        if self.rows is not None:
+            self._share_static_scales(respect_window)
+            for row in self.rows:
+                row._flush(respect_window)
+            return
         for w in WHICH:
             for g in self.groups[w]:
-                avail = g.n_pending - (self.config.window if respect_window else 0)
-                tb = token_block(g.fmt.granularity, P)
-                n = max(0, avail) // tb * tb
+                n = self._flushable(g, respect_window)
                 if n == 0:
                     continue
                 block = g.pending.tokens(0, n).float()
@@ -251,9 +456,21 @@ class KverrLayer(CacheLayerMixin):
         return quantize(x, fmt, page_size=P, scale=g.static_scale, zero=g.static_zero)
 
     def _read(self, which: str) -> torch.Tensor | None:
-        """Everything stored for ``which`` as ``[B, H, T, D]`` float32 (post-RoPE keys), or None."""
+        """Everything stored for ``which`` as ``[B, H, T, D]`` float32 (post-RoPE keys), or None.
+        A padded batch reads zeros at its pad positions."""
         if self.cumulative_length == 0:
             return None
+        if self.rows is not None:
+            out = None
+            for b, row in enumerate(self.rows):
+                x = row._read(which)
+                if x is None:  # a sequence whose tokens so far are all pads
+                    continue
+                if out is None:
+                    out = torch.zeros((len(self.rows), self.n_kv_heads, self.cumulative_length, x.shape[-1]),
+                                      dtype=torch.float32, device=x.device)
+                out[b, :, self.cumulative_length - x.shape[2]:] = x[0]
+            return out
         out: torch.Tensor | None = None
         for g in self.groups[which]:
             parts = []
@@ -275,6 +492,8 @@ class KverrLayer(CacheLayerMixin):
         return out
 
     def nbytes(self) -> int:
+        if self.rows is not None:
+            return sum(row.nbytes() for row in self.rows)
         return sum(g.nbytes() for w in WHICH for g in self.groups[w])
 
 
@@ -325,6 +544,8 @@ class KverrCache(Cache):
         """Quantize every whole token block now, ignoring the window (sinks stay full precision)."""
         for layer in self.layers:
             layer._flush(respect_window=False)
+            # the tokens just quantized cannot be un-quantized by crop
+            layer._undo, layer._no_undo = None, "the cache was flushed after its last update"
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (codes, scales, zero points, fp tokens)."""

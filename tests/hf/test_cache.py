@@ -161,12 +161,7 @@ def test_cache_rejects_what_does_not_fit():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from kverr.capturing import load_model
-    from kverr.capturing.tiny import make_tiny_model
-
-    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama")))
+# the `tiny` fixture: tests/hf/conftest.py
 
 
 def _logits(model, cache, ids, prefill):
