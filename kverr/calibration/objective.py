@@ -418,6 +418,36 @@ def _layer_arrays(capture: Any, layer: int, need_pre: bool):
     return q, k, v, kp, capture.kv.attn_scale(layer), capture.kv.kv_head_of_q
 
 
+def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int = 64,
+                 layers: Sequence[int] | None = None, decode: int | None = DEFAULT_DECODE,
+                 progress: bool = False) -> np.ndarray:
+    """Unweighted damage ``[config, layer, side]`` (side 0 keys, 1 values) of each config on a
+    capture: the calibration objective, each layer prepared once for all configs.
+
+    Sinks and window act through the per-query mask, formats through the oracle; a format's
+    scale spans what its granularity says (a per-tensor scale spans the layer's kv heads).
+    """
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.progress import progress as progress_bar
+
+    layers = capture.kv.layers if layers is None else list(layers)
+    positions, rope = capture.kv.positions, capture.kv.rope
+    out = np.zeros((len(configs), len(layers), 2))
+    need_pre = any(c.key_pre_rope for c in configs)
+    with progress_bar(total=len(layers), desc="predict", unit="layer", enabled=progress) as bar:
+        for li, layer in enumerate(layers):
+            q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
+            prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
+                                 positions=positions, rope=rope, decode=decode)
+            for ci, config in enumerate(configs):
+                opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
+                base = config.with_(window=0, sinks=0, provenance={})
+                out[ci, li, 0] = float(key_damage(prep, key_error(prep, base), [opt]).sum())
+                out[ci, li, 1] = float(value_damage(prep, value_error(prep, base), [opt]).sum())
+            bar.update()
+    return out
+
+
 def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
             layers: Sequence[int] | None = None, weights: Sequence[float] | None = None,
             weights_v: Sequence[float] | None = None, decode: int | None = DEFAULT_DECODE) -> dict[str, Any]:
@@ -426,27 +456,18 @@ def predict(capture: Any, config: CacheConfig, *, queries: int = 64,
 
     Returns ``{"total": float, "k": [layer] array, "v": [layer] array, "layers": [...],
     "relative": float}``; sinks and window act through the per-query mask, formats through the
-    oracle. ``relative`` is the unweighted sum (``rel_attn_out_sq``); with per-layer
-    ``weights`` for keys and ``weights_v`` for values (a :class:`~.sensitivity.Sensitivity`'s
-    ``weights_k`` and ``weights_v``, indexed by layer; without ``weights_v`` values take
-    ``weights``), ``k``, ``v`` and ``total`` are weighted (``predicted_kl``, nats), else
-    ``total == relative``.
+    oracle (:func:`layer_damage`). ``relative`` is the unweighted sum (``rel_attn_out_sq``);
+    with per-layer ``weights`` for keys and ``weights_v`` for values (a
+    :class:`~.sensitivity.Sensitivity`'s ``weights_k`` and ``weights_v``, indexed by layer;
+    without ``weights_v`` values take ``weights``), ``k``, ``v`` and ``total`` are weighted
+    (``predicted_kl``, nats), else ``total == relative``.
     """
     import kverr.accessor  # noqa: F401  (registers ds.kv)
 
     layers = capture.kv.layers if layers is None else list(layers)
-    positions, rope = capture.kv.positions, capture.kv.rope
-    opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
-    base = config.with_(window=0, sinks=0, provenance={})
-    dk, dv = [], []
-    for layer in layers:
-        q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, config.key_pre_rope)
-        prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
-                             positions=positions, rope=rope, decode=decode)
-        dk.append(float(key_damage(prep, key_error(prep, base), [opt]).sum()))
-        dv.append(float(value_damage(prep, value_error(prep, base), [opt]).sum()))
-    rel = float(sum(dk) + sum(dv))
-    dk, dv = np.array(dk), np.array(dv)
+    d = layer_damage(capture, [config], queries=queries, layers=layers, decode=decode)[0]
+    dk, dv = d[:, 0].copy(), d[:, 1].copy()
+    rel = float(dk.sum() + dv.sum())
     if weights is not None:
         wk = np.asarray(weights, dtype=np.float64)[layers]
         wv = wk if weights_v is None else np.asarray(weights_v, dtype=np.float64)[layers]

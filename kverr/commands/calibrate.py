@@ -48,6 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "provenance and optionally the whole Pareto frontier.",
     )
     p.add_argument("--capture", required=True, type=Path, help="a capture of every layer (kverr capture)")
+    p.add_argument("--target", choices=("kverr", "vllm"), default="kverr",
+                   help="kverr (default): any format per layer, kv head and K|V; vllm: only what vLLM "
+                   "serves -- one --kv-cache-dtype (fp8 with static per-tensor or per-head scales, "
+                   "absmax or MSE-clipped per layer, or a per-token-head dtype) and the skip layers the "
+                   "budget allows, those where the dtype does most damage; --frontier then writes every "
+                   "dtype's damage, with the calibrated skip layers and with vLLM's TurboQuant "
+                   "convention (first and last two layers) at equal memory")
     p.add_argument("--budget-bits", required=True, type=_budgets, metavar="B[,B...]",
                    help="effective bits per element; a list writes one config per budget (use {bits} in --out)")
     p.add_argument("--out", required=True, help="config JSON to write; '{bits}' is replaced by the budget")
@@ -131,11 +138,22 @@ def run(args: argparse.Namespace) -> int:
                           f"frontier must reach the budget; give --max-bits {max(budgets):g} or more, or leave it out")
     if len(set(budgets)) != len(budgets):
         raise ConfigError(f"--budget-bits {','.join(f'{b:g}' for b in budgets)} names a budget twice")
+    if args.target == "vllm":
+        given = [o for o, v in (("--sinks", args.sinks), ("--window", args.window), ("--key-rope", args.key_rope),
+                                ("--scheduler", args.scheduler), ("--max-bits", args.max_bits))
+                 if v is not None]
+        given += [o for o, v in (("--window-dtype", args.window_dtype), ("--candidates", args.candidates))
+                  if v != "auto"]
+        if given:
+            raise ConfigError(f"--target vllm searches what vLLM serves (its cache dtypes, no sinks, no "
+                              f"window, keys after RoPE): {', '.join(given)} does not apply")
     settings = settings_of(args)
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
     for o in outs + ([args.frontier] if args.frontier else []):
         check_output_path(o, overwrite=args.overwrite, kind="file")
     capture = open_capture(args.capture)
+    if args.target == "vllm":
+        return _run_vllm(args, settings, capture, budgets, outs)
     # bars are drawn only when stderr is a terminal (kverr.progress)
     cal = calibrate(capture, settings, scheduler=args.scheduler, workers=args.workers, progress=True)
     if cal.sensitivity is not None:
@@ -163,4 +181,33 @@ def run(args: argparse.Namespace) -> int:
         groups = ", ".join(f"{s.candidates} ({s.window_dtype} window)" for s in cal.searches)
         print(f"wrote the frontier ({len(fr)} points; candidates {groups}) to {args.frontier}")
     print(f"scored in {cal.seconds['score']:.1f} s, searched in {cal.seconds['search']:.1f} s")
+    return 0
+
+
+def _run_vllm(args: argparse.Namespace, settings, capture, budgets, outs) -> int:
+    from kverr.calibration.target import calibrate_for_vllm
+    from kverr.config import atomic_write_text
+    from kverr.engines.vllm import serving
+
+    res = calibrate_for_vllm(capture, settings, workers=args.workers, progress=True)
+    t = res.table
+    for b, out in zip(budgets, outs):
+        cfg = res.configs[b]
+        cfg.save(out)
+        pv = cfg.provenance
+        plan = serving(cfg, capture.kv.n_layers, capture.kv.n_kv_heads)
+        print(f"budget {b:g} bits -> {out}: --kv-cache-dtype {plan.kv_cache_dtype}, skip layers "
+              f"{list(plan.skip_layers) or 'none'}, {pv['effective_bits']:.4f} effective bits at "
+              f"{pv['context_tokens']} tokens, objective {pv['objective']} = {pv['predicted_damage']:.4g}")
+        rows = t[t.budget_bits == float(b)]
+        for _, r in rows.iterrows():
+            mark = "" if r.feasible else "  (over budget)"
+            print(f"    {r.dtype:26s} {r.skip_rule:18s} skip {str(list(r.skip_layers)):16s} "
+                  f"{r.effective_bits:7.4f} bits  predicted {r.predicted:.4g}{mark}")
+    if args.frontier:
+        atomic_write_text(args.frontier, t.assign(skip_layers=t.skip_layers.map(
+            lambda x: " ".join(map(str, x)))).to_csv(index=False))
+        print(f"wrote every dtype and skip rule ({len(t)} rows) to {args.frontier}")
+    print(f"scored in {res.seconds:.1f} s; export a config with: kverr export CONFIG --format vllm "
+          "--capture CAPTURE --model-dir MODEL_DIR --out OUT")
     return 0

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE as _DTYPE_OF_PRESET
 from kverr.engines.vllm_dtypes import PRESETS as _DTYPE_PRESETS
 from kverr.exceptions import CaptureError, ConfigError, ModelError
 from kverr.io import atomic_dir, check_output_path
-from kverr.quant.formats import PerHead, PerTensor, QuantFormat, fp8_format
+from kverr.quant.formats import AbsMax, PerHead, PerTensor, QuantFormat, fp8_format
 
 #: This engine's cache formats as kverr configs, by name (see :func:`kverr.engines.engine_presets`).
 PRESETS: dict[str, CacheConfig] = dict(_DTYPE_PRESETS)
@@ -122,6 +122,15 @@ def _layer_formats(config: CacheConfig, layer: int, n_kv: int) -> dict[str, set[
     return {w: {config.format_for(layer, h, w) for h in range(n_kv)} for w in WHICH}
 
 
+def _served_as(fmt: QuantFormat) -> QuantFormat:
+    """What vLLM stores ``fmt`` as: a static fp8 scale's clip only decides the scale's value (it
+    is data in the checkpoint, one per layer or head), so static fp8 formats differing only in
+    clip are one cache dtype."""
+    if fmt.dtype == "fp8_e4m3" and isinstance(fmt.granularity, (PerTensor, PerHead)):
+        return replace(fmt, clip=AbsMax())
+    return fmt
+
+
 def _dtype_pairs() -> dict[tuple[QuantFormat, QuantFormat], str]:
     """(key format, value format) of each vLLM cache dtype without checkpoint scales."""
     out = {}
@@ -184,7 +193,7 @@ def serving(config: CacheConfig, n_layers: int | None = None, n_kv: int | None =
             p.append(f"layer {layer}: its kv heads use {len(fmts['k'] | fmts['v'])} formats "
                      "(vLLM uses one per layer)")
             continue
-        pairs.setdefault((next(iter(fmts["k"])), next(iter(fmts["v"]))), []).append(layer)
+        pairs.setdefault((_served_as(next(iter(fmts["k"]))), _served_as(next(iter(fmts["v"])))), []).append(layer)
     if len(pairs) > 1:
         shown = "; ".join(f"{k.label()}/{v.label()} in layers {_ranges(ls)}" for (k, v), ls in list(pairs.items())[:3])
         p.append(f"the quantized layers use {len(pairs)} format pairs ({shown}); vLLM's "
@@ -403,15 +412,18 @@ def export_vllm(config: CacheConfig, out: str | os.PathLike[str], *, capture: An
         check_model_matches(config, capture=capture)
         qc = quantization_config(plan, None if model is None else model.config.get("quantization_config"))
         check_output_path(out, overwrite=overwrite, kind="folder", own_files=_own_files(model))  # before the work
-        skip = set(plan.skip_layers)
         for w in WHICH:
-            fmt = plan.k if w == "k" else plan.v
-            for layer, s in enumerate(static_scales(capture, fmt, w, page_size=config.page_size, model_dtype=dtype)):
-                if layer not in skip:
-                    tensors[f"model.layers.{layer}.self_attn.{w}_scale"] = s.astype(np.float32)
+            for layer in range(n_layers):
+                if layer in plan.skip_layers:
+                    continue
+                fmt = config.format_for(layer, 0, w)  # its clip decides this layer's scale
+                s = static_scales(capture.sel(layer=[layer]), fmt, w, page_size=config.page_size, model_dtype=dtype)[0]
+                tensors[f"model.layers.{layer}.self_attn.{w}_scale"] = s.astype(np.float32)
         summary.update(scales=SCALES, scales_from={"capture": capture.kv.provenance.get("text_source"),
                                                   "weights_sha256": capture.kv.provenance.get("weights_sha256"),
-                                                  "clip": plan.k.clip.kind})
+                                                  "clips": sorted({config.format_for(l, 0, w).clip.kind
+                                                                   for l in range(n_layers) for w in WHICH
+                                                                   if l not in plan.skip_layers})})
         if model is None:
             texts[OVERLAY_CONFIG] = json.dumps(qc, indent=2) + "\n"
         else:

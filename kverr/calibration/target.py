@@ -1,0 +1,255 @@
+"""Calibration for a serving engine: search only what the engine serves, with the same objective.
+
+vLLM serves one ``--kv-cache-dtype`` for the model, minus ``--kv-cache-dtype-skip-layers`` kept
+in the model's dtype (:mod:`kverr.engines.vllm`). So :func:`calibrate_for_vllm` scores, for every
+(layer, kv head, K|V), the formats of vLLM's cache dtypes -- fp8 with static scales per tensor or
+per kv head (each with the absmax scale and with the MSE-optimal clip of the capture, chosen per
+layer and side: the scale is data in the checkpoint, so each layer may have its own), the
+per-token-head dtypes, and fp16 -- with the calibration objective (:mod:`.objective`, weighted
+by the measured layer sensitivity), and then, for each dtype and each budget, keeps in 16 bits
+the layers where the dtype does the most damage. Every quantized layer costs the same bytes and
+every skipped layer the same more, so skipping the ``n`` layers of largest damage is the best
+choice of ``n`` layers; ``n`` is the most the budget allows. The dtype of least predicted damage
+wins.
+
+Beside each choice, :attr:`VllmCalibration.table` gives every dtype's predicted damage at each
+budget with the calibrated skip layers, and, at equal memory, with the convention of vLLM's
+TurboQuant path (the first and last two layers kept, the rest quantized) and with as many
+calibrated skip layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kverr.catalog import STATIC_MSE_CLIP
+from kverr.config import CacheConfig, Override
+from kverr.exceptions import ConfigError
+from kverr.quant.formats import PerHead, PerTensor, QuantFormat, float_format, fp8_format
+
+from .candidates import OuterOption, head_bytes
+from .config import CalibrationConfig
+from .search import bits_of
+
+#: The outer option vLLM serves: no sinks, no window, keys after RoPE.
+VLLM_OPTION = OuterOption(window=0, sinks=0, key_pre_rope=False)
+#: Layers vLLM's TurboQuant path keeps unquantized at each end of a dense model.
+TURBOQUANT_EDGE_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class Family:
+    """One vLLM cache dtype as calibration candidates: per side, the formats a layer may use."""
+
+    name: str  # e.g. "fp8 (static, per head)", "int8_per_token_head"
+    kv_cache_dtype: str
+    k: tuple[QuantFormat, ...]
+    v: tuple[QuantFormat, ...]
+
+
+def vllm_families(head_dim: int) -> tuple[Family, ...]:
+    """vLLM's cache dtypes kverr expresses, as candidate families (see the module docs)."""
+    from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE, PRESETS
+
+    fams = []
+    for gran, what in ((PerTensor(), "tensor"), (PerHead(), "head")):
+        clips = (fp8_format(gran), fp8_format(gran, clip=STATIC_MSE_CLIP))
+        fams.append(Family(f"fp8 (static, per {what})", "fp8", clips, clips))
+    for name, cfg in PRESETS.items():
+        if cfg.layers or cfg.heads:  # dtypes with their own skip layers are not searched here
+            continue
+        fams.append(Family(KV_CACHE_DTYPE[name], KV_CACHE_DTYPE[name], (cfg.k,), (cfg.v,)))
+    out = []
+    for f in fams:
+        try:
+            for fmt in {*f.k, *f.v}:
+                fmt.check_head_dim(head_dim)
+        except ConfigError:
+            continue
+        out.append(f)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class VllmCalibration:
+    """Result of :func:`calibrate_for_vllm`.
+
+    Attributes
+    ----------
+    configs : dict of float to CacheConfig
+        The chosen config of each budget (vLLM serves it: :func:`kverr.engines.vllm.serving`).
+    table : pandas.DataFrame
+        One row per (budget, dtype, skip rule): ``budget_bits, dtype, kv_cache_dtype,
+        skip_rule, skip_layers, effective_bits, predicted`` (the objective's units), ``feasible``
+        (within the budget), ``bytes``. Skip rules: ``calibrated`` (the most layers the budget
+        allows, those of most damage), ``turboquant-edges`` (the first and last
+        :data:`TURBOQUANT_EDGE_LAYERS`) and ``calibrated-as-many`` (as many layers as the edges,
+        those of most damage: the same memory).
+    sensitivity : Sensitivity or None
+        The layer sensitivity the damage was weighted by (``objective="kl"``).
+    capture : dict
+        The capture's provenance.
+    seconds : float
+        Wall time of the sensitivity and the scoring.
+    """
+
+    configs: dict[float, CacheConfig]
+    table: Any
+    sensitivity: Any
+    capture: dict[str, Any]
+    seconds: float
+
+
+def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, scheduler: Any = None,
+                       workers: int | None = None, progress: bool = False, model: Any = None,
+                       sensitivity: Any = None) -> VllmCalibration:
+    """Choose, per budget, the vLLM cache dtype and skip layers of least predicted damage.
+
+    ``settings`` gives the budgets, context, queries, objective and the rest as for
+    :func:`~.search.calibrate`; its outer options, candidates and window dtype are vLLM's
+    (no sinks, no window, keys after RoPE; :func:`vllm_families`).
+
+    Raises
+    ------
+    ConfigError
+        A budget below the cheapest vLLM dtype (every layer quantized) at ``context``.
+    """
+    import time
+
+    import pandas as pd
+
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.io import check_finite
+
+    from .objective import check_queries, layer_damage
+    from .search import _check_capture
+    from .sensitivity import check_capture_model, sensitivity_for_capture
+
+    t0 = time.perf_counter()
+    _check_capture(capture)
+    kv = capture.kv
+    n_layers, n_kv, D = kv.n_layers, kv.n_kv_heads, kv.head_dim
+    if kv.layers != list(range(n_layers)):
+        raise ConfigError(f"calibration needs every layer of the model; the capture has layers {kv.layers} "
+                          f"of {n_layers} (recapture with --layers all)")
+    context = settings.context or kv.n_tokens
+    check_queries(settings.queries, kv.n_tokens)
+    check_finite(capture, ("q", "k", "v"))
+    fams = vllm_families(D)
+    fp16 = float_format("fp16")
+    cands = tuple(dict.fromkeys([fp16, *(f for fam in fams for f in (*fam.k, *fam.v))]))
+    if settings.objective == "kl" and sensitivity is None:
+        model = check_capture_model(capture, model or settings.model)
+        sensitivity = sensitivity_for_capture(capture, model=model, tokens=settings.sensitivity_tokens,
+                                              noise=settings.sensitivity_noise, sinks=0, progress=progress)
+    if settings.objective == "kl":
+        wk, wv = (np.asarray(w, dtype=np.float64) for w in (sensitivity.weights_k, sensitivity.weights_v))
+    else:
+        wk = wv = np.ones(n_layers)
+    # every candidate everywhere: [candidate, layer, side], weighted per layer and side
+    damage = layer_damage(capture, [CacheConfig(k=f, v=f, page_size=settings.page_size) for f in cands],
+                          queries=settings.queries, decode=settings.decode, progress=progress)
+    damage = damage * np.stack([wk, wv], axis=-1)[None]
+    seconds = time.perf_counter() - t0
+
+    def side(which: str, fmt: QuantFormat) -> np.ndarray:
+        """Weighted damage per layer of ``fmt`` on one side, summed over kv heads."""
+        return damage[cands.index(fmt), :, 0 if which == "k" else 1]
+
+    def nbytes(fmt: QuantFormat) -> int:
+        return head_bytes(fmt, VLLM_OPTION, D, context, settings.page_size, "fp16", settings.align) * n_kv
+
+    keep = side("k", fp16) + side("v", fp16)  # damage of a skipped layer (fp16 rounding: tiny)
+    keep_bytes = nbytes(fp16) * 2
+    rows, plans = [], {}
+    for fam in fams:
+        dk = np.stack([side("k", f) for f in fam.k])  # [clip, layer]
+        dv = np.stack([side("v", f) for f in fam.v])
+        ck, cv = dk.argmin(axis=0), dv.argmin(axis=0)  # per layer, the side's best scale rule
+        quant = dk.min(axis=0) + dv.min(axis=0)
+        q_bytes = nbytes(fam.k[0]) + nbytes(fam.v[0])
+        gain_order = np.argsort(-(quant - keep), kind="stable")  # layers where quantizing hurts most first
+        edges = sorted({*range(min(TURBOQUANT_EDGE_LAYERS, n_layers // 2)),
+                        *range(n_layers - min(TURBOQUANT_EDGE_LAYERS, n_layers // 2), n_layers)})
+        for budget in settings.budgets:
+            budget_bytes = math.floor(budget * 2 * n_layers * n_kv * D * context / 8 + 1e-9)
+            n_skip = (budget_bytes - q_bytes * n_layers) // (keep_bytes - q_bytes) if keep_bytes > q_bytes else n_layers
+            n_skip = int(min(max(n_skip, -1), n_layers))
+            for rule, skip in (("calibrated", sorted(int(x) for x in gain_order[:max(n_skip, 0)])),
+                               ("turboquant-edges", edges),
+                               ("calibrated-as-many", sorted(int(x) for x in gain_order[:len(edges)]))):
+                skip_set = set(skip)
+                total = sum(keep_bytes if l in skip_set else q_bytes for l in range(n_layers))
+                dmg = float(sum(keep[l] if l in skip_set else quant[l] for l in range(n_layers)))
+                rows.append(dict(budget_bits=float(budget), dtype=fam.name, kv_cache_dtype=fam.kv_cache_dtype,
+                                 skip_rule=rule, skip_layers=tuple(skip),
+                                 effective_bits=bits_of(total, n_layers, n_kv, D, context),
+                                 predicted=dmg, feasible=bool(n_skip >= 0 and total <= budget_bytes),
+                                 bytes=total))
+                if rule == "calibrated" and n_skip >= 0:
+                    plans[(budget, fam.name)] = (fam, tuple(skip), ck, cv, dmg, total)
+    table = pd.DataFrame(rows)
+    configs = {}
+    for budget in settings.budgets:
+        ok = table[(table.budget_bits == float(budget)) & (table.skip_rule == "calibrated") & table.feasible]
+        if ok.empty:
+            cheapest = min((nbytes(f.k[0]) + nbytes(f.v[0])) * n_layers for f in fams)
+            raise ConfigError(f"budget of {budget:g} effective bits is below every vLLM cache dtype kverr "
+                              f"expresses at {context} tokens: the cheapest, every layer quantized, costs "
+                              f"{bits_of(cheapest, n_layers, n_kv, D, context):.4f} effective bits")
+        best = ok.sort_values("predicted", kind="stable").iloc[0]
+        fam, skip, ck, cv, dmg, total = plans[(budget, best["dtype"])]
+        configs[budget] = _config(fam, skip, ck, cv, n_layers=n_layers, budget=budget, damage=dmg, total=total,
+                                  context=context, table=table[table.budget_bits == float(budget)],
+                                  sensitivity=sensitivity, capture=kv.provenance, settings=settings,
+                                  shape=(n_layers, n_kv, D))
+    return VllmCalibration(configs, table, sensitivity, kv.provenance, seconds)
+
+
+def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget: float, damage: float,
+            total: int, context: int, table, sensitivity, capture, settings: CalibrationConfig,
+            shape) -> CacheConfig:
+    from collections import Counter
+
+    from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVES
+
+    fp16 = float_format("fp16")
+    quantized = [l for l in range(n_layers) if l not in skip]
+    dk = Counter(int(ck[l]) for l in quantized).most_common(1)[0][0] if quantized else 0
+    dv = Counter(int(cv[l]) for l in quantized).most_common(1)[0][0] if quantized else 0
+    layers = {}
+    for l in range(n_layers):
+        if l in skip:
+            layers[l] = Override(k=fp16, v=fp16)
+        elif int(ck[l]) != dk or int(cv[l]) != dv:
+            layers[l] = Override(k=None if int(ck[l]) == dk else fam.k[int(ck[l])],
+                                 v=None if int(cv[l]) == dv else fam.v[int(cv[l])])
+    n, kvh, D = shape
+    prov = {
+        "tool": "kverr calibrate --target vllm",
+        "target": "vllm",
+        "kv_cache_dtype": fam.kv_cache_dtype,
+        "kv_cache_dtype_skip_layers": list(skip),
+        "capture": capture,
+        "budget_bits": float(budget),
+        "effective_bits": bits_of(total, n, kvh, D, context),
+        "bytes": int(total),
+        "context_tokens": context,
+        "batch": 1,
+        "objective": OBJECTIVES[settings.objective],
+        "objective_definition": OBJECTIVE_KL_DOC if settings.objective == "kl" else OBJECTIVE_DOC,
+        "predicted_damage": float(damage),
+        "queries_per_layer": settings.queries,
+        "dtypes_compared": [
+            {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items() if k != "budget_bits"}
+            for r in table.to_dict("records")
+        ],
+    }
+    if sensitivity is not None:
+        prov["sensitivity"] = sensitivity.to_dict()
+    return CacheConfig(k=fam.k[dk], v=fam.v[dv], layers=layers, page_size=settings.page_size,
+                       align=settings.align, name=settings.name or f"vllm-{budget:g}b", provenance=prov)

@@ -1,0 +1,98 @@
+"""Calibration for vLLM: only what vLLM serves, the same objective, the best skip layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from captures import synthetic_capture
+
+from kverr.calibration import CalibrationConfig, predict
+from kverr.calibration.target import TURBOQUANT_EDGE_LAYERS, calibrate_for_vllm, vllm_families
+from kverr.engines.vllm import export_vllm, serving
+from kverr.exceptions import ConfigError
+
+N_LAYERS, N_KV, D = 6, 2, 64
+BUDGETS = (8.1, 8.6, 10.0, 12.5)
+
+
+@pytest.fixture(scope="module")
+def capture():
+    return synthetic_capture(n_layers=N_LAYERS, n_kv=N_KV, n_tokens=128, head_dim=D, outlier_channel=3)
+
+
+@pytest.fixture(scope="module")
+def result(capture):
+    return calibrate_for_vllm(capture, CalibrationConfig(budgets=BUDGETS, objective="rel", queries=16))
+
+
+def test_every_choice_is_served_by_vllm_within_its_budget(result):
+    skipped = []
+    for b in BUDGETS:
+        cfg = result.configs[b]
+        plan = serving(cfg, N_LAYERS, N_KV)  # raises if vLLM could not serve it
+        pv = cfg.provenance
+        assert pv["effective_bits"] <= b
+        assert (plan.kv_cache_dtype, list(plan.skip_layers)) == (pv["kv_cache_dtype"], pv["kv_cache_dtype_skip_layers"])
+        skipped.append(set(plan.skip_layers))
+    assert all(a <= b for a, b in zip(skipped, skipped[1:]))  # a larger budget keeps at least as many layers
+
+
+def test_the_choice_is_the_least_damage_the_budget_allows(result):
+    t = result.table
+    for b in BUDGETS:
+        ok = t[(t.budget_bits == b) & (t.skip_rule == "calibrated") & t.feasible]
+        assert result.configs[b].provenance["predicted_damage"] == pytest.approx(ok.predicted.min(), rel=1e-12)
+
+
+def test_predicted_damage_is_the_objectives(result, capture):
+    """The search adds per-layer damage of single-format configs; predict() on the chosen config
+    (each layer in its own format) computes the same sums in another order."""
+    for b in BUDGETS:
+        cfg = result.configs[b]
+        assert predict(capture, cfg, queries=16)["total"] == pytest.approx(cfg.provenance["predicted_damage"], rel=1e-9)
+
+
+def test_calibrated_skip_layers_beat_the_edges_at_equal_memory(result):
+    t = result.table
+    for (b, dtype), g in t.groupby(["budget_bits", "dtype"]):
+        edges = g[g.skip_rule == "turboquant-edges"].iloc[0]
+        same = g[g.skip_rule == "calibrated-as-many"].iloc[0]
+        assert len(edges.skip_layers) == len(same.skip_layers) == 2 * min(TURBOQUANT_EDGE_LAYERS, N_LAYERS // 2)
+        assert edges.bytes == same.bytes
+        assert same.predicted <= edges.predicted + 1e-15
+
+
+def test_families_and_infeasible_budgets(capture):
+    names = [f.kv_cache_dtype for f in vllm_families(D)]
+    assert names.count("fp8") == 2 and "int8_per_token_head" in names
+    with pytest.raises(ConfigError, match="below every vLLM cache dtype .* costs 8.0039"):
+        calibrate_for_vllm(capture, CalibrationConfig(budgets=(7.5,), objective="rel", queries=16))
+
+
+def test_a_calibrated_fp8_config_exports_each_layers_own_scale(capture, result, tmp_path):
+    from safetensors.numpy import load_file
+
+    from kverr.quant import quantize
+
+    fp8 = [c for c in result.configs.values() if c.provenance["kv_cache_dtype"] == "fp8"]
+    assert fp8, "the smallest budget leaves only static fp8"
+    cfg = fp8[0]
+    ds = capture.assign_attrs(model_n_layers=N_LAYERS, model_id="synthetic", weights_sha256="0" * 64)
+    export_vllm(cfg, tmp_path / "v", capture=ds)
+    t = load_file(str(tmp_path / "v" / "kv_scales.safetensors"))
+    import torch
+
+    for layer in range(N_LAYERS):
+        for w in "kv":
+            fmt = cfg.format_for(layer, 0, w)
+            x = torch.as_tensor(np.asarray(capture[w].sel(layer=layer).values)).half().float()
+            want = quantize(x, fmt, page_size=cfg.page_size).scale.float().reshape(-1).numpy()
+            np.testing.assert_array_equal(t[f"model.layers.{layer}.self_attn.{w}_scale"], want)
+
+
+def test_cli_refuses_options_vllm_does_not_serve(tmp_path, capsys):
+    from kverr.cli import main
+
+    code = main(["calibrate", "--capture", str(tmp_path / "c.zarr"), "--target", "vllm", "--budget-bits", "9",
+                 "--sinks", "4", "--out", str(tmp_path / "x.json")])
+    assert code == 2 and "--sinks does not apply" in capsys.readouterr().err
