@@ -26,11 +26,12 @@ log = logging.getLogger("kverr")
 
 PIPELINE_EPILOG = """\
 pipeline (each step reads what the one before it wrote):
-  capture -> info -> decompose -> calibrate -> export -> evaluate -> validate
+  capture -> info -> decompose -> calibrate -> (project) -> export -> evaluate -> validate
   capture   run a model on text, store its queries, keys and values (a capture)
   info      what a capture holds
   decompose split a config's attention error on a capture into key, value and cross terms
   calibrate choose formats per layer and head under a budget (a config JSON)
+  project   the nearest config vLLM serves, and what the projection costs
   export    write the config for vLLM or transformers
   evaluate  measure configs, presets and peers in the real model
   validate  check the Triton kernels against the reference on a capture

@@ -1,4 +1,4 @@
-"""Calibration: choose a format per layer, kv head and K|V under a memory budget; export it.
+"""Calibration: choose a format per layer, kv head and K|V under a memory budget.
 
 * :mod:`.candidates` -- the candidate formats and model-wide outer options, exact bytes per head;
 * :mod:`.objective` -- predicted damage from the error decomposition on a capture;
@@ -7,7 +7,10 @@
 * :mod:`.config` -- :class:`CalibrationConfig`, every option of a calibration (versioned JSON);
 * :mod:`.search` -- :func:`calibrate` ties them together (layers scored by dask) and writes
   provenance;
-* :mod:`.export` -- vLLM and transformers exports (and what they cannot express).
+* :mod:`.target` -- calibration for a serving engine (vLLM): only what it serves, the same
+  objective; the projection of any config onto it.
+
+What the engines serve, and the files they read, are in :mod:`kverr.engines`.
 """
 
 from .candidates import OuterOption, candidate_set, candidates_for_budget, default_candidates, head_bytes

@@ -74,6 +74,19 @@ def vllm_families(head_dim: int) -> tuple[Family, ...]:
     return tuple(out)
 
 
+def _layer_bytes(fmt: QuantFormat, n_kv: int, head_dim: int, context: int, settings: CalibrationConfig) -> int:
+    """Bytes of one side of one layer in ``fmt`` at ``context`` tokens (vLLM's option, batch 1)."""
+    return head_bytes(fmt, VLLM_OPTION, head_dim, context, settings.page_size, "fp16", settings.align) * n_kv
+
+
+def cheapest_bits(shape: Any, context: int, settings: CalibrationConfig) -> float:
+    """Effective bits of vLLM's cheapest cache dtype kverr expresses, every layer quantized."""
+    n, kv, D = shape.n_layers, shape.n_kv_heads, shape.head_dim
+    total = min((_layer_bytes(f.k[0], kv, D, context, settings) + _layer_bytes(f.v[0], kv, D, context, settings)) * n
+                for f in vllm_families(D))
+    return bits_of(total, n, kv, D, context)
+
+
 @dataclass(frozen=True)
 class VllmCalibration:
     """Result of :func:`calibrate_for_vllm`.
@@ -161,7 +174,7 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, scheduler: 
         return damage[cands.index(fmt), :, 0 if which == "k" else 1]
 
     def nbytes(fmt: QuantFormat) -> int:
-        return head_bytes(fmt, VLLM_OPTION, D, context, settings.page_size, "fp16", settings.align) * n_kv
+        return _layer_bytes(fmt, n_kv, D, context, settings)
 
     keep = side("k", fp16) + side("v", fp16)  # damage of a skipped layer (fp16 rounding: tiny)
     keep_bytes = nbytes(fp16) * 2
@@ -197,10 +210,9 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, scheduler: 
     for budget in settings.budgets:
         ok = table[(table.budget_bits == float(budget)) & (table.skip_rule == "calibrated") & table.feasible]
         if ok.empty:
-            cheapest = min((nbytes(f.k[0]) + nbytes(f.v[0])) * n_layers for f in fams)
             raise ConfigError(f"budget of {budget:g} effective bits is below every vLLM cache dtype kverr "
                               f"expresses at {context} tokens: the cheapest, every layer quantized, costs "
-                              f"{bits_of(cheapest, n_layers, n_kv, D, context):.4f} effective bits")
+                              f"{cheapest_bits(kv.shape, context, settings):.4f} effective bits")
         best = ok.sort_values("predicted", kind="stable").iloc[0]
         fam, skip, ck, cv, dmg, total = plans[(budget, best["dtype"])]
         configs[budget] = _config(fam, skip, ck, cv, n_layers=n_layers, budget=budget, damage=dmg, total=total,
@@ -253,3 +265,61 @@ def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget
         prov["sensitivity"] = sensitivity.to_dict()
     return CacheConfig(k=fam.k[dk], v=fam.v[dv], layers=layers, page_size=settings.page_size,
                        align=settings.align, name=settings.name or f"vllm-{budget:g}b", provenance=prov)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A config and the nearest one vLLM serves (:func:`project_to_vllm`).
+
+    ``bits`` are effective bits at ``context`` tokens, ``predicted`` the objective's damage on the
+    capture (nats of predicted next-token KL with ``objective="kl"``). ``within_budget`` is False
+    when vLLM has nothing as small as the config: ``config`` is then vLLM's cheapest choice.
+    """
+
+    original: CacheConfig
+    config: CacheConfig
+    original_bits: float
+    bits: float
+    original_predicted: float
+    predicted: float
+    within_budget: bool
+    context: int
+
+
+def project_to_vllm(capture: Any, config: CacheConfig, settings: CalibrationConfig | None = None, *,
+                    model: Any = None, sensitivity: Any = None, progress: bool = False) -> Projection:
+    """The config vLLM serves of least predicted damage within ``config``'s effective bits (or,
+    when vLLM has nothing that small, its cheapest), and what the projection costs.
+
+    ``settings`` gives the context (default: the config's calibration context, else the
+    capture's length), queries and objective; its budgets are ignored. The sensitivity is the
+    one recorded in a calibrated config's provenance unless given.
+    """
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.memory import account
+
+    from .objective import predict
+    from .sensitivity import Sensitivity
+
+    kv = capture.kv
+    prov = config.provenance or {}
+    context = (settings.context if settings is not None and settings.context else
+               int(prov.get("context_tokens") or kv.n_tokens))
+    settings = (settings or CalibrationConfig(budgets=(16.0,))).with_(context=context)
+    if sensitivity is None and settings.objective == "kl" and "sensitivity" in prov:
+        sensitivity = Sensitivity.from_dict(prov["sensitivity"])
+    bits = account(config, kv.shape, context).effective_bits
+    # the config's own bits, or (when vLLM has nothing that small) its cheapest
+    cheapest = cheapest_bits(kv.shape, context, settings)
+    within = bits >= cheapest
+    budget = bits if within else cheapest
+    res = calibrate_for_vllm(capture, settings.with_(budgets=(budget,)), model=model, sensitivity=sensitivity,
+                             progress=progress)
+    projected = next(iter(res.configs.values()))
+    sens = res.sensitivity
+    weights = None if sens is None else (sens.weights_k, sens.weights_v)
+    pred = predict(capture, config, queries=settings.queries, decode=settings.decode,
+                   weights=None if weights is None else weights[0], weights_v=None if weights is None else weights[1])
+    return Projection(config, projected.with_(name=f"{config.name or 'config'}-vllm"), bits,
+                      projected.provenance["effective_bits"], pred["total"],
+                      projected.provenance["predicted_damage"], within, context)

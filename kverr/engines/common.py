@@ -20,10 +20,12 @@ def formats_of(config: CacheConfig, n_layers: int, n_kv: int) -> dict[tuple[int,
     return {(l, h, w): config.format_for(l, h, w) for l in range(n_layers) for h in range(n_kv) for w in WHICH}
 
 
-def refuse(target: str, problems: list[str]) -> None:
+def refuse(target: str, problems: list[str], hint: str = "") -> None:
+    """Raise ConfigError listing (up to six of) ``problems``, then ``hint``; nothing if none."""
     if problems:
         more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
-        raise ConfigError(f"{target} cannot express this config: " + "; ".join(problems[:6]) + more)
+        raise ConfigError(f"{target} cannot express this config: " + "; ".join(problems[:6]) + more
+                          + (f". {hint}" if hint else ""))
 
 
 def shape_of(config: CacheConfig, n_layers: int | None, n_kv: int | None) -> tuple[int, int]:

@@ -203,7 +203,8 @@ def serving(config: CacheConfig, n_layers: int | None = None, n_kv: int | None =
         (k, v), = pairs
         dtype, strategy, more = _pair_problems(k, v)
         p += more
-    refuse("vLLM", p)
+    refuse("vLLM", p, "`kverr project CONFIG --target vllm --capture CAPTURE` finds the nearest config vLLM "
+                      "serves and its predicted cost")
     return VllmServing(dtype, tuple(skip) if pairs else (), strategy, k, v)
 
 

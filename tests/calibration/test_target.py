@@ -7,7 +7,13 @@ import pytest
 from captures import synthetic_capture
 
 from kverr.calibration import CalibrationConfig, predict
-from kverr.calibration.target import TURBOQUANT_EDGE_LAYERS, calibrate_for_vllm, vllm_families
+from kverr.calibration.target import (
+    TURBOQUANT_EDGE_LAYERS,
+    calibrate_for_vllm,
+    cheapest_bits,
+    project_to_vllm,
+    vllm_families,
+)
 from kverr.engines.vllm import export_vllm, serving
 from kverr.exceptions import ConfigError
 
@@ -96,3 +102,17 @@ def test_cli_refuses_options_vllm_does_not_serve(tmp_path, capsys):
     code = main(["calibrate", "--capture", str(tmp_path / "c.zarr"), "--target", "vllm", "--budget-bits", "9",
                  "--sinks", "4", "--out", str(tmp_path / "x.json")])
     assert code == 2 and "--sinks does not apply" in capsys.readouterr().err
+
+
+def test_projection_within_the_configs_bits_or_to_vllms_cheapest(capture):
+    from kverr.config import PRESETS
+
+    settings = CalibrationConfig(budgets=(16.0,), objective="rel", queries=16)
+    big = project_to_vllm(capture, PRESETS["fp16"], settings)
+    assert big.within_budget and big.bits <= big.original_bits == 16.0
+    assert big.original_predicted == pytest.approx(predict(capture, PRESETS["fp16"], queries=16)["total"], rel=1e-12)
+    small = project_to_vllm(capture, PRESETS["q4_0"], settings)  # 4.5 bits, no window
+    assert not small.within_budget and small.original_bits < 8
+    assert small.bits == pytest.approx(cheapest_bits(capture.kv.shape, 128, settings), abs=1e-12)
+    serving(small.config, N_LAYERS, N_KV)
+    assert small.config.provenance["predicted_damage"] == small.predicted
