@@ -26,6 +26,7 @@ from .model import (
     default_gguf_path,
     float_environment,
     load_model,
+    transformers_dir,
     supported_shape,
 )
 from .text import Text, load_text, tokenize
@@ -45,6 +46,7 @@ __all__ = [
     "default_gguf_path",
     "float_environment",
     "load_model",
+    "transformers_dir",
     "load_text",
     "supported_shape",
     "tokenize",

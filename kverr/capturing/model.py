@@ -370,6 +370,20 @@ def _load_dir(
     )
 
 
+def transformers_dir(spec: str = "default") -> Path:
+    """The transformers directory (``config.json``, safetensors, tokenizer) of a model spec:
+    for ``"default"``, the bundled GGUF dequantized to float32 and saved once under
+    :func:`cache_dir`; else the directory itself, checked."""
+    if spec == "default":
+        gguf = default_gguf_path()
+        gguf_sha = _sha256_file(gguf)
+        converted = _converted_default_dir(gguf_sha)
+        if not _is_converted(converted):
+            _convert_default(gguf, gguf_sha, converted)
+        return converted
+    return _model_dir(spec)
+
+
 def load_model(spec: str = "default", *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a model to capture from.
 
@@ -393,15 +407,11 @@ def load_model(spec: str = "default", *, dtype: torch.dtype = torch.float32) -> 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ModelError(f"dtype must be a floating torch dtype such as torch.float32, got {dtype!r}")
     if spec == "default":
-        gguf = default_gguf_path()
-        gguf_sha = _sha256_file(gguf)
-        converted = _converted_default_dir(gguf_sha)
-        if not _is_converted(converted):
-            _convert_default(gguf, gguf_sha, converted)
-        else:
-            log.info("loading the default model from its converted copy %s", converted)
+        converted = transformers_dir("default")
+        log.info("loading the default model from its converted copy %s", converted)
         return _load_dir(
-            converted, dtype=dtype, model_id=DEFAULT_MODEL_ID, weights_sha256=gguf_sha
+            converted, dtype=dtype, model_id=DEFAULT_MODEL_ID,
+            weights_sha256=json.loads((converted / "kverr-source.json").read_text())["gguf_sha256"],
         )
     path = _model_dir(spec)
     # Reject an unsupported model before hashing (possibly many GB of) weights.

@@ -24,8 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", required=True, choices=("vllm", "hf"), help="target engine")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--capture", type=Path, help="capture for static fp8 scales (vllm)")
-    p.add_argument("--model-dir", type=Path, help="vllm: the model's transformers directory (config.json and "
-                   "safetensors weights); the export is then a complete model directory vLLM loads")
+    p.add_argument("--model-dir", help="vllm: the model's transformers directory (config.json and "
+                   "safetensors weights), or 'default' for the bundled model; the export is then a "
+                   "complete model directory vLLM loads")
     p.add_argument("--dtype", choices=("fp16", "bf16"), help="vllm: the dtype the model is served in "
                    "(default: the model directory's, else fp16)")
     p.add_argument("--model", default="default", help="model whose shape the config is checked against "
@@ -39,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from kverr.memory import model_shape
 
     cfg = resolve(args.config)
+    if args.model_dir == "default":
+        from kverr.capturing import transformers_dir
+
+        args.model_dir = transformers_dir("default")
     shape = model_shape(str(args.model_dir) if args.model_dir is not None else args.model)
     cfg.check_model(shape.n_layers, shape.n_kv_heads, shape.head_dim)
     check_model_matches(cfg, shape=(shape.n_layers, shape.n_kv_heads, shape.head_dim))

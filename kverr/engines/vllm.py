@@ -358,7 +358,8 @@ def export_vllm(config: CacheConfig, out: str | os.PathLike[str], *, capture: An
     overwrite : bool
         Replace a previous export at ``out``.
     model_dtype : {"fp16", "bf16"}, optional
-        The dtype the model serves in (default: the model directory's, else fp16): keys and
+        The dtype the model serves in (default: the model directory's, fp16 for a float32 one
+        or without a directory): keys and
         values are rounded to it before the scales are computed, and it is passed to ``vllm
         serve --dtype``.
 
@@ -392,7 +393,8 @@ def export_vllm(config: CacheConfig, out: str | os.PathLike[str], *, capture: An
     elif capture is not None:
         n_layers, n_kv = capture.kv.n_layers, capture.kv.n_kv_heads
     plan = serving(config, n_layers, n_kv)
-    dtype = model_dtype or (model.dtype if model is not None else "fp16")
+    # a float32 checkpoint is served in fp16 unless told otherwise (vllm serve --dtype says so)
+    dtype = model_dtype or (model.dtype if model is not None and model.dtype != "fp32" else "fp16")
     if dtype not in _SKIP_DTYPES:
         raise ConfigError(f"model dtype {dtype!r}: vLLM's fp8 and quantized caches serve fp16 or bf16 models")
     serve_dtype = {"fp16": "float16", "bf16": "bfloat16"}[dtype]

@@ -268,3 +268,17 @@ def test_cli_prints_the_serve_command(capture, tmp_path, capsys):
 def test_int_formats_are_no_vllm_dtype_by_name():
     with pytest.raises(ConfigError, match="int8a/tok"):
         serving(CacheConfig(k=int_format(8, PerToken()), v=int_format(8, PerToken())), 2, 3)
+
+
+def test_the_bundled_model_as_model_directory(tmp_path, capsys):
+    """--model-dir default: the bundled model's transformers copy (float32: served in fp16)."""
+    from kverr.capturing import transformers_dir
+    from kverr.cli import main
+
+    out = tmp_path / "out"
+    assert main(["export", "vllm-int8-per-token-head", "--format", "vllm", "--model-dir", "default",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    want = f"vllm serve {transformers_dir('default')} --dtype float16 --kv-cache-dtype int8_per_token_head"
+    assert want in text
+    assert json.loads((out / SUMMARY).read_text())["command"] == want
