@@ -15,14 +15,24 @@ Protocol (:func:`evaluate`), for every text segment and prefill length ``P``:
 Schemes: every kverr config (presets or JSON files), and the peers — transformers'
 ``QuantizedCache`` with the quanto backend (``quanto-int4``, ``quanto-int2``: group 64,
 residual 128) — each at its effective bits including metadata.
+
+Static scales (per tensor or per kv head, over all tokens): by default the cache takes them from
+the first chunk it quantizes, the prefill (``scales="prefill"``). A deployed engine uses scales
+fixed beforehand instead: vLLM's ``--kv-cache-dtype fp8`` reads them from the checkpoint
+(``model.layers.{i}.self_attn.{k,v}_scale``, float32 ``[1]`` per tensor or ``[n_kv_heads]`` per
+kv head, as :func:`kverr.engines.vllm.export_vllm` writes them) and uses 1.0 without them. A
+scheme's ``scales`` gives them (:func:`read_scales`): a vLLM export directory or a safetensors
+file holding those names, or ``"unit"`` (every scale 1.0).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +40,20 @@ import numpy as np
 import torch
 
 from kverr.config import PRESETS, CacheConfig, resolve
-from kverr.exceptions import ConfigError, TextError
+from kverr.exceptions import ConfigError, NonFiniteError, ShapeError, TextError
 from kverr.memory import ModelShape, account
-from kverr.quant import PerTokenGroup, int_format
+from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format, is_static
 
 log = logging.getLogger(__name__)
 
 PEERS = {"quanto-int4": 4, "quanto-int2": 2}
 QUANTO_GROUP, QUANTO_RESIDUAL = 64, 128
+
+#: ``scales`` values that are not files: every static scale 1.0 (what vLLM uses when the
+#: checkpoint has none), or the first chunk's (the prefill's) scales, the cache's default.
+UNIT_SCALES, PREFILL_SCALES = "unit", "prefill"
+#: The names vLLM loads static kv-cache scales from (see :mod:`kverr.engines.vllm`).
+SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,9 @@ class Scheme:
     kind: str  # "kverr" | "quanto" | "reference"
     config: CacheConfig | None = None
     nbits: int | None = None
+    #: static scales: None or "prefill" (the first chunk's), "unit", or a vLLM export directory
+    #: or safetensors file (:func:`read_scales`)
+    scales: str | None = None
 
     def equivalent_config(self, model_dtype: torch.dtype) -> CacheConfig | None:
         """A kverr config that stores what this scheme stores (for effective bits)."""
@@ -62,11 +81,16 @@ class Scheme:
 
 
 def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
-                  config_option: str | None = "--config") -> list[Scheme]:
+                  config_option: str | None = "--config",
+                  scales: dict[tuple[str, int], str] | None = None) -> list[Scheme]:
     """``--scheme NAME`` (preset or peer) and ``--config PATH`` -> schemes, in order, no duplicates.
 
     ``config_option`` is the option that gives config files in the calling command, named in
-    error messages; None when the command has none.
+    error messages; None when the command has none. ``scales`` maps ``("scheme", i)`` or
+    ``("config", j)`` (the i-th scheme, the j-th config) to the static scales it is evaluated
+    with (see :class:`Scheme`); such a scheme is named ``NAME@SOURCE`` (``SOURCE``: ``unit``,
+    ``prefill``, or the file's or directory's name), so that one config with several scales is
+    several schemes.
     """
     from kverr.engines import engine_presets
 
@@ -82,9 +106,18 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
             raise ConfigError(
                 f"--scheme {s!r} is not known; schemes: {', '.join([*named, *PEERS])}{hint}"
             )
+    n_named = len(out)
     for path in configs:
         cfg = resolve(path)
         out.append(Scheme(cfg.name or Path(path).stem, "kverr", cfg))
+    for (what, i), source in (scales or {}).items():
+        j = i if what == "scheme" else n_named + i
+        if what not in ("scheme", "config") or not 0 <= j < len(out):
+            raise ConfigError(f"--scales for {what} {i}: no such --{what}")
+        s = out[j]
+        if s.kind != "kverr":
+            raise ConfigError(f"--scales {source}: {s.name} is a peer; scales are given to kverr configs")
+        out[j] = replace(s, name=f"{s.name}@{scales_label(source)}", scales=str(source))
     names = [s.name for s in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -94,11 +127,134 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     return out
 
 
-def make_cache(scheme: Scheme, model: Any) -> Any:
-    """A fresh cache object for ``scheme``."""
+def scales_label(source: str | os.PathLike[str]) -> str:
+    """How a scale source names a scheme: ``unit``, ``prefill``, or the file's or directory's
+    name (a file in a directory named by the directory: an export's ``kv_scales.safetensors``)."""
+    s = str(source)
+    if s in (UNIT_SCALES, PREFILL_SCALES):
+        return s
+    p = Path(s)
+    from kverr.engines.vllm import SCALES
+
+    return p.parent.name if p.name == SCALES and p.parent.name else (p.stem if p.suffix else p.name)
+
+
+def _static_layers(config: CacheConfig, n_layers: int, n_kv: int, what: str) -> dict[tuple[int, str], tuple[int, ...]]:
+    """``(layer, side) -> the scale shape vLLM loads`` for every layer and side that ``config``
+    stores with static scales; refuses what a per-tensor/per-head scale file cannot give."""
+    from kverr.config import WHICH
+
+    need = {}
+    for layer in range(n_layers):
+        for w in WHICH:
+            groups = [(f, h) for f, h in config.head_groups(layer, n_kv, w) if not f.is_float]
+            static = [f for f, _ in groups if is_static(f.granularity)]
+            if not static:
+                continue
+            side = "keys" if w == "k" else "values"
+            if len(groups) > 1:
+                raise ConfigError(f"{what}: layer {layer} stores {side} in {len(groups)} formats across its kv "
+                                  "heads; given scales are one per layer or per kv head of one format")
+            f = static[0]
+            if not isinstance(f.granularity, (PerTensor, PerHead)):
+                raise ConfigError(f"{what}: layer {layer} {side} use {f.granularity.kind} static scales; given "
+                                  "scales are per tensor or per kv head")
+            if f.has_zero:
+                raise ConfigError(f"{what}: layer {layer} {side} use the asymmetric {f.label()}; given scales "
+                                  "are for symmetric formats (no zero point)")
+            need[(layer, w)] = (1,) if isinstance(f.granularity, PerTensor) else (n_kv,)
+    if not need:
+        raise ConfigError(f"{what}: {config.name or 'the config'} has no static per-tensor or per-head scales "
+                          "to give")
+    return need
+
+
+def read_scales(source: str | os.PathLike[str], config: CacheConfig, n_layers: int,
+                n_kv: int) -> dict[int, dict[str, tuple[torch.Tensor, None]]] | None:
+    """The static scales ``source`` gives ``config``, as :class:`kverr.hf.KverrCache` takes them
+    (``{layer: {"k": (scale, None), "v": ...}}``, per tensor ``[1, 1, 1]``, per kv head
+    ``[n_kv, 1, 1]``), or None for ``"prefill"`` (the cache's default).
+
+    ``source``: ``"unit"`` (every scale 1.0), or a vLLM export directory (its
+    ``kv_scales.safetensors``) or a safetensors file holding ``model.layers.{i}.self_attn.k_scale``
+    and ``v_scale`` for every layer and side ``config`` stores with static scales, of shape ``[1]``
+    (per tensor) or ``[n_kv]`` (per kv head), positive and finite, as vLLM loads them. Scales of
+    layers the config keeps in a float format are not used; other tensors are ignored.
+
+    Raises
+    ------
+    ConfigError
+        The config has no static per-tensor/per-head scales, or uses per-channel or asymmetric
+        static scales; the file is missing or not safetensors; a scale is missing, for a layer
+        the model does not have, or not positive.
+    ShapeError
+        A scale's shape is not ``[1]`` or ``[n_kv]`` as the config's granularity needs.
+    NonFiniteError
+        A scale is NaN or infinite.
+    """
+    src = str(source)
+    what = f"--scales {src}"
+    need = _static_layers(config, n_layers, n_kv, what)
+    if src == PREFILL_SCALES:
+        return None
+    if src == UNIT_SCALES:
+        got = {key: torch.ones(shape) for key, shape in need.items()}
+    else:
+        got = _read_scale_file(Path(src).expanduser(), what, n_layers)
+    out: dict[int, dict[str, tuple[torch.Tensor, None]]] = {}
+    for (layer, w), shape in need.items():
+        name = f"model.layers.{layer}.self_attn.{w}_scale"
+        if (layer, w) not in got:
+            raise ConfigError(f"{what}: no {name} (layer {layer} stores {'keys' if w == 'k' else 'values'} "
+                              f"with static scales; expected shape {list(shape)})")
+        t = got[(layer, w)]
+        if tuple(t.shape) != shape:
+            kind = "per tensor" if shape == (1,) else "per kv head"
+            raise ShapeError(f"{what}: {name} has shape {list(t.shape)}, expected {list(shape)} ({kind})")
+        if not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"{what}: {name} holds NaN or Inf; scales must be positive and finite")
+        if bool((t <= 0).any()):
+            raise ConfigError(f"{what}: {name} holds {float(t.min()):g}; scales must be positive and finite")
+        out.setdefault(layer, {})[w] = (t.reshape(-1, 1, 1).clone(), None)
+    return out
+
+
+def _read_scale_file(path: Path, what: str, n_layers: int) -> dict[tuple[int, str], torch.Tensor]:
+    """``(layer, side) -> float32 scale`` of every vLLM kv-scale name in a safetensors file."""
+    from kverr.engines.vllm import SCALES
+
+    file = path / SCALES if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"{what}: no such file" + (f" (a directory without {SCALES})" if path.is_dir() else "")
+                          + "; give 'unit', 'prefill', a vLLM export directory or a safetensors file")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(f"{what}: {file} is not a readable safetensors file ({exc})") from None
+    got = {}
+    for name, t in tensors.items():
+        m = SCALE_NAME.fullmatch(name)
+        if m is None:
+            continue
+        layer = int(m.group(1))
+        if layer >= n_layers:
+            raise ConfigError(f"{what}: {name} is for layer {layer}; the model has {n_layers} layers")
+        if not t.is_floating_point():
+            raise ConfigError(f"{what}: {name} is {t.dtype}, not a float")
+        got[(layer, m.group(2))] = t.to(torch.float32)
+    return got
+
+
+def make_cache(scheme: Scheme, model: Any, static_scales: dict | None = None) -> Any:
+    """A fresh cache object for ``scheme``; ``static_scales`` as :func:`read_scales` gives them."""
     if scheme.kind == "kverr":
         from kverr.hf import cache_for
 
+        if static_scales is not None:  # given scales: the reference cache, which takes them per layer
+            return cache_for(model, scheme.config, backend="reference", static_scales=static_scales)
         return cache_for(model, scheme.config)  # the kernel path on a GPU, the reference on a CPU
     from transformers import DynamicCache
 
@@ -279,6 +435,7 @@ def evaluate(
         raise ConfigError("prefill, decode and segments must be at least 1")
     model = loaded.model
     shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim, loaded.model_id, loaded.max_context)
+    given: dict[str, dict | None] = {}
     for s in schemes:
         if s.config is not None:
             s.config.check_model(shape.n_layers, shape.n_kv_heads, shape.head_dim)
@@ -286,6 +443,10 @@ def evaluate(
                 from kverr.config import check_model_matches
 
                 check_model_matches(s.config, loaded.weights_sha256, loaded.model_id)
+        if s.scales is not None:
+            if s.config is None:
+                raise ConfigError(f"{s.name}: scales are given to kverr configs only")
+            given[s.name] = read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
     g_steps = decode if greedy_steps is None else greedy_steps
     jobs = segment_jobs(loaded, text, prefill=prefill, decode=decode, segments=segments, offset=offset)
     flush = prefill_policy == "all"
@@ -300,9 +461,10 @@ def evaluate(
         targets = ids[p + 1 :]
         for s in schemes:
             bar.set_postfix_str(f"P={p} seg={seg} {s.name}")
-            cache = make_cache(s, model)
+            cache = make_cache(s, model, given.get(s.name))
             logp = teacher_forced(model, cache, ids, p, flush=flush)
-            row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off}
+            row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off,
+                   "scales": (s.scales or PREFILL_SCALES) if s.kind == "kverr" else ""}
             eq = s.equivalent_config(model.dtype)
             # What the cache held at the end of this run: the P + N tokens fed, the prefill
             # quantized whole when the run flushed it (teacher_forced flushes caches that can;
@@ -318,7 +480,8 @@ def evaluate(
             if g_steps:
                 # No divergence within the greedy steps counts as g_steps (a lower bound), so
                 # that means over segments stay meaningful.
-                div = first_divergence(ref_greedy, greedy(model, make_cache(s, model), ids[:p], g_steps, flush=flush))
+                div = first_divergence(ref_greedy, greedy(model, make_cache(s, model, given.get(s.name)), ids[:p],
+                                                          g_steps, flush=flush))
                 row["first_divergence"] = g_steps if div < 0 else div
             rows.append(row)
             if on_row is not None:
@@ -330,7 +493,8 @@ def evaluate(
 
 
 def summarize_schemes(df: Any) -> Any:
-    """Mean (and spread over segments) per (scheme, prefill), ordered by effective bits."""
+    """Mean (and spread over segments: the standard deviation, ``_std``, and the standard error of
+    the mean, ``_se``) per (scheme, prefill), ordered by effective bits."""
     metrics = ["effective_bits", "mean_kl", "p50_kl", "p99_kl", "top1", "ppl", "ppl_ref", "ppl_delta"]
     if "first_divergence" in df:
         metrics.append("first_divergence")
@@ -339,6 +503,11 @@ def summarize_schemes(df: Any) -> Any:
     spread = g[["mean_kl", "top1", "ppl_delta"]].std(ddof=0).add_suffix("_std")
     out = out.join(spread)
     out["segments"] = g.size()
+    # the standard error of the mean over segments (NaN for one segment)
+    se = g[["mean_kl", "top1"]].std(ddof=1).div(np.sqrt(out["segments"]), axis=0).add_suffix("_se")
+    out = out.join(se)
+    if "scales" in df:
+        out["scales"] = g["scales"].first()
     out = out.reset_index()
     out["ppl_fp16"] = out["ppl_ref"]  # the unquantized cache of the model's own dtype
     return out.sort_values(["prefill", "effective_bits"]).reset_index(drop=True)

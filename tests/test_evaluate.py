@@ -131,3 +131,158 @@ def test_int4_g64_matches_quanto_int4_on_the_bundled_model():
     assert kl["int4-token-g64"] == pytest.approx(kl["quanto-int4"], rel=0.15)
     # KIVI's per-channel keys do less damage than per-token keys at the same bits (seeds' claim)
     assert kl["kivi-4"] < kl["int4-token-g64"]
+
+
+# ---- given static scales (--scales) ------------------------------------------------------------
+
+
+def _scale_file(path, n_layers, n_kv, *, per_head=False, value=1.0, **special):
+    """A safetensors file of vLLM kv scales: every layer and side ``value`` unless ``special``
+    (``k0=...`` for layer 0's keys) says otherwise; per head: shape ``[n_kv]``."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for layer in range(n_layers):
+        for w in "kv":
+            v = special.get(f"{w}{layer}", value)
+            t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+            tensors[f"model.layers.{layer}.self_attn.{w}_scale"] = (t.expand(n_kv) if per_head and t.numel() == 1
+                                                                    else t).contiguous()
+    save_file(tensors, str(path))
+    return path
+
+
+def _stored_max(lm, cfg, source, x):
+    """The largest magnitude per kv head the cache gives back for keys ``x`` stored in layer 0
+    with the scales ``source``."""
+    from kverr.evaluation import Scheme, make_cache, read_scales
+
+    scales = read_scales(source, cfg, lm.n_layers, lm.n_kv_heads)
+    cache = make_cache(Scheme("s", "kverr", cfg, scales=str(source)), lm.model, scales)
+    cache.update(x, x, 0)
+    cache.flush()
+    return cache.read(0, "k").abs().amax(dim=(0, 2, 3))
+
+
+def test_given_scales_are_the_ones_the_cache_uses(tiny, tmp_path):
+    """Keys up to 1000 in fp8 (largest code 448): unit scales saturate at 448, a scale of 2 at
+    896, the prefill's absmax scale keeps 1000; per head, each head its own scale."""
+    _, lm = tiny
+    L, H = lm.n_layers, lm.n_kv_heads
+    x = torch.linspace(-1000.0, 1000.0, H * 16 * 64).reshape(1, H, 16, 64)
+    tensor = PRESETS["fp8-e4m3-tensor"]
+    two = _scale_file(tmp_path / "two.safetensors", L, H, k0=2.0)
+    assert _stored_max(lm, tensor, "unit", x).tolist() == [448.0] * H
+    assert _stored_max(lm, tensor, two, x).tolist() == [896.0] * H
+    assert _stored_max(lm, tensor, "prefill", x).tolist() == pytest.approx([1000.0] * H, rel=0.07)
+    head = PRESETS["fp8-e4m3-head"]
+    per_head = [0.5 * (h + 1) for h in range(H)]
+    f = _scale_file(tmp_path / "head.safetensors", L, H, per_head=True, k0=per_head)
+    assert _stored_max(lm, head, f, x).tolist() == [448.0 * s for s in per_head]
+    # an export directory is read through its kv_scales.safetensors
+    d = tmp_path / "export"
+    d.mkdir()
+    _scale_file(d / "kv_scales.safetensors", L, H, k0=2.0)
+    assert _stored_max(lm, tensor, d, x).tolist() == [896.0] * H
+
+
+def test_given_scales_change_what_evaluate_measures(tiny, tmp_path, capsys):
+    """The same config with unit scales and with tiny scales (everything saturates) is two
+    schemes, named by their scales, and the tiny scales do far more damage; a file of ones is
+    unit scales."""
+    path, _ = tiny
+    _, lm = tiny
+    txt = tmp_path / "t.txt"
+    txt.write_text(_text().text)
+    ones = _scale_file(tmp_path / "ones.safetensors", lm.n_layers, lm.n_kv_heads)
+    tinys = _scale_file(tmp_path / "tiny.safetensors", lm.n_layers, lm.n_kv_heads, value=1e-3)
+    out = tmp_path / "r.csv"
+    argv = ["evaluate", "--model", str(path), "--text", str(txt), "--prefill", "40", "--decode", "8", "--offset", "0",
+            "--segments", "2", "--greedy", "0", "--out", str(out)]
+    for src in ("unit", ones, tinys, "prefill"):
+        argv += ["--scheme", "fp8-e4m3-tensor", "--scales", str(src)]
+    assert main(argv) == 0
+    seg = pd.read_csv(tmp_path / "r.segments.csv")
+    kl = seg.groupby("scheme")["mean_kl"].apply(list)
+    assert set(kl.index) == {"fp8-e4m3-tensor@unit", "fp8-e4m3-tensor@ones", "fp8-e4m3-tensor@tiny",
+                             "fp8-e4m3-tensor@prefill"}
+    assert kl["fp8-e4m3-tensor@unit"] == kl["fp8-e4m3-tensor@ones"]
+    assert min(kl["fp8-e4m3-tensor@tiny"]) > 10 * max(kl["fp8-e4m3-tensor@unit"])
+    assert kl["fp8-e4m3-tensor@prefill"] != kl["fp8-e4m3-tensor@unit"]
+    summary = pd.read_csv(out)
+    assert {"mean_kl_se", "top1_se", "scales"} <= set(summary.columns)
+    se = float(summary.set_index("scheme").loc["fp8-e4m3-tensor@tiny", "mean_kl_se"])
+    assert se == pytest.approx(abs(kl["fp8-e4m3-tensor@tiny"][0] - kl["fp8-e4m3-tensor@tiny"][1]) / 2)
+
+
+@pytest.mark.parametrize("case, special, kind, message", [
+    ("missing", {"drop": "model.layers.1.self_attn.v_scale"}, ConfigError, r"no model\.layers\.1\.self_attn\.v_scale"),
+    ("shape", {"k1": [1.0, 1.0]}, "ShapeError", r"model\.layers\.1\.self_attn\.k_scale has shape \[2\], expected \[1\] \(per tensor\)"),
+    ("negative", {"v0": -0.5}, ConfigError, r"model\.layers\.0\.self_attn\.v_scale holds -0\.5; scales must be positive"),
+    ("zero", {"v0": 0.0}, ConfigError, r"v_scale holds 0; scales must be positive"),
+    ("nan", {"k0": float("nan")}, "NonFiniteError", r"model\.layers\.0\.self_attn\.k_scale holds NaN or Inf"),
+    ("layer", {"extra": "model.layers.99.self_attn.k_scale"}, ConfigError, r"is for layer 99; the model has"),
+])
+def test_bad_scales_are_refused_with_one_line(tiny, tmp_path, capsys, monkeypatch, case, special, kind, message):
+    import kverr.evaluation as ev
+    from kverr import exceptions
+    from safetensors.torch import load_file, save_file
+
+    path, lm = tiny
+    kind = getattr(exceptions, kind) if isinstance(kind, str) else kind
+    f = _scale_file(tmp_path / f"{case}.safetensors", lm.n_layers, lm.n_kv_heads,
+                    **{k: v for k, v in special.items() if k not in ("drop", "extra")})
+    if "drop" in special or "extra" in special:
+        t = load_file(str(f))
+        t.pop(special.get("drop"), None)
+        if "extra" in special:
+            t[special["extra"]] = torch.ones(1)
+        save_file(t, str(f))
+    with pytest.raises(kind, match=message):
+        ev.read_scales(f, PRESETS["fp8-e4m3-tensor"], lm.n_layers, lm.n_kv_heads)
+    # the command refuses it in one line, before loading the model
+    monkeypatch.setattr("kverr.capturing.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code = main(["evaluate", "--model", str(path), "--scheme", "fp8-e4m3-tensor", "--scales", str(f),
+                 "--out", str(tmp_path / "x.csv")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--scales" in err
+
+
+def test_scales_for_what_cannot_take_them_are_refused(tiny, tmp_path, capsys):
+    from kverr.evaluation import read_scales
+
+    path, lm = tiny
+    L, H = lm.n_layers, lm.n_kv_heads
+    with pytest.raises(ConfigError, match="has no static per-tensor or per-head scales"):
+        read_scales("unit", PRESETS["kivi-2"], L, H)
+    with pytest.raises(ConfigError, match="no such file"):
+        read_scales(tmp_path / "none.safetensors", PRESETS["fp8-e4m3-tensor"], L, H)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_text("not safetensors")
+    with pytest.raises(ConfigError, match="is not a readable safetensors file"):
+        read_scales(bad, PRESETS["fp8-e4m3-tensor"], L, H)
+    # a per-head config needs [n_kv] scales: a per-tensor file is refused
+    f = _scale_file(tmp_path / "t.safetensors", L, H)
+    if H > 1:
+        with pytest.raises(Exception, match=rf"has shape \[1\], expected \[{H}\] \(per kv head\)"):
+            read_scales(f, PRESETS["fp8-e4m3-head"], L, H)
+    # skip layers (float) need no scales: a file without them is accepted
+    skip = PRESETS["fp8-e4m3-tensor"].with_(layers={0: Override(k=float_format("fp16"), v=float_format("fp16"))})
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(f))
+    del t["model.layers.0.self_attn.k_scale"], t["model.layers.0.self_attn.v_scale"]
+    save_file(t, str(f))
+    got = read_scales(f, skip, L, H)
+    assert sorted(got) == list(range(1, L))
+    # --scales before any --scheme/--config, or twice for one, is refused by the parser
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--scales", "unit", "--scheme", "fp8-e4m3-tensor", "--out", str(tmp_path / "y.csv")])
+    assert "put it after the --scheme or --config" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--scheme", "fp8-e4m3-tensor", "--scales", "unit", "--scales", "prefill",
+              "--out", str(tmp_path / "y.csv")])
+    assert "already has --scales unit" in capsys.readouterr().err
+    # a peer takes no scales
+    with pytest.raises(ConfigError, match="is a peer"):
+        parse_schemes(["quanto-int4"], scales={("scheme", 0): "unit"})

@@ -17,11 +17,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "mean/p50/p99 KL, top-1 agreement, perplexity and its delta, and the first step where "
         "greedy generation diverges. Peers: quanto-int4, quanto-int2 (transformers' "
         "QuantizedCache, group 64, residual 128). Writes a CSV (one row per scheme and context, "
-        "mean over segments), the per-segment rows beside it and a plot of KL against effective bits.",
+        "mean over segments, with standard errors), the per-segment rows beside it and a plot of "
+        "KL against effective bits. Static per-tensor/per-head scales come from the prefill unless "
+        "--scales gives them, as a serving engine has them fixed beforehand.",
     )
     p.add_argument("--model", default="default", help="'default' or a transformers model directory")
-    p.add_argument("--scheme", action="append", default=[], metavar="NAME", help="a preset or a peer (repeat)")
-    p.add_argument("--config", action="append", default=[], metavar="PATH", help="a config JSON (repeat)")
+    p.add_argument("--scheme", action=_Remember, default=[], metavar="NAME", help="a preset or a peer (repeat)")
+    p.add_argument("--config", action=_Remember, default=[], metavar="PATH", help="a config JSON (repeat)")
+    p.add_argument(
+        "--scales", action=_Scales, default={}, metavar="SRC",
+        help="static scales for the --scheme or --config just before it: a vLLM export directory or a "
+        "safetensors file (model.layers.{i}.self_attn.{k,v}_scale, [1] per tensor or [n_kv_heads] per "
+        "head, as vLLM loads them), 'unit' (all 1.0: vLLM's fp8 without checkpoint scales) or 'prefill' "
+        "(the first chunk's, the default); the scheme is named NAME@SRC, so one config may be given "
+        "several times with different scales",
+    )
     p.add_argument("--text", default="pydoc", help="'pydoc' (the stdlib's topics) or a UTF-8 file")
     p.add_argument("--prefill", action="append", type=positive_int, metavar="P", help="prefill tokens (repeat; default 1024)")
     p.add_argument("--decode", type=positive_int, default=128, help="teacher-forced decode steps (default: %(default)s)")
@@ -41,10 +51,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+class _Remember(argparse.Action):
+    """Append like ``action="append"`` and remember which option and index came last, for --scales."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest) or [])
+        setattr(namespace, self.dest, [*items, values])
+        namespace._scales_target = (self.dest, len(items))
+
+
+class _Scales(argparse.Action):
+    """``--scales SRC``: the scales of the --scheme or --config given just before it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        target = getattr(namespace, "_scales_target", None)
+        given = dict(getattr(namespace, self.dest) or {})
+        if target is None:
+            parser.error(f"--scales {values}: put it after the --scheme or --config it gives scales to")
+        if target in given:
+            parser.error(f"--scales {values}: --{target[0]} {getattr(namespace, target[0])[target[1]]} already "
+                         f"has --scales {given[target]}")
+        given[target] = values
+        setattr(namespace, self.dest, given)
+
+
 def run(args: argparse.Namespace) -> int:
     from kverr.capturing import load_model, load_text, supported_shape
     from kverr.config import atomic_write_text, check_model_matches
-    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, summarize_schemes
+    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, read_scales, summarize_schemes
     from kverr.io import check_output_path
 
     import torch
@@ -56,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     # The plot and per-segment CSV beside --out obey the same overwrite rule as --out itself.
     for path in (out, segments_csv, out.with_suffix(".png")):
         check_output_path(path, overwrite=args.overwrite, kind="file")
-    schemes = parse_schemes(args.scheme, args.config)
+    schemes = parse_schemes(args.scheme, args.config, scales=args.scales)
     # Everything that can be checked without the model is checked before loading it.
     shape = supported_shape(args.model)
     dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
@@ -64,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         if s.config is not None:
             s.config.check_model(*dims)
             check_model_matches(s.config, shape=dims)
+            if s.scales is not None:
+                read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
     text = load_text(args.text)
     loaded = load_model(args.model)
     import pandas as pd
@@ -80,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize_schemes(df)
     atomic_write_text(out, summary.to_csv(index=False))
     plot = plot_kl_vs_bits(summary, out.with_suffix(".png"))
-    cols = ["scheme", "prefill", "effective_bits", "mean_kl", "p99_kl", "top1", "ppl", "ppl_fp16"]
+    cols = ["scheme", "prefill", "effective_bits", "mean_kl", "mean_kl_se", "p99_kl", "top1", "top1_se", "ppl",
+            "ppl_fp16"]
     if "first_divergence" in summary:
         cols.append("first_divergence")
     print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
