@@ -58,11 +58,18 @@ def now() -> str:
 
 def pydoc_capture(tokens: int) -> Path:
     """The first ``tokens`` of pydoc captured from the default model, every layer, made once under
-    :data:`WORK` with ``kverr capture --model default --text pydoc --tokens N``."""
+    :data:`WORK` with ``kverr capture --model default --text pydoc --tokens N`` in the reproducible
+    float environment (``kverr.capturing.REPRODUCIBLE_FLOAT_ENV``, set before torch starts: a
+    subprocess), as ``data/README.md`` documents for the calibration capture."""
+    import subprocess
+    import sys
+
+    from kverr.capturing import REPRODUCIBLE_FLOAT_ENV
+
     path = WORK / f"pydoc-{tokens}.zarr"
     if not path.exists():
-        from kverr.cli import main
-
         path.parent.mkdir(parents=True, exist_ok=True)
-        main(["capture", "--model", "default", "--text", "pydoc", "--tokens", str(tokens), "--out", str(path)])
+        subprocess.run([sys.executable, "-m", "kverr.cli", "capture", "--model", "default", "--text", "pydoc",
+                        "--tokens", str(tokens), "--out", str(path)],
+                       env={**os.environ, **REPRODUCIBLE_FLOAT_ENV}, check=True)
     return path
