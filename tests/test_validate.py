@@ -42,6 +42,8 @@ def test_validate_calibrated_configs_agree(capsys, name):
     (calibrated-3b and -4b) -- run on the kernel path and agree with the reference."""
     pytest.importorskip("zarr")
     path = CAPTURE.parent / "configs" / f"{name}.json"
+    if name == "calibrated-prerope-3b":  # an earlier calibration's config, kept beside its experiment
+        path = CAPTURE.parents[1] / "experiments" / "does-sensitivity-weighting-choose-better-configs" / "configs" / f"{name}.json"
     text = path.read_text()
     assert '"hadamard"' in text and '"mse"' in text  # the branches this test is for
     if name == "calibrated-3b":

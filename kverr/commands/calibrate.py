@@ -187,27 +187,33 @@ def run(args: argparse.Namespace) -> int:
 def _run_vllm(args: argparse.Namespace, settings, capture, budgets, outs) -> int:
     from kverr.calibration.target import calibrate_for_vllm
     from kverr.config import atomic_write_text
-    from kverr.engines.vllm import serving
 
     res = calibrate_for_vllm(capture, settings, workers=args.workers, progress=True)
-    t = res.table
     for b, out in zip(budgets, outs):
-        cfg = res.configs[b]
-        cfg.save(out)
-        pv = cfg.provenance
-        plan = serving(cfg, capture.kv.n_layers, capture.kv.n_kv_heads)
-        print(f"budget {b:g} bits -> {out}: --kv-cache-dtype {plan.kv_cache_dtype}, skip layers "
-              f"{list(plan.skip_layers) or 'none'}, {pv['effective_bits']:.4f} effective bits at "
-              f"{pv['context_tokens']} tokens, objective {pv['objective']} = {pv['predicted_damage']:.4g}")
-        rows = t[t.budget_bits == float(b)]
-        for _, r in rows.iterrows():
-            mark = "" if r.feasible else "  (over budget)"
-            print(f"    {r.dtype:26s} {r.skip_rule:18s} skip {str(list(r.skip_layers)):16s} "
-                  f"{r.effective_bits:7.4f} bits  predicted {r.predicted:.4g}{mark}")
+        res.configs[b].save(out)
+    print(report_vllm(res, dict(zip(budgets, outs))))
     if args.frontier:
+        t = res.table
         atomic_write_text(args.frontier, t.assign(skip_layers=t.skip_layers.map(
             lambda x: " ".join(map(str, x)))).to_csv(index=False))
         print(f"wrote every dtype and skip rule ({len(t)} rows) to {args.frontier}")
     print(f"scored in {res.seconds:.1f} s; export a config with: kverr export CONFIG --format vllm "
           "--capture CAPTURE --model-dir MODEL_DIR --out OUT")
     return 0
+
+
+def report_vllm(res, outs: dict) -> str:
+    """What ``kverr calibrate --target vllm`` prints for each budget: the choice, then every
+    dtype and skip rule."""
+    lines = []
+    for b, out in outs.items():
+        pv = res.configs[b].provenance
+        skip = pv["kv_cache_dtype_skip_layers"]
+        lines.append(f"budget {b:g} bits -> {out}: --kv-cache-dtype {pv['kv_cache_dtype']}, skip layers "
+                     f"{skip or 'none'}, {pv['effective_bits']:.4f} effective bits at {pv['context_tokens']} "
+                     f"tokens, objective {pv['objective']} = {pv['predicted_damage']:.4g}")
+        for r in res.table[res.table.budget_bits == float(b)].to_dict("records"):
+            mark = "" if r["feasible"] else "  (over budget)"
+            lines.append(f"    {r['dtype']:26s} {r['skip_rule']:18s} skip {str(list(r['skip_layers'])):16s} "
+                         f"{r['effective_bits']:7.4f} bits  predicted {r['predicted']:.4g}{mark}")
+    return "\n".join(lines)

@@ -116,3 +116,13 @@ def test_projection_within_the_configs_bits_or_to_vllms_cheapest(capture):
     assert small.bits == pytest.approx(cheapest_bits(capture.kv.shape, 128, settings), abs=1e-12)
     serving(small.config, N_LAYERS, N_KV)
     assert small.config.provenance["predicted_damage"] == small.predicted
+
+
+def test_the_report_names_each_choice_and_every_dtype(result):
+    from kverr.commands.calibrate import report_vllm
+
+    text = report_vllm(result, {b: f"vllm-{b:g}b.json" for b in BUDGETS})
+    for b in BUDGETS:
+        pv = result.configs[b].provenance
+        assert f"budget {b:g} bits -> vllm-{b:g}b.json: --kv-cache-dtype {pv['kv_cache_dtype']}" in text
+    assert text.count("turboquant-edges") == len(BUDGETS) * len(vllm_families(D))
