@@ -248,6 +248,15 @@ def _read_scale_file(path: Path, what: str, n_layers: int) -> dict[tuple[int, st
     return got
 
 
+def _scales_column(scheme: Scheme) -> str:
+    """Where a scheme's static scales came from (empty when it has none)."""
+    if scheme.scales is not None:
+        return scheme.scales
+    static = scheme.config is not None and any(
+        not f.is_float and is_static(f.granularity) for _, f in scheme.config._all_formats())
+    return PREFILL_SCALES if static else ""
+
+
 def make_cache(scheme: Scheme, model: Any, static_scales: dict | None = None) -> Any:
     """A fresh cache object for ``scheme``; ``static_scales`` as :func:`read_scales` gives them."""
     if scheme.kind == "kverr":
@@ -464,7 +473,7 @@ def evaluate(
             cache = make_cache(s, model, given.get(s.name))
             logp = teacher_forced(model, cache, ids, p, flush=flush)
             row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off,
-                   "scales": (s.scales or PREFILL_SCALES) if s.kind == "kverr" else ""}
+                   "scales": _scales_column(s)}
             eq = s.equivalent_config(model.dtype)
             # What the cache held at the end of this run: the P + N tokens fed, the prefill
             # quantized whole when the run flushed it (teacher_forced flushes caches that can;

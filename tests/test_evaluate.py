@@ -209,6 +209,8 @@ def test_given_scales_change_what_evaluate_measures(tiny, tmp_path, capsys):
     assert kl["fp8-e4m3-tensor@unit"] == kl["fp8-e4m3-tensor@ones"]
     assert min(kl["fp8-e4m3-tensor@tiny"]) > 10 * max(kl["fp8-e4m3-tensor@unit"])
     assert kl["fp8-e4m3-tensor@prefill"] != kl["fp8-e4m3-tensor@unit"]
+    assert set(seg.loc[seg.scheme == "fp8-e4m3-tensor@unit", "scales"]) == {"unit"}
+    assert set(seg.loc[seg.scheme == "fp8-e4m3-tensor@prefill", "scales"]) == {"prefill"}
     summary = pd.read_csv(out)
     assert {"mean_kl_se", "top1_se", "scales"} <= set(summary.columns)
     se = float(summary.set_index("scheme").loc["fp8-e4m3-tensor@tiny", "mean_kl_se"])
@@ -286,3 +288,8 @@ def test_scales_for_what_cannot_take_them_are_refused(tiny, tmp_path, capsys):
     # a peer takes no scales
     with pytest.raises(ConfigError, match="is a peer"):
         parse_schemes(["quanto-int4"], scales={("scheme", 0): "unit"})
+    # the scales column: where static scales came from, empty for schemes without any
+    from kverr.evaluation import _scales_column
+
+    got = {s.name: _scales_column(s) for s in parse_schemes(["fp8-e4m3-head", "kivi-2", "quanto-int4"])}
+    assert got == {"fp8-e4m3-head": "prefill", "kivi-2": "", "quanto-int4": ""}
