@@ -323,3 +323,114 @@ def project_to_vllm(capture: Any, config: CacheConfig, settings: CalibrationConf
     return Projection(config, projected.with_(name=f"{config.name or 'config'}-vllm"), bits,
                       projected.provenance["effective_bits"], pred["total"],
                       projected.provenance["predicted_damage"], within, context)
+
+
+# --------------------------------------------------------------------------------------------
+# transformers' QuantizedCache
+# --------------------------------------------------------------------------------------------
+
+#: Residual buffer lengths tried for transformers' integer backends (tokens).
+HF_RESIDUALS = (0, 32, 64, 128)
+#: Channel groups tried (those dividing the head dim).
+HF_GROUPS = (32, 64, 128)
+
+
+def hf_candidates(head_dim: int) -> dict[str, CacheConfig]:
+    """The configs transformers' ``QuantizedCache`` runs, by a name giving backend, bits, group
+    and residual length: its presets (:mod:`kverr.engines.hf`) with every group dividing the
+    head dim and every residual length of :data:`HF_RESIDUALS` (the residual buffer counted as
+    kverr's window of that many tokens, its largest size)."""
+    from dataclasses import replace
+
+    from kverr.engines.hf import PRESETS
+    from kverr.quant.formats import PerTokenGroup
+
+    out = {}
+    for name, cfg in PRESETS.items():
+        if cfg.k.dtype != "int":
+            out[name] = cfg
+            continue
+        for g in HF_GROUPS:
+            if head_dim % g:
+                continue
+            fk, fv = replace(cfg.k, granularity=PerTokenGroup(g)), replace(cfg.v, granularity=PerTokenGroup(g))
+            for r in HF_RESIDUALS:
+                out[f"{name}-g{g}-r{r}"] = cfg.with_(k=fk, v=fv, window=r, name=None)
+    return out
+
+
+@dataclass(frozen=True)
+class HfCalibration:
+    """Result of :func:`calibrate_for_hf`: the chosen config per budget, and ``table``, one row
+    per candidate (``candidate, effective_bits, predicted``, by increasing bits)."""
+
+    configs: dict[float, CacheConfig]
+    table: Any
+    sensitivity: Any
+    capture: dict[str, Any]
+    seconds: float
+
+
+def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = None, sensitivity: Any = None,
+                     progress: bool = False) -> HfCalibration:
+    """Choose, per budget, transformers' ``QuantizedCache`` settings (backend, bits, group size,
+    residual length) of least predicted damage, with the calibration objective: every candidate
+    of :func:`hf_candidates` is scored whole (one format for every layer, head, keys and values,
+    as ``QuantizedCache`` stores it) and counted at ``settings.context`` tokens.
+
+    Raises
+    ------
+    ConfigError
+        A budget below every candidate.
+    """
+    import time
+
+    import pandas as pd
+
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.memory import account
+
+    from .objective import check_queries, layer_damage
+    from .search import _check_capture
+    from .sensitivity import check_capture_model, sensitivity_for_capture
+
+    t0 = time.perf_counter()
+    _check_capture(capture)
+    kv = capture.kv
+    context = settings.context or kv.n_tokens
+    check_queries(settings.queries, kv.n_tokens)
+    cands = hf_candidates(kv.head_dim)
+    if settings.objective == "kl" and sensitivity is None:
+        model = check_capture_model(capture, model or settings.model)
+        sensitivity = sensitivity_for_capture(capture, model=model, tokens=settings.sensitivity_tokens,
+                                              noise=settings.sensitivity_noise, sinks=0, progress=progress)
+    layers = kv.layers
+    if settings.objective == "kl":
+        w = np.stack([np.asarray(sensitivity.weights_k)[layers], np.asarray(sensitivity.weights_v)[layers]], axis=-1)
+    else:
+        w = np.ones((len(layers), 2))
+    damage = (layer_damage(capture, list(cands.values()), queries=settings.queries, decode=settings.decode,
+                           progress=progress) * w[None]).sum(axis=(1, 2))
+    rows = [dict(candidate=name, effective_bits=account(cfg, kv.shape, context).effective_bits, predicted=float(d))
+            for (name, cfg), d in zip(cands.items(), damage)]
+    table = pd.DataFrame(rows).sort_values(["effective_bits", "predicted"], kind="stable").reset_index(drop=True)
+    configs = {}
+    for budget in settings.budgets:
+        ok = table[table.effective_bits <= budget]
+        if ok.empty:
+            raise ConfigError(f"budget of {budget:g} effective bits is below every QuantizedCache setting kverr "
+                              f"expresses at {context} tokens (the cheapest costs {table.effective_bits.min():.4f})")
+        best = ok.sort_values("predicted", kind="stable").iloc[0]
+        from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVES
+
+        prov = {"tool": "kverr calibrate --target hf", "target": "hf", "candidate": best["candidate"],
+                "capture": kv.provenance, "budget_bits": float(budget),
+                "effective_bits": float(best["effective_bits"]), "context_tokens": context, "batch": 1,
+                "objective": OBJECTIVES[settings.objective],
+                "objective_definition": OBJECTIVE_KL_DOC if settings.objective == "kl" else OBJECTIVE_DOC,
+                "predicted_damage": float(best["predicted"]), "queries_per_layer": settings.queries,
+                "candidates_compared": len(table)}
+        if sensitivity is not None:
+            prov["sensitivity"] = sensitivity.to_dict()
+        configs[budget] = cands[best["candidate"]].with_(name=settings.name or f"hf-{budget:g}b", provenance=prov)
+    return HfCalibration(configs, table, sensitivity, kv.provenance, time.perf_counter() - t0)

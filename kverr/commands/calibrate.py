@@ -48,13 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "provenance and optionally the whole Pareto frontier.",
     )
     p.add_argument("--capture", required=True, type=Path, help="a capture of every layer (kverr capture)")
-    p.add_argument("--target", choices=("kverr", "vllm"), default="kverr",
+    p.add_argument("--target", choices=("kverr", "vllm", "hf"), default="kverr",
                    help="kverr (default): any format per layer, kv head and K|V; vllm: only what vLLM "
                    "serves -- one --kv-cache-dtype (fp8 with static per-tensor or per-head scales, "
                    "absmax or MSE-clipped per layer, or a per-token-head dtype) and the skip layers the "
                    "budget allows, those where the dtype does most damage; --frontier then writes every "
                    "dtype's damage, with the calibrated skip layers and with vLLM's TurboQuant "
-                   "convention (first and last two layers) at equal memory")
+                   "convention (first and last two layers) at equal memory; hf: transformers' "
+                   "QuantizedCache settings (backend, bits, group size, residual length), one format "
+                   "for the model; --frontier then writes every setting's bits and damage")
     p.add_argument("--budget-bits", required=True, type=_budgets, metavar="B[,B...]",
                    help="effective bits per element; a list writes one config per budget (use {bits} in --out)")
     p.add_argument("--out", required=True, help="config JSON to write; '{bits}' is replaced by the budget")
@@ -138,15 +140,15 @@ def run(args: argparse.Namespace) -> int:
                           f"frontier must reach the budget; give --max-bits {max(budgets):g} or more, or leave it out")
     if len(set(budgets)) != len(budgets):
         raise ConfigError(f"--budget-bits {','.join(f'{b:g}' for b in budgets)} names a budget twice")
-    if args.target == "vllm":
+    if args.target != "kverr":
         given = [o for o, v in (("--sinks", args.sinks), ("--window", args.window), ("--key-rope", args.key_rope),
                                 ("--scheduler", args.scheduler), ("--max-bits", args.max_bits))
                  if v is not None]
         given += [o for o, v in (("--window-dtype", args.window_dtype), ("--candidates", args.candidates))
                   if v != "auto"]
         if given:
-            raise ConfigError(f"--target vllm searches what vLLM serves (its cache dtypes, no sinks, no "
-                              f"window, keys after RoPE): {', '.join(given)} does not apply")
+            raise ConfigError(f"--target {args.target} searches only what the engine serves: "
+                              f"{', '.join(given)} does not apply")
     settings = settings_of(args)
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
     for o in outs + ([args.frontier] if args.frontier else []):
@@ -154,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     capture = open_capture(args.capture)
     if args.target == "vllm":
         return _run_vllm(args, settings, capture, budgets, outs)
+    if args.target == "hf":
+        return _run_hf(args, settings, capture, budgets, outs)
     # bars are drawn only when stderr is a terminal (kverr.progress)
     cal = calibrate(capture, settings, scheduler=args.scheduler, workers=args.workers, progress=True)
     if cal.sensitivity is not None:
@@ -217,3 +221,25 @@ def report_vllm(res, outs: dict) -> str:
             lines.append(f"    {r['dtype']:26s} {r['skip_rule']:18s} skip {str(list(r['skip_layers'])):16s} "
                          f"{r['effective_bits']:7.4f} bits  predicted {r['predicted']:.4g}{mark}")
     return "\n".join(lines)
+
+
+def _run_hf(args: argparse.Namespace, settings, capture, budgets, outs) -> int:
+    from kverr.calibration.target import calibrate_for_hf
+    from kverr.config import atomic_write_text
+    from kverr.engines.hf import check_hf
+
+    res = calibrate_for_hf(capture, settings, progress=True)
+    kv = capture.kv
+    for b, out in zip(budgets, outs):
+        cfg = res.configs[b]
+        cfg.save(out)
+        pv = cfg.provenance
+        cc = check_hf(cfg, kv.n_layers, kv.n_kv_heads, kv.head_dim)
+        print(f"budget {b:g} bits -> {out}: {pv['candidate']} (cache_config {cc}), {pv['effective_bits']:.4f} "
+              f"effective bits at {pv['context_tokens']} tokens, objective {pv['objective']} = "
+              f"{pv['predicted_damage']:.4g} ({pv['candidates_compared']} settings compared)")
+    if args.frontier:
+        atomic_write_text(args.frontier, res.table.to_csv(index=False))
+        print(f"wrote every setting ({len(res.table)} rows) to {args.frontier}")
+    print(f"scored in {res.seconds:.1f} s; export a config with: kverr export CONFIG --format hf --out OUT")
+    return 0

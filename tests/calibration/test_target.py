@@ -102,6 +102,9 @@ def test_cli_refuses_options_vllm_does_not_serve(tmp_path, capsys):
     code = main(["calibrate", "--capture", str(tmp_path / "c.zarr"), "--target", "vllm", "--budget-bits", "9",
                  "--sinks", "4", "--out", str(tmp_path / "x.json")])
     assert code == 2 and "--sinks does not apply" in capsys.readouterr().err
+    code = main(["calibrate", "--capture", str(tmp_path / "c.zarr"), "--target", "hf", "--budget-bits", "9",
+                 "--window", "64", "--out", str(tmp_path / "x.json")])
+    assert code == 2 and "--window does not apply" in capsys.readouterr().err
 
 
 def test_projection_within_the_configs_bits_or_to_vllms_cheapest(capture):
@@ -126,3 +129,21 @@ def test_the_report_names_each_choice_and_every_dtype(result):
         pv = result.configs[b].provenance
         assert f"budget {b:g} bits -> vllm-{b:g}b.json: --kv-cache-dtype {pv['kv_cache_dtype']}" in text
     assert text.count("turboquant-edges") == len(BUDGETS) * len(vllm_families(D))
+
+
+def test_hf_target_chooses_settings_transformers_runs(capture):
+    from kverr.calibration.target import calibrate_for_hf, hf_candidates
+    from kverr.engines.hf import check_hf
+
+    cands = hf_candidates(D)
+    assert "hf-fp8" in cands and "hf-quanto-int2-g32-r0" in cands and "hf-hqq-int8-g64-r128" in cands
+    for cfg in cands.values():  # every candidate is one QuantizedCache runs
+        check_hf(cfg, N_LAYERS, N_KV, D)
+    res = calibrate_for_hf(capture, CalibrationConfig(budgets=(4.0, 9.0), objective="rel", queries=16))
+    t = res.table
+    for b, cfg in res.configs.items():
+        ok = t[t.effective_bits <= b]
+        assert cfg.provenance["predicted_damage"] == ok.predicted.min() and cfg.provenance["effective_bits"] <= b
+        assert predict(capture, cfg, queries=16)["total"] == pytest.approx(cfg.provenance["predicted_damage"], rel=1e-9)
+    with pytest.raises(ConfigError, match="below every QuantizedCache setting"):
+        calibrate_for_hf(capture, CalibrationConfig(budgets=(1.0,), objective="rel", queries=16))
