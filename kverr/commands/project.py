@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"projection cost: {ratio:.3g}x the predicted damage at {pr.bits - pr.original_bits:+.4f} bits")
     else:
         print(f"vLLM has nothing within {pr.original_bits:.4f} bits: its cheapest config costs "
-              f"{pr.bits - pr.original_bits:+.4f} bits more ({pr.bits / pr.original_bits:.2f}x the memory), "
+              f"{pr.bits - pr.original_bits:.4f} bits more ({pr.bits / pr.original_bits:.2f}x the memory), "
               f"at {ratio:.3g}x the predicted damage")
     if args.out is not None:
         pr.config.save(args.out)
