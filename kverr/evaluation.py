@@ -136,7 +136,9 @@ def scales_label(source: str | os.PathLike[str]) -> str:
     p = Path(s)
     from kverr.engines.vllm import SCALES
 
-    return p.parent.name if p.name == SCALES and p.parent.name else (p.stem if p.suffix else p.name)
+    if p.name == SCALES and p.parent.name:
+        return p.parent.name
+    return p.name if p.is_dir() else p.stem  # a directory's name may hold dots (vllm-8.05b)
 
 
 def _static_layers(config: CacheConfig, n_layers: int, n_kv: int, what: str) -> dict[tuple[int, str], tuple[int, ...]]:

@@ -288,6 +288,16 @@ def test_scales_for_what_cannot_take_them_are_refused(tiny, tmp_path, capsys):
     # a peer takes no scales
     with pytest.raises(ConfigError, match="is a peer"):
         parse_schemes(["quanto-int4"], scales={("scheme", 0): "unit"})
+    # how a source names its scheme: a directory by its whole name, dots included; a file by its stem;
+    # an export's kv_scales.safetensors by its directory
+    from kverr.evaluation import scales_label
+
+    (tmp_path / "vllm-8.05b").mkdir()
+    (tmp_path / "vllm-8.05b" / "kv_scales.safetensors").write_bytes(b"")
+    assert scales_label(tmp_path / "vllm-8.05b") == "vllm-8.05b"
+    assert scales_label(tmp_path / "vllm-8.05b" / "kv_scales.safetensors") == "vllm-8.05b"
+    assert scales_label(tmp_path / "lc.tensor.safetensors") == "lc.tensor"
+    assert scales_label("unit") == "unit"
     # the scales column: where static scales came from, empty for schemes without any
     from kverr.evaluation import _scales_column
 
