@@ -284,6 +284,11 @@ class Projection:
     predicted: float
     within_budget: bool
     context: int
+    above: CacheConfig | None = None
+
+
+#: How far above the projection :func:`project_to_vllm` looks for a less damaging vLLM config.
+PROJECT_MARGIN_BITS = 1.0
 
 
 def project_to_vllm(capture: Any, config: CacheConfig, settings: CalibrationConfig | None = None, *,
@@ -313,16 +318,18 @@ def project_to_vllm(capture: Any, config: CacheConfig, settings: CalibrationConf
     cheapest = cheapest_bits(kv.shape, context, settings)
     within = bits >= cheapest
     budget = bits if within else cheapest
-    res = calibrate_for_vllm(capture, settings.with_(budgets=(budget,)), model=model, sensitivity=sensitivity,
-                             progress=progress)
-    projected = next(iter(res.configs.values()))
+    res = calibrate_for_vllm(capture, settings.with_(budgets=(budget, budget + PROJECT_MARGIN_BITS)), model=model,
+                             sensitivity=sensitivity, progress=progress)
+    projected, up = res.configs[budget], res.configs[budget + PROJECT_MARGIN_BITS]
+    better = up.provenance["predicted_damage"] < projected.provenance["predicted_damage"]
     sens = res.sensitivity
     weights = None if sens is None else (sens.weights_k, sens.weights_v)
     pred = predict(capture, config, queries=settings.queries, decode=settings.decode,
                    weights=None if weights is None else weights[0], weights_v=None if weights is None else weights[1])
     return Projection(config, projected.with_(name=f"{config.name or 'config'}-vllm"), bits,
                       projected.provenance["effective_bits"], pred["total"],
-                      projected.provenance["predicted_damage"], within, context)
+                      projected.provenance["predicted_damage"], within, context,
+                      up.with_(name=f"{config.name or 'config'}-vllm-above") if better else None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kverr.calibration import CalibrationConfig
-    from kverr.calibration.target import project_to_vllm
+    from kverr.calibration.target import PROJECT_MARGIN_BITS, project_to_vllm
     from kverr.config import resolve
     from kverr.engines.vllm import serving
     from kverr.io import check_output_path, open_capture
@@ -57,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"vLLM has nothing within {pr.original_bits:.4f} bits: its cheapest config costs "
               f"{pr.bits - pr.original_bits:.4f} bits more ({pr.bits / pr.original_bits:.2f}x the memory), "
               f"at {ratio:.3g}x the predicted damage")
+    if pr.above is not None:
+        up = pr.above.provenance
+        print(f"less damaging with up to {PROJECT_MARGIN_BITS:g} bit more: --kv-cache-dtype "
+              f"{up['kv_cache_dtype']}, skip layers {up['kv_cache_dtype_skip_layers'] or 'none'}: "
+              f"{up['effective_bits']:.4f} effective bits, predicted {up['predicted_damage']:.4g} {unit}")
     if args.out is not None:
         pr.config.save(args.out)
         print(f"wrote {args.out}")

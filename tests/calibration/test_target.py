@@ -119,6 +119,11 @@ def test_projection_within_the_configs_bits_or_to_vllms_cheapest(capture):
     assert small.bits == pytest.approx(cheapest_bits(capture.kv.shape, 128, settings), abs=1e-12)
     serving(small.config, N_LAYERS, N_KV)
     assert small.config.provenance["predicted_damage"] == small.predicted
+    # vLLM's cheapest is static fp8; within one bit more, int8_per_token_head is less damaging
+    up = small.above
+    assert up is not None and up.provenance["predicted_damage"] < small.predicted
+    assert up.provenance["effective_bits"] <= small.bits + 1.0
+    serving(up, N_LAYERS, N_KV)
 
 
 def test_the_report_names_each_choice_and_every_dtype(result):
