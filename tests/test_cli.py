@@ -81,7 +81,9 @@ def test_installed_command_has_no_traceback_on_bad_config(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().endswith("unknown field k.colour; allowed fields: bits, clip, dtype, granularity, rotate, scale_dtype, symmetric")
+    assert proc.stderr.strip().endswith(
+        "unknown field k.colour; allowed fields: bits, clip, dtype, granularity, reciprocal, rotate, rounding, "
+        "scale_dtype, scale_floor, scale_rounding, symmetric")
     assert "Traceback" not in proc.stderr
 
 
