@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,8 +51,6 @@ QUANTO_GROUP, QUANTO_RESIDUAL = 64, 128
 #: ``scales`` values that are not files: every static scale 1.0 (what vLLM uses when the
 #: checkpoint has none), or the first chunk's (the prefill's) scales, the cache's default.
 UNIT_SCALES, PREFILL_SCALES = "unit", "prefill"
-#: The names vLLM loads static kv-cache scales from (see :mod:`kverr.engines.vllm`).
-SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 
 
 @dataclass(frozen=True)
@@ -203,9 +200,11 @@ def read_scales(source: str | os.PathLike[str], config: CacheConfig, n_layers: i
         got = {key: torch.ones(shape) for key, shape in need.items()}
     else:
         got = _read_scale_file(Path(src).expanduser(), what, n_layers)
+    from kverr.engines.vllm import scale_name
+
     out: dict[int, dict[str, tuple[torch.Tensor, None]]] = {}
     for (layer, w), shape in need.items():
-        name = f"model.layers.{layer}.self_attn.{w}_scale"
+        name = scale_name(layer, w)
         if (layer, w) not in got:
             raise ConfigError(f"{what}: no {name} (layer {layer} stores {'keys' if w == 'k' else 'values'} "
                               f"with static scales; expected shape {list(shape)})")
@@ -223,7 +222,7 @@ def read_scales(source: str | os.PathLike[str], config: CacheConfig, n_layers: i
 
 def _read_scale_file(path: Path, what: str, n_layers: int) -> dict[tuple[int, str], torch.Tensor]:
     """``(layer, side) -> float32 scale`` of every vLLM kv-scale name in a safetensors file."""
-    from kverr.engines.vllm import SCALES
+    from kverr.engines.vllm import SCALE_NAME, SCALES
 
     file = path / SCALES if path.is_dir() else path
     if not file.is_file():

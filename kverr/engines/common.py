@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError
 from kverr.io import atomic_dir
@@ -60,16 +58,9 @@ def uniform(fmts: dict, target: str) -> tuple[QuantFormat, QuantFormat, list[str
     return by["k"][0], by["v"][0], p
 
 
-def write_folder(out: Path, texts: dict[str, str], *, overwrite: bool, own_files: tuple[str, ...],
-                  tensors: dict[str, np.ndarray] | None = None) -> list[Path]:
-    """Write ``texts`` (and ``tensors`` as ``kv_scales.safetensors``) into ``out``, all or nothing."""
-    names = list(texts)
+def write_folder(out: Path, texts: dict[str, str], *, overwrite: bool, own_files: tuple[str, ...]) -> list[Path]:
+    """Write the text files ``texts`` (name -> content) into the folder ``out``, all or nothing."""
     with atomic_dir(out, overwrite=overwrite, own_files=own_files) as tmp:
         for name, text in texts.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        if tensors is not None:
-            from safetensors.numpy import save_file
-
-            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "kv_scales.safetensors"))
-            names.append("kv_scales.safetensors")
-    return [out / name for name in names]
+    return [out / name for name in texts]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,7 +55,7 @@ from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE as _DTYPE_OF_PRESET
 from kverr.engines.vllm_dtypes import PRESETS as _DTYPE_PRESETS
 from kverr.exceptions import CaptureError, ConfigError, ModelError
 from kverr.io import atomic_dir, check_output_path
-from kverr.quant.formats import AbsMax, PerHead, PerTensor, QuantFormat, fp8_format
+from kverr.quant.formats import TORCH_DTYPES, AbsMax, PerHead, PerTensor, QuantFormat, fp8_format
 
 #: This engine's cache formats as kverr configs, by name (see :func:`kverr.engines.engine_presets`).
 PRESETS: dict[str, CacheConfig] = dict(_DTYPE_PRESETS)
@@ -69,7 +70,15 @@ INDEX = "model.safetensors.index.json"
 
 #: Plain-float storage vLLM can keep a skip layer in (the model's dtype, 16 bits).
 _SKIP_DTYPES = ("fp16", "bf16")
-_TORCH_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+#: ``config.json``'s dtype names (torch's) of the dtypes a model directory may hold.
+_TORCH_DTYPE_NAMES = {str(TORCH_DTYPES[d]).removeprefix("torch."): d for d in (*_SKIP_DTYPES, "fp32")}
+#: The names vLLM loads static kv-cache scales from, one per layer and side.
+SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def scale_name(layer: int, which: str) -> str:
+    """The checkpoint name of layer ``layer``'s static scale for ``which`` (``"k"`` or ``"v"``)."""
+    return f"model.layers.{layer}.self_attn.{which}_scale"
 
 
 @dataclass(frozen=True)
@@ -220,12 +229,6 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-def check_vllm(config: CacheConfig, n_layers: int | None = None, n_kv: int | None = None) -> QuantFormat | None:
-    """The format of the quantized layers if vLLM serves ``config`` (None: nothing quantized),
-    or raise ConfigError listing what it cannot express (:func:`serving` says more)."""
-    return serving(config, n_layers, n_kv).k
-
-
 # --------------------------------------------------------------------------------------------
 # Model directories
 # --------------------------------------------------------------------------------------------
@@ -242,10 +245,6 @@ class ModelDir:
     head_dim: int
     dtype: str  # "fp16" | "bf16" | "fp32"
     index: dict[str, Any] | None
-
-    @property
-    def torch_dtype_name(self) -> str:
-        return {v: k for k, v in _TORCH_DTYPE_NAMES.items()}[self.dtype]
 
 
 def read_model_dir(path: str | os.PathLike[str]) -> ModelDir:
@@ -274,7 +273,7 @@ def read_model_dir(path: str | os.PathLike[str]) -> ModelDir:
     text = config.get("text_config", config)
     raw = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "float32")
     if raw not in _TORCH_DTYPE_NAMES:
-        raise ModelError(f"--model-dir {p}: config.json dtype {raw!r} is not float16, bfloat16 or float32")
+        raise ModelError(f"--model-dir {p}: config.json dtype {raw!r} is not one of {', '.join(_TORCH_DTYPE_NAMES)}")
     index = None
     if (p / INDEX).is_file():
         index = json.loads((p / INDEX).read_text(encoding="utf-8"))
@@ -308,22 +307,25 @@ def quantization_config(plan: VllmServing, existing: dict[str, Any] | None = Non
 # --------------------------------------------------------------------------------------------
 
 
-def static_scales(capture: Any, fmt: QuantFormat, which: str, *, page_size: int,
-                  model_dtype: str = "fp16") -> list[np.ndarray]:
-    """The oracle's static scales of ``fmt`` for every layer of ``capture``: float32 arrays of
-    shape ``[1]`` (per tensor) or ``[n_kv_heads]`` (per head), from keys (post-RoPE) or values
-    rounded to ``model_dtype`` first, as the cache receives them."""
+def static_scale(capture: Any, layer: int, fmt: QuantFormat, which: str, *, page_size: int,
+                 model_dtype: str = "fp16") -> np.ndarray:
+    """The oracle's static scale of ``fmt`` for one layer of ``capture``: float32 ``[1]`` (per
+    tensor) or ``[n_kv_heads]`` (per head), from the keys (post-RoPE) or values rounded to
+    ``model_dtype`` first, as the cache receives them."""
     import torch
 
     from kverr.quant import quantize
-    from kverr.quant.formats import TORCH_DTYPES
 
-    out = []
-    for layer in capture.kv.layers:
-        x = torch.as_tensor(np.asarray(capture[which].sel(layer=layer).values, dtype=np.float32))
-        x = x.to(TORCH_DTYPES[model_dtype]).to(torch.float32)
-        out.append(quantize(x, fmt, page_size=page_size).scale.to(torch.float32).reshape(-1).numpy())
-    return out
+    x = torch.as_tensor(np.asarray(capture[which].sel(layer=layer).values, dtype=np.float32))
+    x = x.to(TORCH_DTYPES[model_dtype]).to(torch.float32)
+    return quantize(x, fmt, page_size=page_size).scale.to(torch.float32).reshape(-1).numpy()
+
+
+def static_scales(capture: Any, fmt: QuantFormat, which: str, *, page_size: int,
+                  model_dtype: str = "fp16") -> list[np.ndarray]:
+    """:func:`static_scale` of every layer of ``capture``, in its order."""
+    return [static_scale(capture, layer, fmt, which, page_size=page_size, model_dtype=model_dtype)
+            for layer in capture.kv.layers]
 
 
 @dataclass(frozen=True)
@@ -397,8 +399,10 @@ def export_vllm(config: CacheConfig, out: str | os.PathLike[str], *, capture: An
     dtype = model_dtype or (model.dtype if model is not None and model.dtype != "fp32" else "fp16")
     if dtype not in _SKIP_DTYPES:
         raise ConfigError(f"model dtype {dtype!r}: vLLM's fp8 and quantized caches serve fp16 or bf16 models")
-    serve_dtype = {"fp16": "float16", "bf16": "bfloat16"}[dtype]
-    target = out if model is not None else (model_dir or "MODEL")
+    serve_dtype = str(TORCH_DTYPES[dtype]).removeprefix("torch.")
+    # the written directory when it holds the model; else the model as it is (nothing to add to
+    # it for dynamic dtypes), or a placeholder for an overlay's model
+    target = out if model is not None and plan.needs_scales else (model.path if model is not None else "MODEL")
     command = plan.command(target, serve_dtype)
     summary = {"config": config.name, "kv_cache_dtype": plan.kv_cache_dtype,
                "kv_cache_dtype_skip_layers": list(plan.skip_layers), "strategy": plan.strategy,
@@ -420,8 +424,8 @@ def export_vllm(config: CacheConfig, out: str | os.PathLike[str], *, capture: An
                 if layer in plan.skip_layers:
                     continue
                 fmt = config.format_for(layer, 0, w)  # its clip decides this layer's scale
-                s = static_scales(capture.sel(layer=[layer]), fmt, w, page_size=config.page_size, model_dtype=dtype)[0]
-                tensors[f"model.layers.{layer}.self_attn.{w}_scale"] = s.astype(np.float32)
+                tensors[scale_name(layer, w)] = static_scale(capture, layer, fmt, w, page_size=config.page_size,
+                                                             model_dtype=dtype)
         summary.update(scales=SCALES, scales_from={"capture": capture.kv.provenance.get("text_source"),
                                                   "weights_sha256": capture.kv.provenance.get("weights_sha256"),
                                                   "clips": sorted({config.format_for(l, 0, w).clip.kind
@@ -455,10 +459,6 @@ def export_vllm(config: CacheConfig, out: str | os.PathLike[str], *, capture: An
             save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / SCALES),
                       metadata={"format": "pt"})
             written.append(out / SCALES)
-    if model is not None and not plan.needs_scales:
-        command = plan.command(model.path, serve_dtype)  # nothing to add to the model: serve it as it is
-        summary["command"] = command
-        (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return VllmExport(out, tuple(sorted(written)), tuple(sorted(linked)), plan, command)
 
 

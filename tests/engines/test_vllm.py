@@ -21,7 +21,6 @@ from kverr.engines.vllm import (
     INDEX,
     SCALES,
     SUMMARY,
-    check_vllm,
     export_vllm,
     import_vllm,
     serving,
@@ -80,7 +79,7 @@ def test_layers_kept_in_16_bits_become_skip_layers():
     assert plan.command("m").endswith("--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 29")
     unquantized = serving(PRESETS["fp16"], 30, 3)
     assert (unquantized.kv_cache_dtype, unquantized.skip_layers) == ("auto", ())
-    assert check_vllm(PRESETS["fp16"], 30, 3) is None
+    assert unquantized.k is None and unquantized.strategy is None
 
 
 @pytest.mark.parametrize(
