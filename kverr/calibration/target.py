@@ -117,8 +117,53 @@ class VllmCalibration:
     seconds: float
 
 
-def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, scheduler: Any = None,
-                       workers: int | None = None, progress: bool = False, model: Any = None,
+def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig], *, model: Any,
+            sensitivity: Any, progress: bool) -> tuple[Any, int, Any, np.ndarray]:
+    """Check the capture, measure the sensitivity if ``settings.objective`` is ``kl`` and none
+    is given, and score every config everywhere: ``(ds.kv, context, sensitivity, damage)`` with
+    ``damage[config, layer, side]`` (side 0 keys, 1 values) weighted by the layer's sensitivity."""
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+    from kverr.io import check_finite
+
+    from .objective import check_queries, layer_damage
+    from .search import _check_capture
+    from .sensitivity import check_capture_model, sensitivity_for_capture
+
+    _check_capture(capture)
+    kv = capture.kv
+    if kv.layers != list(range(kv.n_layers)):
+        raise ConfigError(f"calibration needs every layer of the model; the capture has layers {kv.layers} "
+                          f"of {kv.n_layers} (recapture with --layers all)")
+    check_queries(settings.queries, kv.n_tokens)
+    check_finite(capture, ("q", "k", "v"))
+    if settings.objective == "kl" and sensitivity is None:
+        model = check_capture_model(capture, model or settings.model)
+        sensitivity = sensitivity_for_capture(capture, model=model, tokens=settings.sensitivity_tokens,
+                                              noise=settings.sensitivity_noise, sinks=0, progress=progress)
+    w = (np.stack([np.asarray(sensitivity.weights_k, dtype=np.float64), np.asarray(sensitivity.weights_v,
+                                                                                   dtype=np.float64)], axis=-1)
+         if settings.objective == "kl" else np.ones((kv.n_layers, 2)))
+    damage = layer_damage(capture, configs, queries=settings.queries, decode=settings.decode, progress=progress)
+    return kv, settings.context or kv.n_tokens, sensitivity, damage * w[None]
+
+
+def _provenance(target: str, settings: CalibrationConfig, *, budget: float, effective_bits: float,
+                context: int, damage: float, capture: dict[str, Any], sensitivity: Any,
+                **extra: Any) -> dict[str, Any]:
+    """The provenance of a config calibrated for ``target`` (what ``kverr calibrate`` records too)."""
+    from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVES
+
+    prov = {"tool": f"kverr calibrate --target {target}", "target": target, **extra, "capture": capture,
+            "budget_bits": float(budget), "effective_bits": float(effective_bits), "context_tokens": context,
+            "batch": 1, "objective": OBJECTIVES[settings.objective],
+            "objective_definition": OBJECTIVE_KL_DOC if settings.objective == "kl" else OBJECTIVE_DOC,
+            "predicted_damage": float(damage), "queries_per_layer": settings.queries}
+    if sensitivity is not None:
+        prov["sensitivity"] = sensitivity.to_dict()
+    return prov
+
+
+def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: bool = False, model: Any = None,
                        sensitivity: Any = None) -> VllmCalibration:
     """Choose, per budget, the vLLM cache dtype and skip layers of least predicted damage.
 
@@ -135,38 +180,15 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, scheduler: 
 
     import pandas as pd
 
-    import kverr.accessor  # noqa: F401  (registers ds.kv)
-    from kverr.io import check_finite
-
-    from .objective import check_queries, layer_damage
-    from .search import _check_capture
-    from .sensitivity import check_capture_model, sensitivity_for_capture
-
     t0 = time.perf_counter()
-    _check_capture(capture)
-    kv = capture.kv
-    n_layers, n_kv, D = kv.n_layers, kv.n_kv_heads, kv.head_dim
-    if kv.layers != list(range(n_layers)):
-        raise ConfigError(f"calibration needs every layer of the model; the capture has layers {kv.layers} "
-                          f"of {n_layers} (recapture with --layers all)")
-    context = settings.context or kv.n_tokens
-    check_queries(settings.queries, kv.n_tokens)
-    check_finite(capture, ("q", "k", "v"))
+    D = capture.sizes["channel"]
     fams = vllm_families(D)
     fp16 = float_format("fp16")
     cands = tuple(dict.fromkeys([fp16, *(f for fam in fams for f in (*fam.k, *fam.v))]))
-    if settings.objective == "kl" and sensitivity is None:
-        model = check_capture_model(capture, model or settings.model)
-        sensitivity = sensitivity_for_capture(capture, model=model, tokens=settings.sensitivity_tokens,
-                                              noise=settings.sensitivity_noise, sinks=0, progress=progress)
-    if settings.objective == "kl":
-        wk, wv = (np.asarray(w, dtype=np.float64) for w in (sensitivity.weights_k, sensitivity.weights_v))
-    else:
-        wk = wv = np.ones(n_layers)
-    # every candidate everywhere: [candidate, layer, side], weighted per layer and side
-    damage = layer_damage(capture, [CacheConfig(k=f, v=f, page_size=settings.page_size) for f in cands],
-                          queries=settings.queries, decode=settings.decode, progress=progress)
-    damage = damage * np.stack([wk, wv], axis=-1)[None]
+    kv, context, sensitivity, damage = _scored(
+        capture, settings, [CacheConfig(k=f, v=f, page_size=settings.page_size) for f in cands],
+        model=model, sensitivity=sensitivity, progress=progress)
+    n_layers, n_kv = kv.n_layers, kv.n_kv_heads
     seconds = time.perf_counter() - t0
 
     def side(which: str, fmt: QuantFormat) -> np.ndarray:
@@ -178,6 +200,8 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, scheduler: 
 
     keep = side("k", fp16) + side("v", fp16)  # damage of a skipped layer (fp16 rounding: tiny)
     keep_bytes = nbytes(fp16) * 2
+    n_edge = min(TURBOQUANT_EDGE_LAYERS, n_layers // 2)
+    edges = sorted({*range(n_edge), *range(n_layers - n_edge, n_layers)})
     rows, plans = [], {}
     for fam in fams:
         dk = np.stack([side("k", f) for f in fam.k])  # [clip, layer]
@@ -186,8 +210,6 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, scheduler: 
         quant = dk.min(axis=0) + dv.min(axis=0)
         q_bytes = nbytes(fam.k[0]) + nbytes(fam.v[0])
         gain_order = np.argsort(-(quant - keep), kind="stable")  # layers where quantizing hurts most first
-        edges = sorted({*range(min(TURBOQUANT_EDGE_LAYERS, n_layers // 2)),
-                        *range(n_layers - min(TURBOQUANT_EDGE_LAYERS, n_layers // 2), n_layers)})
         for budget in settings.budgets:
             budget_bytes = math.floor(budget * 2 * n_layers * n_kv * D * context / 8 + 1e-9)
             n_skip = (budget_bytes - q_bytes * n_layers) // (keep_bytes - q_bytes) if keep_bytes > q_bytes else n_layers
@@ -227,8 +249,6 @@ def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget
             shape) -> CacheConfig:
     from collections import Counter
 
-    from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVES
-
     fp16 = float_format("fp16")
     quantized = [l for l in range(n_layers) if l not in skip]
     dk = Counter(int(ck[l]) for l in quantized).most_common(1)[0][0] if quantized else 0
@@ -241,28 +261,12 @@ def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget
             layers[l] = Override(k=None if int(ck[l]) == dk else fam.k[int(ck[l])],
                                  v=None if int(cv[l]) == dv else fam.v[int(cv[l])])
     n, kvh, D = shape
-    prov = {
-        "tool": "kverr calibrate --target vllm",
-        "target": "vllm",
-        "kv_cache_dtype": fam.kv_cache_dtype,
-        "kv_cache_dtype_skip_layers": list(skip),
-        "capture": capture,
-        "budget_bits": float(budget),
-        "effective_bits": bits_of(total, n, kvh, D, context),
-        "bytes": int(total),
-        "context_tokens": context,
-        "batch": 1,
-        "objective": OBJECTIVES[settings.objective],
-        "objective_definition": OBJECTIVE_KL_DOC if settings.objective == "kl" else OBJECTIVE_DOC,
-        "predicted_damage": float(damage),
-        "queries_per_layer": settings.queries,
-        "dtypes_compared": [
-            {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items() if k != "budget_bits"}
-            for r in table.to_dict("records")
-        ],
-    }
-    if sensitivity is not None:
-        prov["sensitivity"] = sensitivity.to_dict()
+    prov = _provenance(
+        "vllm", settings, budget=budget, effective_bits=bits_of(total, n, kvh, D, context), context=context,
+        damage=damage, capture=capture, sensitivity=sensitivity, kv_cache_dtype=fam.kv_cache_dtype,
+        kv_cache_dtype_skip_layers=list(skip), bytes=int(total),
+        dtypes_compared=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items() if k != "budget_bits"}
+                         for r in table.to_dict("records")])
     return CacheConfig(k=fam.k[dk], v=fam.v[dv], layers=layers, page_size=settings.page_size,
                        align=settings.align, name=settings.name or f"vllm-{budget:g}b", provenance=prov)
 
@@ -394,32 +398,15 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
 
     import pandas as pd
 
-    import kverr.accessor  # noqa: F401  (registers ds.kv)
     from kverr.memory import account
 
-    from .objective import check_queries, layer_damage
-    from .search import _check_capture
-    from .sensitivity import check_capture_model, sensitivity_for_capture
-
     t0 = time.perf_counter()
-    _check_capture(capture)
-    kv = capture.kv
-    context = settings.context or kv.n_tokens
-    check_queries(settings.queries, kv.n_tokens)
-    cands = hf_candidates(kv.head_dim)
-    if settings.objective == "kl" and sensitivity is None:
-        model = check_capture_model(capture, model or settings.model)
-        sensitivity = sensitivity_for_capture(capture, model=model, tokens=settings.sensitivity_tokens,
-                                              noise=settings.sensitivity_noise, sinks=0, progress=progress)
-    layers = kv.layers
-    if settings.objective == "kl":
-        w = np.stack([np.asarray(sensitivity.weights_k)[layers], np.asarray(sensitivity.weights_v)[layers]], axis=-1)
-    else:
-        w = np.ones((len(layers), 2))
-    damage = (layer_damage(capture, list(cands.values()), queries=settings.queries, decode=settings.decode,
-                           progress=progress) * w[None]).sum(axis=(1, 2))
+    cands = hf_candidates(capture.sizes["channel"])
+    kv, context, sensitivity, damage = _scored(capture, settings, list(cands.values()), model=model,
+                                               sensitivity=sensitivity, progress=progress)
+    total = damage.sum(axis=(1, 2))
     rows = [dict(candidate=name, effective_bits=account(cfg, kv.shape, context).effective_bits, predicted=float(d))
-            for (name, cfg), d in zip(cands.items(), damage)]
+            for (name, cfg), d in zip(cands.items(), total)]
     table = pd.DataFrame(rows).sort_values(["effective_bits", "predicted"], kind="stable").reset_index(drop=True)
     configs = {}
     for budget in settings.budgets:
@@ -428,16 +415,8 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
             raise ConfigError(f"budget of {budget:g} effective bits is below every QuantizedCache setting kverr "
                               f"expresses at {context} tokens (the cheapest costs {table.effective_bits.min():.4f})")
         best = ok.sort_values("predicted", kind="stable").iloc[0]
-        from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVES
-
-        prov = {"tool": "kverr calibrate --target hf", "target": "hf", "candidate": best["candidate"],
-                "capture": kv.provenance, "budget_bits": float(budget),
-                "effective_bits": float(best["effective_bits"]), "context_tokens": context, "batch": 1,
-                "objective": OBJECTIVES[settings.objective],
-                "objective_definition": OBJECTIVE_KL_DOC if settings.objective == "kl" else OBJECTIVE_DOC,
-                "predicted_damage": float(best["predicted"]), "queries_per_layer": settings.queries,
-                "candidates_compared": len(table)}
-        if sensitivity is not None:
-            prov["sensitivity"] = sensitivity.to_dict()
+        prov = _provenance("hf", settings, budget=budget, effective_bits=best["effective_bits"], context=context,
+                           damage=best["predicted"], capture=kv.provenance, sensitivity=sensitivity,
+                           candidate=best["candidate"], candidates_compared=len(table))
         configs[budget] = cands[best["candidate"]].with_(name=settings.name or f"hf-{budget:g}b", provenance=prov)
     return HfCalibration(configs, table, sensitivity, kv.provenance, time.perf_counter() - t0)

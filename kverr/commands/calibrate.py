@@ -88,7 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="frontier up to this many bits, at least the largest budget (default: 8 or the "
                    "largest budget, whichever is more)")
     p.add_argument("--workers", type=positive_int, default=2,
-                   help="local threads scoring layers at once, one torch thread each (default: %(default)s)")
+                   help="local threads scoring layers at once, one torch thread each (default: %(default)s; "
+                   "--target vllm and hf score in the calling thread)")
     p.add_argument("--scheduler", metavar="ADDR",
                    help="a dask.distributed scheduler address (tcp://HOST:PORT) to score layers on; the "
                    "capture must be readable by its workers (default: local threads)")
@@ -192,7 +193,7 @@ def _run_vllm(args: argparse.Namespace, settings, capture, budgets, outs) -> int
     from kverr.calibration.target import calibrate_for_vllm
     from kverr.config import atomic_write_text
 
-    res = calibrate_for_vllm(capture, settings, workers=args.workers, progress=True)
+    res = calibrate_for_vllm(capture, settings, progress=True)
     for b, out in zip(budgets, outs):
         res.configs[b].save(out)
     print(report_vllm(res, dict(zip(budgets, outs))))
