@@ -461,25 +461,36 @@ def _presets() -> dict[str, CacheConfig]:
 PRESETS: dict[str, CacheConfig] = _presets()
 
 
+def named_presets() -> dict[str, CacheConfig]:
+    """Every config that has a name: kverr's :data:`PRESETS`, then the serving engines' own formats
+    (:func:`kverr.engines.engine_presets`, named after the engine)."""
+    from kverr.engines import engine_presets
+
+    engines = engine_presets()
+    clash = sorted(set(PRESETS) & set(engines))
+    if clash:
+        raise AssertionError(f"preset {clash[0]!r} is defined by kverr and by an engine")
+    return {**PRESETS, **engines}
+
+
 def resolve(spec: str | os.PathLike | CacheConfig) -> CacheConfig:
-    """A preset name, a path to a config JSON, or a config itself -> :class:`CacheConfig`."""
+    """A preset name (:func:`named_presets`), a path to a config JSON, or a config itself ->
+    :class:`CacheConfig`."""
     if isinstance(spec, CacheConfig):
         return spec
     s = str(spec)
     if s in PRESETS:
         return PRESETS[s]
-    from kverr.engines import engine_presets  # the engines' formats, named after the engine
-
-    engines = engine_presets()
-    if s in engines:
-        return engines[s]
+    named = named_presets()
+    if s in named:
+        return named[s]
     if Path(s).exists() or s.endswith(".json") or os.sep in s:
         return CacheConfig.load(s)
-    raise ConfigError(f"{s!r} is neither a preset nor a config file; presets: {', '.join([*PRESETS, *engines])}")
+    raise ConfigError(f"{s!r} is neither a preset nor a config file; presets: {', '.join(named)}")
 
 
 __all__ = [
     "CONFIG_VERSION", "CacheConfig", "Override", "PRESETS", "PerChannel", "PerHead", "PerPage",
     "PerTensor", "PerToken", "PerTokenGroup", "QuantFormat", "WHICH", "atomic_write_text",
-    "check_model_matches", "resolve",
+    "check_model_matches", "named_presets", "resolve",
 ]

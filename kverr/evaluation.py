@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.config import PRESETS, CacheConfig, resolve
+from kverr.config import CacheConfig, named_presets, resolve
 from kverr.exceptions import ConfigError, NonFiniteError, ShapeError, TextError
 from kverr.memory import ModelShape, account
 from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format, is_static
@@ -89,10 +89,8 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     ``prefill``, or the file's or directory's name), so that one config with several scales is
     several schemes.
     """
-    from kverr.engines import engine_presets
-
     hint = f" (give a config file with {config_option})" if config_option else ""
-    named = {**PRESETS, **engine_presets()}
+    named = named_presets()
     out: list[Scheme] = []
     for s in schemes:
         if s in PEERS:

@@ -23,8 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kverr.config import PRESETS, resolve
-    from kverr.engines import engine_presets
+    from kverr.config import named_presets, resolve
     from kverr.exceptions import ConfigError
     from kverr.memory import account
 
@@ -34,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     shape = resolve_shape(args)
     rows = []
     unfit = {}
-    for name, cfg in {**PRESETS, **engine_presets()}.items():
+    for name, cfg in named_presets().items():
         try:
             rep = account(cfg, shape, args.tokens)
         except ConfigError as exc:  # e.g. a group size that does not divide this head dim
