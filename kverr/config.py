@@ -193,6 +193,21 @@ class CacheConfig:
             groups.setdefault(self.format_for(layer, h, which), []).append(h)
         return list(groups.items())
 
+    def launch_groups(self, layer: int, n_kv_heads: int) -> list[tuple[QuantFormat, QuantFormat, list[int]]]:
+        """kv heads of ``layer`` grouped by their (K format, V format) pair, in order of first
+        appearance: ``[(k_format, v_format, heads)]``.
+
+        The kernels' decode attention launches once per such group (main and tail launches, then
+        one merge per layer), so the number of groups is what a config's per-layer heterogeneity
+        costs in launches (:mod:`kverr.cost`); calibration can bound it
+        (``max_groups_per_layer``).
+        """
+        groups: dict[tuple[QuantFormat, QuantFormat], list[int]] = {}
+        for h in range(n_kv_heads):
+            pair = (self.format_for(layer, h, "k"), self.format_for(layer, h, "v"))
+            groups.setdefault(pair, []).append(h)
+        return [(k, v, heads) for (k, v), heads in groups.items()]
+
     def check_model(self, n_layers: int, n_kv_heads: int, head_dim: int, max_context: int | None = None) -> None:
         """Raise :class:`ConfigError` unless this config fits a model of the given shape."""
         for layer in self.layers:

@@ -110,7 +110,11 @@ class CalibrationConfig:
         ``kl`` only: the capture's model as a :func:`kverr.capturing.load_model` spec (None: the
         one the capture names).
     name : str or None
-        Name of the written configs (None: ``calibrated-<budget>b``).
+        Name of the written configs, ``{bits}`` replaced by the budget (None: ``calibrated-{bits}b``).
+    max_groups_per_layer : int or None
+        Most distinct (K format, V format) pairs among a layer's kv heads (None: no bound). The
+        kernels launch decode attention once per pair and layer (:meth:`CacheConfig.launch_groups`),
+        so this bounds the launches a config costs (:mod:`kverr.cost`).
     """
 
     budgets: tuple[float, ...]
@@ -133,6 +137,7 @@ class CalibrationConfig:
     sensitivity_tokens: int = 640
     model: str | None = None
     name: str | None = None
+    max_groups_per_layer: int | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:  # normalise a field of the frozen instance
@@ -188,6 +193,8 @@ class CalibrationConfig:
         if self.sensitivity_noise not in NOISE_SITES:
             raise _fail("sensitivity_noise", self.sensitivity_noise, f"one of {', '.join(NOISE_SITES)}")
         _int(self.sensitivity_tokens, "sensitivity_tokens", 1)
+        if self.max_groups_per_layer is not None:
+            _int(self.max_groups_per_layer, "max_groups_per_layer", 1)
         for name in ("model", "name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -70,12 +70,124 @@ class Frontier:
 def _pareto(cost: np.ndarray, dmg: np.ndarray) -> np.ndarray:
     """Indices of the undominated candidates, by increasing cost (ties: lower index first)."""
     order = np.lexsort((np.arange(len(cost)), dmg, cost))
-    keep, best = [], math.inf
-    for i in order:
-        if dmg[i] < best:
-            keep.append(int(i))
-            best = float(dmg[i])
-    return np.asarray(keep, dtype=np.int64)
+    d = np.asarray(dmg, dtype=np.float64)[order]
+    prev = np.concatenate([[math.inf], np.minimum.accumulate(d)[:-1]])
+    return order[d < prev].astype(np.int64)
+
+
+@dataclass
+class LayerItems:
+    """The Pareto set of one layer's whole choices under a bound on its format groups.
+
+    Attributes
+    ----------
+    cost : ndarray ``[m]`` int64
+        Bytes of the layer (every head's K and V).
+    damage : ndarray ``[m]`` float64
+        Its damage (the sum over heads and K|V).
+    k, v : ndarray ``[m, H]`` int64
+        The K and V candidate index of every kv head.
+    """
+
+    cost: np.ndarray
+    damage: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+    def take(self, idx: np.ndarray) -> LayerItems:
+        return LayerItems(self.cost[idx], self.damage[idx], self.k[idx], self.v[idx])
+
+    def pruned(self) -> LayerItems:
+        return self.take(_pareto(self.cost, self.damage))
+
+
+def set_partitions(n: int, max_blocks: int) -> list[list[list[int]]]:
+    """Every partition of ``0..n-1`` into at most ``max_blocks`` blocks (restricted growth
+    strings, each partition once; blocks in order of their first element)."""
+    out: list[list[list[int]]] = []
+
+    def grow(i: int, blocks: list[list[int]]) -> None:
+        if i == n:
+            out.append([list(b) for b in blocks])
+            return
+        for b in blocks:
+            b.append(i)
+            grow(i + 1, blocks)
+            b.pop()
+        if len(blocks) < max_blocks:
+            blocks.append([i])
+            grow(i + 1, blocks)
+            blocks.pop()
+
+    grow(0, [])
+    return out
+
+
+#: Most set partitions of one layer's kv heads :func:`layer_items` enumerates.
+MAX_PARTITIONS = 20_000
+
+
+def layer_items(cost_k: np.ndarray, dmg_k: np.ndarray, cost_v: np.ndarray, dmg_v: np.ndarray,
+                max_groups: int) -> LayerItems:
+    """The Pareto set of a layer's choices whose heads use at most ``max_groups`` distinct
+    (K format, V format) pairs.
+
+    Exact: every partition of the heads into at most ``max_groups`` blocks is tried, each block
+    sharing one pair; a block's best pairs are the Pareto set of its K and V sides' sums, and
+    blocks combine by Pareto-pruned sums. Two blocks may still pick the same pair (the layer
+    then has fewer groups), so the bound is respected and nothing feasible is missed.
+
+    Parameters
+    ----------
+    cost_k, cost_v : ndarray ``[n_k]``, ``[n_v]`` int
+        Bytes of one head in each K (V) candidate.
+    dmg_k, dmg_v : ndarray ``[n_k, H]``, ``[n_v, H]`` float
+        Damage of each candidate on each kv head.
+    max_groups : int
+        Most distinct (K, V) pairs in the layer (at least 1).
+    """
+    cost_k, cost_v = np.asarray(cost_k, dtype=np.int64), np.asarray(cost_v, dtype=np.int64)
+    dmg_k, dmg_v = np.asarray(dmg_k, dtype=np.float64), np.asarray(dmg_v, dtype=np.float64)
+    H = dmg_k.shape[1]
+    if dmg_v.shape[1] != H or dmg_k.shape[0] != cost_k.size or dmg_v.shape[0] != cost_v.size:
+        raise ConfigError("layer_items: damages must be [candidates, heads] matching the costs")
+    if isinstance(max_groups, bool) or not isinstance(max_groups, (int, np.integer)) or max_groups < 1:
+        raise ConfigError(f"max_groups={max_groups!r}: give a positive integer")
+    parts = set_partitions(H, min(int(max_groups), H)) if H <= 12 else None
+    if parts is None or len(parts) > MAX_PARTITIONS:
+        raise ConfigError(
+            f"at most {max_groups} format groups among {H} kv heads: too many ways to group the heads "
+            f"to search exactly (more than {MAX_PARTITIONS}); give a smaller bound (1 or 2)"
+        )
+    blocks: dict[tuple[int, ...], LayerItems] = {}
+
+    def block(heads: tuple[int, ...]) -> LayerItems:
+        if heads not in blocks:
+            n = len(heads)
+            ik = _pareto(n * cost_k, dmg_k[:, heads].sum(1))
+            iv = _pareto(n * cost_v, dmg_v[:, heads].sum(1))
+            kk, vv = np.meshgrid(ik, iv, indexing="ij")
+            kk, vv = kk.ravel(), vv.ravel()
+            cost = n * (cost_k[kk] + cost_v[vv])
+            dmg = dmg_k[kk][:, heads].sum(1) + dmg_v[vv][:, heads].sum(1)
+            ks = np.full((kk.size, H), -1, dtype=np.int64)
+            vs = np.full((kk.size, H), -1, dtype=np.int64)
+            ks[:, heads], vs[:, heads] = kk[:, None], vv[:, None]
+            blocks[heads] = LayerItems(cost, dmg, ks, vs).pruned()
+        return blocks[heads]
+
+    found = []
+    for part in parts:
+        acc = block(tuple(part[0]))
+        for b in part[1:]:
+            other = block(tuple(b))
+            i, j = (x.ravel() for x in np.meshgrid(np.arange(acc.cost.size), np.arange(other.cost.size), indexing="ij"))
+            hs = list(b)
+            ks, vs = acc.k[i].copy(), acc.v[i].copy()
+            ks[:, hs], vs[:, hs] = other.k[j][:, hs], other.v[j][:, hs]
+            acc = LayerItems(acc.cost[i] + other.cost[j], acc.damage[i] + other.damage[j], ks, vs).pruned()
+        found.append(acc)
+    return LayerItems(*(np.concatenate([getattr(f, a) for f in found]) for a in ("cost", "damage", "k", "v"))).pruned()
 
 
 def solve(

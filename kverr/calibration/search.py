@@ -40,7 +40,7 @@ from .candidates import (
     window_dtype_for_budget,
 )
 from .config import CalibrationConfig
-from .knapsack import Frontier, solve
+from .knapsack import Frontier, layer_items, solve
 from .objective import (
     DEFAULT_DECODE,
     OBJECTIVE_DOC,
@@ -150,6 +150,8 @@ class Search:
         The capture's provenance (``ds.kv.provenance``), as recorded in the configs.
     seconds : dict of str to float
         Wall time of this search's ``score`` (0 when its tables were reused) and ``search``.
+    max_groups_per_layer : int or None
+        The bound on distinct (K, V) format pairs per layer the search obeyed (None: none).
     """
 
     window_dtype: str
@@ -167,6 +169,7 @@ class Search:
     objective: str
     capture: dict[str, Any]
     seconds: dict[str, float] = field(default_factory=dict)
+    max_groups_per_layer: int | None = None
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
@@ -716,13 +719,15 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         ts = time.perf_counter()
         frontier, frontiers = _frontier(tables[key], weights, options, n_layers=n_layers, n_kv=n_kv,
                                         head_dim=head_dim, context=context, page_size=cfg.page_size,
-                                        window_dtype=key[0], align=cfg.align, max_bytes=max_bytes)
+                                        window_dtype=key[0], align=cfg.align, max_bytes=max_bytes,
+                                        max_groups=cfg.max_groups_per_layer)
         searches.append(Search(
             window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
             scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
             sensitivity=sensitivity, shape=kv.shape, context=context, page_size=cfg.page_size, align=cfg.align,
             objective=cfg.objective, capture=kv.provenance,
-            seconds={"score": score_s[key], "search": time.perf_counter() - ts}))
+            seconds={"score": score_s[key], "search": time.perf_counter() - ts},
+            max_groups_per_layer=cfg.max_groups_per_layer))
     configs, choices, index = {}, {}, {}
     for b in cfg.budgets:
         i = order.index(keys[b])
@@ -737,9 +742,29 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     )
 
 
+def _grouped_solve(dmg: list[np.ndarray], ck: np.ndarray, cv: np.ndarray, n_kv: int, max_groups: int,
+                   max_bytes: int) -> Frontier:
+    """:func:`solve` with at most ``max_groups`` (K, V) format pairs per layer: one knapsack group
+    per layer whose candidates are :func:`~.knapsack.layer_items`; the frontier's choices are
+    given back per (layer, kv head, K|V), in :func:`_groups`' order, as without the bound."""
+    n_layers = len(dmg) // (2 * n_kv)
+    items = []
+    for li in range(n_layers):
+        d = dmg[2 * n_kv * li: 2 * n_kv * (li + 1)]
+        items.append(layer_items(ck, np.stack(d[0::2], axis=1), cv, np.stack(d[1::2], axis=1), max_groups))
+    fr = solve([it.cost for it in items], [it.damage for it in items], max_cost=max_bytes)
+    choices = np.empty((fr.choices.shape[0], 2 * n_kv * n_layers), dtype=np.int64)
+    for li, it in enumerate(items):
+        j = fr.choices[:, li]
+        choices[:, 2 * n_kv * li: 2 * n_kv * (li + 1): 2] = it.k[j]
+        choices[:, 2 * n_kv * li + 1: 2 * n_kv * (li + 1): 2] = it.v[j]
+    return Frontier(fr.cost, fr.damage, choices, fr.unit, fr.exact, fr.min_cost, fr.max_cost)
+
+
 def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, head_dim: int, context: int,
-              page_size: int, window_dtype: str, align: int, max_bytes: int):
-    """The knapsack frontier of every outer option, and their common Pareto frontier."""
+              page_size: int, window_dtype: str, align: int, max_bytes: int, max_groups: int | None = None):
+    """The knapsack frontier of every outer option, and their common Pareto frontier (with at
+    most ``max_groups`` (K, V) format pairs per layer when given)."""
     import pandas as pd
 
     frontiers: dict[OuterOption, Frontier] = {}
@@ -748,8 +773,11 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
         keys, dmg = _groups(scores, oi, n_kv, weights)
         ck = _costs(scores.cands_k, opt, head_dim, context, page_size, window_dtype, align)
         cv = _costs(scores.cands_v, opt, head_dim, context, page_size, window_dtype, align)
-        costs = [ck if w == "k" else cv for (_, _, w) in keys]
-        fr = solve(costs, dmg, max_cost=max_bytes)
+        if max_groups is not None and max_groups < n_kv:
+            fr = _grouped_solve(dmg, ck, cv, n_kv, max_groups, max_bytes)
+        else:
+            costs = [ck if w == "k" else cv for (_, _, w) in keys]
+            fr = solve(costs, dmg, max_cost=max_bytes)
         frontiers[opt] = fr
         for i in range(len(fr.cost)):
             rows.append(dict(option=opt.label(), window=opt.window, sinks=opt.sinks,
@@ -833,12 +861,14 @@ def _build(search: Search, budget_bits: float, name: str | None) -> tuple[CacheC
         "candidates_v": len(sc.cands_v),
         "knapsack": {"unit_bytes": fr.unit, "exact": fr.exact},
     }
+    if search.max_groups_per_layer is not None:
+        prov["max_groups_per_layer"] = search.max_groups_per_layer
     if search.objective == "kl":
         prov["sensitivity"] = search.sensitivity.to_dict()
     cfg = CacheConfig(
         k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope,
         page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
-        name=name or f"calibrated-{budget_bits:g}b", provenance=prov,
+        name=(name or "calibrated-{bits}b").replace("{bits}", f"{budget_bits:g}"), provenance=prov,
     )
     return cfg, choices
 

@@ -106,7 +106,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "refused unless its weights are the capture's)")
     p.add_argument("--sensitivity-tokens", type=positive_int, default=640,
                    help="calibration tokens the sensitivity is measured on (default: %(default)s)")
-    p.add_argument("--name", help="config name (default: calibrated-<budget>b)")
+    p.add_argument("--max-groups-per-layer", type=positive_int, metavar="N",
+                   help="at most N distinct (K format, V format) pairs among a layer's kv heads: the "
+                   "kernels launch decode attention once per pair and layer (kverr plan counts the "
+                   "launches); default: no bound")
+    p.add_argument("--name", help="config name; '{bits}' is replaced by the budget (default: calibrated-{bits}b)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=run)
 
@@ -122,7 +126,7 @@ def settings_of(args: argparse.Namespace):
         candidates=args.candidates, window_dtype=args.window_dtype, queries=args.queries,
         decode=args.decode or None, max_bits=args.max_bits, objective=args.objective,
         sensitivity_noise=args.sensitivity_noise, sensitivity_tokens=args.sensitivity_tokens,
-        model=args.model, name=args.name,
+        model=args.model, name=args.name, max_groups_per_layer=args.max_groups_per_layer,
     )
 
 
@@ -143,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--budget-bits {','.join(f'{b:g}' for b in budgets)} names a budget twice")
     if args.target != "kverr":
         given = [o for o, v in (("--sinks", args.sinks), ("--window", args.window), ("--key-rope", args.key_rope),
-                                ("--scheduler", args.scheduler), ("--max-bits", args.max_bits))
+                                ("--scheduler", args.scheduler), ("--max-bits", args.max_bits),
+                                ("--max-groups-per-layer", args.max_groups_per_layer))
                  if v is not None]
         given += [o for o, v in (("--window-dtype", args.window_dtype), ("--candidates", args.candidates))
                   if v != "auto"]

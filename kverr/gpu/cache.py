@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec
 from kverr.quant.formats import TORCH_DTYPES, is_static, window_format
@@ -242,7 +243,7 @@ class PagedKVCache:
         self.max_pages = -(-max_tokens // self.P)
         self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages
         self.dot_fp16 = bool(dot_fp16)
-        self.block_n = block_n or (32 if head_dim <= 64 else 16)
+        self.block_n = block_n or default_block_n(head_dim)
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise KernelError(f"block_n={self.block_n} must be a power of two >= 16")
         self.fp_q = not window_format(config.window_dtype).is_float  # int8 rows + a scale per slot
@@ -305,7 +306,7 @@ class PagedKVCache:
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
                                            codes, scale, zero, fp, fp_scale, cap, ratios))
             self.pools.append(per)
-            self.launches.append(self._make_launches(per))
+            self.launches.append(self._make_launches(layer, per))
         # decode serves query row b of sequence b: fixed, made once
         self.decode_rows = torch.arange(max_batch, dtype=torch.int32, device=dev)
         self.decode_count = torch.ones(max_batch, dtype=torch.int32, device=dev)
@@ -355,19 +356,16 @@ class PagedKVCache:
             raise ShapeError(f"{key}: static {what} of shape {tuple(t.shape)} does not fit {h} heads x {ncol} columns") from None
         return t.reshape(h, ncol).to(spec.scale_dtype).to(self.device).contiguous()
 
-    def _make_launches(self, per: dict[str, list[Pool]]) -> list[_Launch]:
+    def _make_launches(self, layer: int, per: dict[str, list[Pool]]) -> list[_Launch]:
         owner = {}
         for w in ("k", "v"):
             for pool in per[w]:
                 for i, h in enumerate(pool.heads):
                     owner[(w, h)] = (pool, i)
-        pairs: dict[tuple[int, int], list[int]] = {}
-        for h in range(self.H):
-            pairs.setdefault((id(owner[("k", h)][0]), id(owner[("v", h)][0])), []).append(h)
+        mk = lambda vals: torch.tensor(vals, dtype=torch.int32, device=self.device)  # noqa: E731
         out = []
-        for heads in pairs.values():
+        for _, _, heads in self.config.launch_groups(layer, self.H):
             kp, vp = owner[("k", heads[0])][0], owner[("v", heads[0])][0]
-            mk = lambda vals: torch.tensor(vals, dtype=torch.int32, device=self.device)  # noqa: E731
             out.append(_Launch(kp, vp, heads, mk(heads), mk([owner[("k", h)][1] for h in heads]),
                                mk([owner[("v", h)][1] for h in heads])))
         return out
@@ -429,8 +427,9 @@ class PagedKVCache:
         bn = self.block_n
         if num_splits is None:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
-            num_splits = max(1, -(-2 * sms // (self.B * self.H)))
-        ns = min(int(num_splits), -(-max_q // bn)) if max_q else 0
+            ns = decode_splits(self.B, self.H, max_q, sms, bn)
+        else:
+            ns = min(int(num_splits), -(-max_q // bn)) if max_q else 0
         chunk = (-(-(-(-max_q // ns)) // bn) * bn) if ns else 0
         nsp = ns + 1
         dev = self.device

@@ -22,6 +22,7 @@ from kverr.calibration import (
     solve,
 )
 from kverr.calibration.candidates import default_candidates, head_bytes
+from kverr.calibration.knapsack import layer_items, set_partitions
 from kverr.calibration.objective import key_damage, prepare_layer, value_damage
 from kverr.config import CacheConfig
 from kverr.exceptions import CaptureError, ConfigError
@@ -81,6 +82,53 @@ def test_rounded_units_never_exceed_the_budget(seed):
     assert fr.cost[i] <= budget
     exact = brute_force(costs, dmg, budget)[0]
     assert fr.damage[i] >= exact - 1e-12  # never better than optimal
+
+
+def _grouped_brute(ck, dk, cv, dv, max_groups):
+    """Every assignment of (K, V) candidates to the heads with at most ``max_groups`` distinct
+    pairs: its (cost, damage)."""
+    import itertools
+
+    H = dk.shape[1]
+    pairs = list(itertools.product(range(ck.size), range(cv.size)))
+    out = []
+    for pick in itertools.product(pairs, repeat=H):
+        if len(set(pick)) <= max_groups:
+            out.append((sum(int(ck[a] + cv[b]) for a, b in pick),
+                        sum(float(dk[a, h] + dv[b, h]) for h, (a, b) in enumerate(pick))))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("max_groups", [1, 2])
+def test_layer_items_are_the_exact_pareto_set_of_grouped_choices(seed, max_groups):
+    """A layer's items under a bound on (K, V) pairs: every Pareto point of a brute-force
+    enumeration is reached, and every item is a feasible assignment with its true cost/damage."""
+    rng = np.random.default_rng(seed)
+    H, nk, nv = 3, 4, 3
+    ck, cv = rng.integers(1, 6, nk), rng.integers(1, 6, nv)
+    dk, dv = rng.random((nk, H)), rng.random((nv, H))
+    items = layer_items(ck, dk, cv, dv, max_groups)
+    for c, d, ks, vs in zip(items.cost, items.damage, items.k, items.v):
+        assert len(set(zip(ks.tolist(), vs.tolist()))) <= max_groups
+        assert c == int((ck[ks] + cv[vs]).sum())
+        assert d == pytest.approx(float(dk[ks, range(H)].sum() + dv[vs, range(H)].sum()), abs=1e-12)
+    brute = _grouped_brute(ck, dk, cv, dv, max_groups)
+    for budget in range(int(items.cost.min()), int(items.cost.max()) + 2):
+        want = min(d for c, d in brute if c <= budget)
+        got = items.damage[items.cost <= budget].min()
+        assert got == pytest.approx(want, abs=1e-12)
+    assert np.all(np.diff(items.cost) > 0) and np.all(np.diff(items.damage) < 0)
+
+
+def test_set_partitions_and_the_bound_on_them():
+    assert [len(set_partitions(4, n)) for n in (1, 2, 3, 4)] == [1, 8, 14, 15]  # Stirling sums, Bell(4)
+    assert sorted(map(len, set_partitions(3, 2))) == [1, 2, 2, 2]
+    rng = np.random.default_rng(0)
+    with pytest.raises(ConfigError, match="too many ways to group the heads"):
+        layer_items(np.ones(2, int), rng.random((2, 12)), np.ones(2, int), rng.random((2, 12)), 6)
+    with pytest.raises(ConfigError, match="max_groups=0"):
+        layer_items(np.ones(2, int), rng.random((2, 3)), np.ones(2, int), rng.random((2, 3)), 0)
 
 
 def test_knapsack_bad_input():
@@ -253,6 +301,30 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
     # deterministic
     cal2 = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, scores=cal.scores)
     assert cal2.config == cfg
+
+
+def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):
+    """With at most one (K, V) pair per layer every layer is one launch group; the bound costs
+    damage, never bytes over budget; the prediction of the written config is the search's."""
+    cap, _, loaded = tiny_capture
+    opts = (OuterOption(sinks=4),)
+    free = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, objective="rel")
+    one = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, objective="rel",
+                 scores=free.scores, max_groups_per_layer=1)
+    H = loaded.n_kv_heads
+    assert max(len(free.config.launch_groups(li, H)) for li in range(loaded.n_layers)) > 1  # the bound binds
+    assert all(len(one.config.launch_groups(li, H)) == 1 for li in range(loaded.n_layers))
+    pv = one.config.provenance
+    assert pv["max_groups_per_layer"] == 1 and "max_groups_per_layer" not in free.config.provenance
+    assert pv["effective_bits"] <= 4.0 and pv["predicted_damage"] >= free.config.provenance["predicted_damage"]
+    assert account(one.config, ModelShape(loaded.n_layers, H, loaded.head_dim), 160).total_bytes == pv["bytes"]
+    assert predict(cap, one.config, queries=16)["total"] == pytest.approx(pv["predicted_damage"], rel=1e-4)
+    # a bound of at least the head count is no bound
+    same = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, objective="rel",
+                  scores=free.scores, max_groups_per_layer=H)
+    assert same.config.with_(provenance={}) == free.config.with_(provenance={})
+    with pytest.raises(ConfigError, match="max_groups_per_layer=0"):
+        CalibrationConfig(budgets=4, max_groups_per_layer=0)
 
 
 def test_window_dtype_rule_and_scores_of_another_window_dtype_are_refused(tiny_capture):
