@@ -32,10 +32,11 @@ pipeline (each step reads what the one before it wrote):
   decompose split a config's attention error on a capture into key, value and cross terms
   calibrate choose formats per layer and head under a budget (a config JSON)
   project   the nearest config vLLM serves, and what the projection costs
+  plan      what one decode step of a config costs on a GPU (launches, bytes, time)
   export    write the config for vLLM or transformers
   evaluate  measure configs, presets and peers in the real model
   validate  check the Triton kernels against the reference on a capture
-presets and memory need no capture; demo runs the whole pipeline on the bundled model.
+presets, memory and plan need no capture; demo runs the whole pipeline on the bundled model.
 `kverr COMMAND --help` explains each command."""
 
 VERBOSE_HELP = "log progress details (also accepted after the command)"

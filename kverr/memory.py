@@ -29,22 +29,27 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the cache size depends on: layers, kv heads, head dim (and the context limit)."""
+    """What the cache size depends on: layers, kv heads, head dim (and the context limit); the
+    query heads, where known, for what decoding costs (:mod:`kverr.cost`), not for bytes."""
 
     n_layers: int
     n_kv_heads: int
     head_dim: int
     name: str = "custom"
     max_context: int | None = None
+    n_q_heads: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for f in ("n_layers", "n_kv_heads", "head_dim"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ShapeError(f"{f}={v!r}: must be a positive integer")
+        q = self.n_q_heads
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1 or q % self.n_kv_heads):
+            raise ShapeError(f"n_q_heads={q!r}: must be a positive multiple of n_kv_heads={self.n_kv_heads}")
 
 
-DEFAULT_SHAPE = ModelShape(30, 3, 64, name=DEFAULT_MODEL_ID, max_context=8192)
+DEFAULT_SHAPE = ModelShape(30, 3, 64, name=DEFAULT_MODEL_ID, max_context=8192, n_q_heads=9)
 
 
 def model_shape(spec: str = "default") -> ModelShape:
@@ -73,7 +78,8 @@ def model_shape(spec: str = "default") -> ModelShape:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"{cfg_path} does not describe a decoder with attention heads ({exc!r})") from None
-    return ModelShape(n_layers, n_kv, head_dim, name=str(path), max_context=cfg.get("max_position_embeddings"))
+    return ModelShape(n_layers, n_kv, head_dim, name=str(path), max_context=cfg.get("max_position_embeddings"),
+                      n_q_heads=n_heads)
 
 
 @dataclass
@@ -192,7 +198,7 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _group_bytes(
+def group_bytes(
     config: CacheConfig, fmt: QuantFormat, h: int, T: int, D: int, batch: int, prefill_quantized: int = 0
 ) -> tuple[Bytes, int]:
     """Bytes of one (layer, K|V) head group of ``h`` heads, and its seed-formula bytes."""
@@ -278,7 +284,7 @@ def account(
         for w in WHICH:
             total = Bytes()
             for fmt, heads in config.head_groups(layer, shape.n_kv_heads, w):
-                b, seed = _group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized)
+                b, seed = group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized)
                 total.add(b)
                 report.seed_bytes += seed
             entry[w] = total
@@ -287,9 +293,12 @@ def account(
 
 
 def parse_shape(text: str) -> ModelShape:
-    """``"L,H,D"`` -> :class:`ModelShape`."""
+    """``"L,H,D"`` or ``"L,H,D,HQ"`` (query heads last) -> :class:`ModelShape`."""
     try:
-        n_layers, n_kv, d = (int(p) for p in text.split(","))
+        parts = [int(p) for p in text.split(",")]
+        if len(parts) not in (3, 4):
+            raise ValueError
     except ValueError:
-        raise ConfigError(f"shape {text!r} is not allowed; give LAYERS,KV_HEADS,HEAD_DIM e.g. 30,3,64") from None
-    return ModelShape(n_layers, n_kv, d)
+        raise ConfigError(f"shape {text!r} is not allowed; give LAYERS,KV_HEADS,HEAD_DIM[,Q_HEADS] e.g. 30,3,64 "
+                          "or 30,3,64,9") from None
+    return ModelShape(*parts[:3], n_q_heads=parts[3] if len(parts) == 4 else None)

@@ -226,8 +226,8 @@ def model_dims(config: Any) -> tuple[int, int, int, int, int]:
 
 
 def _as_shape(config: Any, name: str) -> ModelShape:
-    n_layers, _, n_kv, head_dim, max_context = model_dims(config)
-    return ModelShape(n_layers, n_kv, head_dim, name=name, max_context=max_context or None)
+    n_layers, n_q, n_kv, head_dim, max_context = model_dims(config)
+    return ModelShape(n_layers, n_kv, head_dim, name=name, max_context=max_context or None, n_q_heads=n_q)
 
 
 def _check_model_type(config: Any, where: str) -> None:
@@ -478,4 +478,4 @@ def _gguf_shape(gguf: Path) -> ModelShape:
     )
     context = field_value(f"{arch}.context_length")
     return ModelShape(int(n_layers), int(n_kv), int(head_dim), name=DEFAULT_MODEL_ID,
-                      max_context=int(context) if context else None)
+                      max_context=int(context) if context else None, n_q_heads=int(n_q))

@@ -84,8 +84,8 @@ def add_model_shape_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shape",
-        metavar="L,H,D",
-        help="give the shape explicitly instead of --model: layers, kv heads, head dim",
+        metavar="L,H,D[,HQ]",
+        help="give the shape explicitly instead of --model: layers, kv heads, head dim (and query heads)",
     )
 
 
