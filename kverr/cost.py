@@ -101,13 +101,14 @@ ROPE_OPS = 6
 #: Per score: scale, max, subtract, exp2, sum (the online softmax).
 SOFTMAX_OPS = 5
 #: Eager torch operations (non-view aten operations, one kernel each on a GPU) of a store's host
-#: side: per (K|V, head group) and step, writing the new rows into the full-precision buffer (the
-#: heads as int64, two index_selects and an index_put; for an int8 window codes and scales, 7);
+#: side: per (K|V, head group) and step, writing the new rows into the full-precision buffer (a
+#: gather and a scatter; for an int8 window, of codes and of scales: 4; one more when the new rows
+#: arrive in another dtype than the window's);
 #: per K|V and step, an int8 window's quantize-and-decode of the new rows by the oracle
 #: (``kverr.quant.store.WindowRows.store``), 4 of whose operations read a flag back to the host
 #: (its input checks): a device synchronisation each. Counted on the real cache by
-#: ``tests/gpu/test_cost.py``.
-HOST_OPS = {"fp_rows": 4, "fp_rows_int8": 7, "int8_window": 47}
+#: ``tests/gpu/test_cost_counts.py``.
+HOST_OPS = {"fp_rows": 2, "fp_rows_int8": 4, "int8_window": 47}
 HOST_SYNCS = {"int8_window": 4}
 #: Host-to-device copies of one step's plan (sequence lengths; per token block, the store jobs'
 #: nine index arrays), counted from ``PagedKVCache.plan`` (on a CPU they are no copies at all).

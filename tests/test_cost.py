@@ -57,9 +57,9 @@ def test_bytes_equal_hand_counts_kivi_2():
     nsp = 11
     assert lc.bytes_by_kind()["query"] == B * 4 * 64 * 2 * nsp
     assert lc.bytes_by_kind()["partials"] == 2 * B * 4 * nsp * 66 * 4 + B * 4 * 64 * 2
-    # main + tail + merge; stores every 32nd step (keys) and every step (values); 4 host
+    # main + tail + merge; stores every 32nd step (keys) and every step (values); 2 host
     # operations per (K|V, head group) writing the new row into the window
-    assert lc.n_launches == pytest.approx(3 + 1 / 32 + 1 + 2 * 4)
+    assert lc.n_launches == pytest.approx(3 + 1 / 32 + 1 + 2 * 2)
 
 
 def test_plan_bytes_are_the_cache_bytes_less_what_is_never_read():

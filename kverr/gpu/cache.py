@@ -77,6 +77,7 @@ class Pool:
     spec: KernelSpec
     heads: list[int]
     heads_t: torch.Tensor
+    heads_l: torch.Tensor  # the heads as int64 indices, for the host side's gathers
     codes: torch.Tensor
     scale: torch.Tensor | None
     zero: torch.Tensor | None
@@ -304,6 +305,7 @@ class PagedKVCache:
                                 if self.fp_q else None)
                     ratios = torch.tensor(spec.clip_ratios or (1.0,), dtype=torch.float32, device=dev)
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
+                                           torch.tensor(heads, dtype=torch.int64, device=dev),
                                            codes, scale, zero, fp, fp_scale, cap, ratios))
             self.pools.append(per)
             self.launches.append(self._make_launches(layer, per))
@@ -537,14 +539,14 @@ class PagedKVCache:
                 if jobs.n_jobs:
                     launch_store(pool, jobs, x, self.D, self.P)
                 if jobs.n_fp:
-                    heads = pool.heads_t.long()
+                    # one gather and one scatter per tensor (rows x heads at once): each is a
+                    # kernel launch of the step's host side (kverr.cost.HOST_OPS)
+                    rows = (jobs.fp_row[:, None], pool.heads_l[None, :])
                     if codes is None:
-                        vals = x.index_select(0, jobs.fp_row).index_select(1, heads)
-                        pool.fp[jobs.fp_seq, :, jobs.fp_slot] = vals.to(pool.fp.dtype)
+                        pool.fp[jobs.fp_seq, :, jobs.fp_slot] = x[rows].to(pool.fp.dtype)
                     else:
-                        pool.fp[jobs.fp_seq, :, jobs.fp_slot] = codes.index_select(0, jobs.fp_row).index_select(1, heads)
-                        pool.fp_scale[jobs.fp_seq, :, jobs.fp_slot] = (
-                            scale.index_select(0, jobs.fp_row).index_select(1, heads))
+                        pool.fp[jobs.fp_seq, :, jobs.fp_slot] = codes[rows]
+                        pool.fp_scale[jobs.fp_seq, :, jobs.fp_slot] = scale[rows]
 
     def decode(self, step: StepPlan, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
