@@ -238,6 +238,7 @@ def quant_store_kernel(
     X, sx_n, sx_h,  # new tokens [N, H, D] (any float dtype)
     FP, sf_b, sf_h, sf_t,  # full-precision buffer [slots, h, sinks + cap, D] of this head group
     FPS, sfs_b, sfs_h,  # FP_Q: the fp16 scale of each int8 row of FP [slots, h, sinks + cap]
+    XS, sxs_n, sxs_h,  # FP_Q: the fp16 scale of each new row [N, H] (X then holds its int8 codes)
     HEADS,  # [h] int32: global kv head of each local head
     JOB_PAGE, JOB_ROW0, JOB_NROWS, JOB_B,  # [J] int32
     SRC_NEW, SRC_SLOT,  # [J, BLOCK_R] int32: row of X, or slot of FP, or -1
@@ -252,8 +253,10 @@ def quant_store_kernel(
 ):
     """One program quantizes the rows of one job (consecutive tokens of one page) for one head.
 
-    ``FP_Q``: the window is int8 (one biased int8 row per slot, its fp16 scale in ``FPS``) and
-    ``X`` holds the values the cache received (the int8 round trip, :func:`kverr.quant.store.receive`).
+    ``FP_Q``: the window is int8 (one biased int8 row per slot, its fp16 scale in ``FPS``), and
+    the new rows arrive as the cache receives them (:func:`kverr.quant.store.receive`): ``X``
+    holds their biased int8 codes and ``XS`` their fp16 scales, as a launch of this kernel with
+    the window's int8 format wrote them.
 
     Grid ``(J, h)``.
     """
@@ -281,9 +284,11 @@ def quant_store_kernel(
         mask=from_fp[:, None], other=0,
     ).to(tl.float32)
     if FP_Q:
-        # int8 rows: the oracle's decode, (u - 128) * s, exact in fp32; X is already received
+        # int8 rows, new or from the window: the oracle's decode, (u - 128) * s, exact in fp32
+        sa = tl.load(XS + src_new.to(tl.int64) * sxs_n + hg * sxs_h, mask=from_x, other=0.0)
         sb = tl.load(FPS + b * sfs_b + hl * sfs_h + src_slot.to(tl.int64), mask=from_fp, other=0.0)
-        x = tl.where(from_x[:, None], xa, (xb - 128.0) * sb.to(tl.float32)[:, None])
+        x = tl.where(from_x[:, None], (xa - 128.0) * sa.to(tl.float32)[:, None],
+                     (xb - 128.0) * sb.to(tl.float32)[:, None])
     else:
         # the cache receives K/V in its own dtype (the window dtype of FP), as the oracle does
         x = tl.where(from_x[:, None], _round_to(xa, FP.dtype.element_ty), xb)

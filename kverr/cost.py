@@ -10,8 +10,9 @@ sequence, ``tokens`` cached per sequence, ``batch`` sequences) and the launch st
   V format) pair, :meth:`kverr.config.CacheConfig.launch_groups`): a *main* launch over the
   quantized tokens, split in ``splits`` chunks, and a *tail* over the full-precision tokens,
   then one *merge* per layer; the store kernel once per (K|V, head group) when a token block
-  fills (every ``tb``-th step: counted as ``1 / tb`` per step); and the eager torch operations
-  of the host side of a store (:data:`HOST_OPS`);
+  fills (every ``tb``-th step: counted as ``1 / tb`` per step), with an int8 window once per K|V
+  to receive the new rows; and the eager torch operations of the host side of a store
+  (:data:`HOST_OPS`);
 * **bytes read**, by kind -- ``codes``, ``scales``, ``zeros`` of the quantized tokens
   (:func:`kverr.memory.group_bytes`: exactly what the cache holds, less page rounding and
   padding, which are never read), ``static`` scales (once per program), ``window`` (sinks,
@@ -29,8 +30,7 @@ table (:data:`GPUS`, :data:`OVERHEADS`)::
 
     t_launch = launch_device + max(bytes / bandwidth, alu / fp32_rate, dot / tensor_rate)
     graphs:  t_step = sum of t_launch (CUDA-graph replay: no host work in the loop)
-    eager:   t_step = max(sum of t_launch, host time of every launch and torch op), except in a
-             layer whose host work waits for the device (a sync): there the two add
+    eager:   t_step = max(sum of t_launch, host time of every launch and torch op)
 
 The fp16 reference is an fp16 cache read by one attention kernel per layer (torch's scaled-dot-
 product attention) plus one write each of the new key and value rows: three launches per layer.
@@ -101,18 +101,16 @@ ROPE_OPS = 6
 #: Per score: scale, max, subtract, exp2, sum (the online softmax).
 SOFTMAX_OPS = 5
 #: Eager torch operations (non-view aten operations, one kernel each on a GPU) of a store's host
-#: side: per (K|V, head group) and step, writing the new rows into the full-precision buffer (a
+#: side, per (K|V, head group) and step: writing the new rows into the full-precision buffer (a
 #: gather and a scatter; for an int8 window, of codes and of scales: 4; one more when the new rows
-#: arrive in another dtype than the window's);
-#: per K|V and step, an int8 window's quantize-and-decode of the new rows by the oracle
-#: (``kverr.quant.store.WindowRows.store``), 4 of whose operations read a flag back to the host
-#: (its input checks): a device synchronisation each. Counted on the real cache by
-#: ``tests/gpu/test_cost_counts.py``.
-HOST_OPS = {"fp_rows": 2, "fp_rows_int8": 4, "int8_window": 47}
-HOST_SYNCS = {"int8_window": 4}
+#: arrive in another dtype than the window's). An int8 window receives the new rows with one
+#: store-kernel launch per K|V and step (no host operation, no synchronisation). Counted on the
+#: real cache by ``tests/gpu/test_cost_counts.py``.
+HOST_OPS = {"fp_rows": 2, "fp_rows_int8": 4}
 #: Host-to-device copies of one step's plan (sequence lengths; per token block, the store jobs'
-#: nine index arrays), counted from ``PagedKVCache.plan`` (on a CPU they are no copies at all).
-PLAN_COPIES = {"step": 1, "token_block": 9}
+#: nine index arrays), counted from ``PagedKVCache.plan`` (on a CPU they are no copies at all);
+#: with an int8 window, the four operations that make the receiving launch's jobs.
+PLAN_COPIES = {"step": 1, "token_block": 9, "int8_window": 4}
 #: Bytes of a query, output or new key/value element (the model's fp16/bf16 activations).
 ACT_BYTES = 2
 
@@ -145,7 +143,6 @@ class Launch:
     alu: float = 0.0
     dot: float = 0.0
     triton: bool = True
-    syncs: float = 0.0  # host reads of device values (each waits for the device)
 
     @property
     def nbytes(self) -> float:
@@ -179,10 +176,6 @@ class LayerCost:
     @property
     def n_launches(self) -> float:
         return sum(ln.count for ln in self.launches)
-
-    @property
-    def syncs(self) -> float:
-        return sum(ln.syncs for ln in self.launches)
 
 
 @dataclass
@@ -221,28 +214,27 @@ class StepCost:
     def launches(self) -> float:
         return sum(lc.n_launches for lc in self.layers) + self.plan_copies
 
-    @property
-    def syncs(self) -> float:
-        return sum(lc.syncs for lc in self.layers)
-
     def _times(self, lc: LayerCost) -> tuple[float, float]:
         return (sum(ln.device_seconds(self.gpu, self.overheads) for ln in lc.launches),
                 sum(ln.host_seconds(self.overheads) for ln in lc.launches))
 
+    def decode_seconds(self) -> float:
+        """Device time of the attention launches alone (main, tail and merge of every layer; for
+        the fp16 reference, its attention kernels): what a benchmark of decode, store left
+        out, measures from a CUDA graph."""
+        return sum(ln.device_seconds(self.gpu, self.overheads) for lc in self.layers for ln in lc.launches
+                   if ln.kind in ("main", "tail", "merge", "attention"))
+
     def layer_seconds(self, layer: int, graphs: bool = True) -> float:
         dev, host = self._times(self.layers[layer])
-        if graphs:
-            return dev
-        return dev + host if self.layers[layer].syncs else max(dev, host)
+        return dev if graphs else max(dev, host)
 
     def seconds(self, graphs: bool = True) -> float:
         """Predicted step time.
 
-        ``graphs``: the step's launches replayed from a CUDA graph (the device time alone; a
-        config whose host work synchronises, :attr:`syncs`, cannot be captured as it is, and the
-        figure is then what its kernels would take once that work moves to the device). Eager:
-        the host's launch work and the device's run overlap and the slower sets the pace, unless
-        the host waits for the device in a layer: then that layer's host and device times add.
+        ``graphs``: the step's launches replayed from a CUDA graph (the device time alone).
+        Eager: the host's launch work and the device's run overlap, and the slower sets the pace
+        (no launch of the step waits for the device).
         """
         oh = self.overheads
         times = [self._times(lc) for lc in self.layers]
@@ -250,17 +242,14 @@ class StepCost:
         if graphs:
             return dev
         host = sum(h for _, h in times) + self.plan_copies * oh.torch_host
-        if not self.syncs:
-            return max(dev, host)
-        return self.plan_copies * (oh.launch_device + oh.torch_host) + sum(
-            d + h if lc.syncs else max(d, h) for lc, (d, h) in zip(self.layers, times))
+        return max(dev, host)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config_name, "model": asdict(self.shape), "tokens": self.tokens, "batch": self.batch,
             "gpu": asdict(self.gpu), "overheads": asdict(self.overheads),
             "bytes": self.bytes_by_kind(), "total_bytes": self.total_bytes, "alu_ops": self.alu, "dot_flops": self.dot,
-            "launches": self.launches, "plan_copies": self.plan_copies, "syncs": self.syncs,
+            "launches": self.launches, "plan_copies": self.plan_copies,
             "seconds_graphs": self.seconds(True), "seconds_eager": self.seconds(False),
             "layers": [
                 {"layer": lc.layer, "groups": lc.groups, "splits": lc.splits, "launches": lc.n_launches,
@@ -392,8 +381,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
         launches.append(Launch("merge", 1.0, (), {"partials": B * Hq * nsp * (D + 2) * 4 + B * Hq * D * ACT_BYTES}))
         for w in WHICH:
             if not wf.is_float:
-                launches.append(Launch("host", HOST_OPS["int8_window"], (), {"store": B * H * D * (ACT_BYTES + 2 * 4)},
-                                       triton=False, syncs=HOST_SYNCS["int8_window"]))
+                launches.append(Launch("receive", 1.0, tuple(range(H)), {"store": B * H * (D * ACT_BYTES + fp_row)}))
             for fmt, heads in config.head_groups(layer, H, w):
                 h = len(heads)
                 tb = token_block(fmt.granularity, config.page_size)
@@ -413,7 +401,8 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                     launches.append(Launch("host", n_ops * kept, tuple(heads),
                                            {"store": kept * B * h * (D * ACT_BYTES + fp_row)}, triton=False))
         layers.append(LayerCost(layer, len(config.launch_groups(layer, H)), splits, launches))
-    copies = PLAN_COPIES["step"] + PLAN_COPIES["token_block"] * len(blocks)
+    copies = (PLAN_COPIES["step"] + PLAN_COPIES["token_block"] * len(blocks)
+              + (0 if wf.is_float else PLAN_COPIES["int8_window"]))
     return StepCost(config.name or "config", shape, T, B, g, overheads, layers, copies)
 
 

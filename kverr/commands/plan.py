@@ -57,9 +57,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"fp16 reference: {ref.total_bytes / 1e6:.3f} MB, {ref.launches:g} launches, "
           f"{ref.seconds(True) * 1e6:.1f} us with graphs, {ref.seconds(False) * 1e6:.1f} us eager; this config: "
           f"x{ref.seconds(True) / plan.seconds(True):.2f} with graphs, x{ref.seconds(False) / plan.seconds(False):.2f} eager")
-    if plan.syncs:
-        print(f"host syncs per step: {plan.syncs:g} (an int8 window is quantized by torch operations on the host "
-              "side of the store; eager launches wait for the device there, and the step cannot be captured in a "
-              "CUDA graph as it is)")
     print(speedup_table(cfg, shape, args.gpu))
     return 0

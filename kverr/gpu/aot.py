@@ -55,6 +55,7 @@ from kverr.quant.formats import (
     float_format,
     fp8_format,
     int_format,
+    window_format,
 )
 
 _PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "u8": "*u8", "i32": "*i32"}
@@ -137,9 +138,10 @@ def _codes_ptr(spec: KernelSpec) -> str:
 
 
 def store_signature(spec: KernelSpec, fp_q: bool = False) -> dict:
-    """``fp_q``: an int8 window (uint8 rows in ``FP``, fp32 received rows in ``X``)."""
-    sig = {"X": "*fp32" if fp_q else "*fp16", "sx_n": "i32", "sx_h": "i32", "FP": "*u8" if fp_q else "*fp16", "sf_b": "i32", "sf_h": "i32", "sf_t": "i32",
-           "FPS": "*fp16", "sfs_b": "i32", "sfs_h": "i32",
+    """``fp_q``: an int8 window (uint8 rows in ``FP``; the received new rows as uint8 codes in
+    ``X`` and fp16 scales in ``XS``)."""
+    sig = {"X": "*u8" if fp_q else "*fp16", "sx_n": "i32", "sx_h": "i32", "FP": "*u8" if fp_q else "*fp16", "sf_b": "i32", "sf_h": "i32", "sf_t": "i32",
+           "FPS": "*fp16", "sfs_b": "i32", "sfs_h": "i32", "XS": "*fp16", "sxs_n": "i32", "sxs_h": "i32",
            "HEADS": "*i32", "JOB_PAGE": "*i32", "JOB_ROW0": "*i32", "JOB_NROWS": "*i32", "JOB_B": "*i32",
            "SRC_NEW": "*i32", "SRC_SLOT": "*i32", "CODES": _codes_ptr(spec), "sc_p": "i32", "sc_h": "i32",
            "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32", "RATIOS": "*fp32"}
@@ -213,7 +215,11 @@ def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int =
         block_r = 16 if s.tb == 1 else s.tb
         jobs.append(("quant_store", s.fmt.label(), quant_store.quant_store_kernel, store_signature(s),
                      store_constexprs(s, D, block_r)))
-    # int8 windows: the store kernel's window read for each token-block size, the decode tail
+    # int8 windows: the new rows received (the store kernel in the window's int8 format, one row
+    # a job), the store kernel's int8 reads for each token-block size, the decode tail
+    recv = kernel_spec(window_format("int8"), D, 1)
+    jobs.append(("quant_store", "int8 window receive", quant_store.quant_store_kernel, store_signature(recv),
+                 store_constexprs(recv, D, 1)))
     int8_window = ("int2a/ch32/fp16", "int4a/tok/fp16/mse/had")
     for s in specs:
         if s.fmt.label() in int8_window:

@@ -20,7 +20,8 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
 Token policy is exactly :func:`kverr.quant.token_regions`: page ``p`` holds quantized tokens
 ``sinks + p*P .. sinks + (p+1)*P``. As in the oracle, the cache receives K/V in its own dtype
 (``window_dtype``, :func:`kverr.quant.store.receive`): inputs are rounded to it first (for an
-``int8`` window, quantized and decoded by the oracle on the host side of the launch), so a token
+``int8`` window, quantized on the device by the store kernel in the window's int8 format, bit
+for bit the oracle's, and decoded inside the store kernels that read them), so a token
 quantized straight from the input and one quantized from its window copy when its block fills get
 the same, reference, codes.
 
@@ -309,6 +310,10 @@ class PagedKVCache:
                                            codes, scale, zero, fp, fp_scale, cap, ratios))
             self.pools.append(per)
             self.launches.append(self._make_launches(layer, per))
+        if self.fp_q:  # the int8 window's format, for receiving new rows on the device
+            self.receive_spec = kernel_spec(window_format(config.window_dtype), head_dim, 1)
+            self.all_heads = torch.arange(n_kv_heads, dtype=torch.int32, device=dev)
+            self.unit_ratio = torch.ones(1, dtype=torch.float32, device=dev)
         # decode serves query row b of sequence b: fixed, made once
         self.decode_rows = torch.arange(max_batch, dtype=torch.int32, device=dev)
         self.decode_count = torch.ones(max_batch, dtype=torch.int32, device=dev)
@@ -435,12 +440,23 @@ class PagedKVCache:
         chunk = (-(-(-(-max_q // ns)) // bn) * bn) if ns else 0
         nsp = ns + 1
         dev = self.device
+        extras = {}
+        rows = int(n.sum())
+        if self.fp_q and rows:
+            # an int8 window receives the step's new rows with one store-kernel job per row
+            r = torch.arange(rows, dtype=torch.int32, device=dev)
+            zeros = torch.zeros(rows, dtype=torch.int32, device=dev)
+            extras["receive"] = StoreJobs(
+                tb=1, n_jobs=rows, block_r=1, page=r, row0=zeros, nrows=zeros + 1, seq=zeros, src_new=r[:, None],
+                src_slot=torch.full((rows, 1), -1, dtype=torch.int32, device=dev), n_fp=0, fp_row=r, fp_seq=r,
+                fp_slot=r)
         return StepPlan(
-            new_tokens=n, lengths=T1.copy(), n_rows=int(n.sum()), store=store,
+            new_tokens=n, lengths=T1.copy(), n_rows=rows, store=store,
             seq_lens=torch.tensor(T1, dtype=torch.int32, device=dev), num_splits=ns, chunk=chunk,
             partial_o=torch.empty((self.B, self.Hq, nsp, self.D), dtype=torch.float32, device=dev),
             partial_m=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
             partial_l=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
+            extras=extras,
         )
 
     def _jobs(self, tb: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
@@ -527,17 +543,16 @@ class PagedKVCache:
         for which, x in (("k", k), ("v", v)):
             x = self._rows(x, step, which)
             codes = scale = None
-            if self.fp_q:
-                # an int8 window: the cache receives every row as the oracle's int8 row (codes and
-                # scale for the window, their decoded values for the store kernel)
-                rows = WindowRows.store(x.unsqueeze(2), self.config.window_dtype)  # [N, H, 1, D]
-                codes, scale = rows.data[:, :, 0], rows.scale[:, :, 0, 0]
-                x = rows.float()[:, :, 0]
+            if self.fp_q and step.n_rows:
+                # an int8 window: the cache receives every row as the oracle's int8 row, quantized
+                # on the device by the store kernel in the window's format (one row a job): its
+                # codes and scale go to the window, and the store kernels decode them
+                codes, scale = self._receive(step, x)
             for pool in self.pools[layer][which]:
                 jobs = step.store[pool.spec.tb]
                 # quantize first: a job may read a window slot this step's new tokens overwrite
                 if jobs.n_jobs:
-                    launch_store(pool, jobs, x, self.D, self.P)
+                    launch_store(pool, jobs, x if codes is None else codes, self.D, self.P, xs=scale)
                 if jobs.n_fp:
                     # one gather and one scatter per tensor (rows x heads at once): each is a
                     # kernel launch of the step's host side (kverr.cost.HOST_OPS)
@@ -547,6 +562,21 @@ class PagedKVCache:
                     else:
                         pool.fp[jobs.fp_seq, :, jobs.fp_slot] = codes[rows]
                         pool.fp_scale[jobs.fp_seq, :, jobs.fp_slot] = scale[rows]
+
+    def _receive(self, step: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new rows ``x [N, H, D]`` in the int8 window format: uint8 codes ``[N, H, D]`` and
+        fp16 scales ``[N, H]``, bit for bit :meth:`kverr.quant.store.WindowRows.store`'s."""
+        from kverr.gpu.launch import launch_store
+
+        n = step.n_rows
+        spec = self.receive_spec
+        codes = torch.empty((n, self.H, 1, self.D), dtype=torch.uint8, device=self.device)
+        scale = torch.empty((n, self.H, 1, 1), dtype=torch.float16, device=self.device)
+        # the float input stands in for the window buffer: rounding a row to its own dtype is exact
+        pool = Pool(spec, list(range(self.H)), self.all_heads, self.all_heads, codes, scale, None, x, None, 0,
+                    self.unit_ratio)
+        launch_store(pool, step.extras["receive"], x, self.D, 1)
+        return codes[:, :, 0], scale[:, :, 0, 0]
 
     def decode(self, step: StepPlan, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:

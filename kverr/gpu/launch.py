@@ -62,7 +62,9 @@ def _fp_scale_args(pool) -> tuple:
 STORE_OPTIONS = dict(enable_fp_fusion=False)
 
 
-def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
+def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor | None = None) -> None:
+    """Quantize-and-store ``jobs`` of ``pool`` from the new rows ``x [N, H, D]``; an int8 window
+    passes them as received, ``x`` their uint8 codes and ``xs [N, H]`` their fp16 scales."""
     qs, _ = _kernels()
     spec = pool.spec
     scale = pool.scale if pool.scale is not None else pool.codes
@@ -76,6 +78,7 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int) -> None:
         x, x.stride(0), x.stride(1),
         pool.fp, pool.fp.stride(0), pool.fp.stride(1), pool.fp.stride(2),
         *_fp_scale_args(pool),
+        *((x, 0, 0) if xs is None else (xs, xs.stride(0), xs.stride(1))),
         pool.heads_t,
         jobs.page, jobs.row0, jobs.nrows, jobs.seq, jobs.src_new, jobs.src_slot,
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),

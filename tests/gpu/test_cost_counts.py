@@ -1,6 +1,6 @@
 """kverr.cost's launch and host-operation counts against the real PagedKVCache: every Triton
-launch and every eager torch operation (non-view aten operations, one kernel each on a GPU) of
-one steady-state decode step, counted on the cache in the interpreter."""
+launch and every eager torch operation (non-view aten operations other than allocations, one
+kernel each on a GPU) of one steady-state decode step, counted on the cache in the interpreter."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ from kverr.quant import PerToken, PerTokenGroup, int_format
 
 
 class _Ops(TorchDispatchMode):
-    """Counts the non-view aten operations run outside the Triton launches, and host reads."""
+    """Counts the non-view aten operations run outside the Triton launches, and host reads of
+    device values (synchronisations)."""
 
     def __init__(self):
         super().__init__()
         self.ops, self.syncs, self.inside = 0, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.inside and not func.is_view:
+        # allocations (empty, empty_like) launch no kernel
+        if not self.inside and not func.is_view and not str(func).startswith("aten.empty"):
             self.ops += 1
             self.syncs += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
@@ -80,7 +82,7 @@ def test_counts_of_one_decode_step_match_the_real_cache(monkeypatch, window_dtyp
             by[ln.kind] += ln.count
         assert lc.groups == len(cache.launches[layer]) == (3 if layer == 0 else 1)
         assert triton["launch_decode"] == by["main"] + by["tail"] and triton["launch_merge"] == by["merge"] == 1
-        assert triton["launch_store"] == by["store"]  # per-token formats: a store every step
-        # the decode allocates its output (torch.empty_like): one operation the plan leaves out
-        assert ops.ops - 1 == by["host"], layer
-        assert ops.syncs == lc.syncs == (0 if window_dtype == "fp16" else 8)
+        # per-token formats: a store every step; an int8 window receives the new rows in one more
+        assert triton["launch_store"] == by["store"] + by["receive"]
+        assert ops.ops == by["host"], layer
+        assert ops.syncs == 0  # nothing of the step waits for the device
