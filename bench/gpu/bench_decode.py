@@ -1,50 +1,85 @@
-"""Decode-attention speed on a GPU: kverr's paged quantized kernels vs fp16 torch SDPA.
+"""Decode-attention speed on a GPU: kverr's paged quantized kernels beside fp16 torch SDPA and
+beside what ``kverr plan`` predicts (:mod:`kverr.cost`).
 
-Measures (one process, well under 8 minutes on an H200):
-  * copy bandwidth (device-to-device copy of 2 GiB; read + write bytes / time);
-  * decode time per layer for fp16 SDPA and for the kernel at fp16, int8, int4, int2 (KIVI) and
-    a mixed per-head config, at 4k, 32k and 128k tokens, batch 1 and 16
-    (Llama-3-8B attention shape: 32 query heads, 8 kv heads, head dim 128);
-  * bytes the kernel reads (codes + scales + zeros + window) / time as a fraction of the copy
-    bandwidth, and the speedup over fp16 SDPA.
-Writes bench/results/gpu-decode-<date>.json and .txt. Run through bench/gpu/run.sh.
+Measures in one process (under 8 minutes on an H200):
+
+1. copy bandwidth (device-to-device copy of 2 GiB; read + write bytes over time);
+2. one layer of the Llama-3-8B attention shape (32 query heads, 8 kv heads, head dim 128): fp16
+   SDPA and the kernels at fp16, int8, int4, kivi-2 and a mixed per-head config, at 4k, 32k and
+   128k tokens x batch 1 and 16: decode launched eagerly and replayed from a CUDA graph;
+3. every layer of the bundled model's shape (30 layers, 9 query heads, 3 kv heads, head dim 64):
+   the committed calibrated configs at 3 and 4.5 bits and their one-group variants
+   (``--max-groups-per-layer 1``), the fp16 and int8-token presets, at 4k and 32k tokens x batch
+   1 and 16: the decode of all layers from one CUDA graph, and one eager step (store + decode).
+
+Each case prints measured and predicted time (the plan's decode launches, with the measured copy
+bandwidth) and their ratio; the per-launch device cost is then fitted by least squares over the
+graph cases (measured minus the plan's roofline = launches x cost). Writes
+``bench/results/gpu-decode-<date>.json`` and ``.txt``. Run through ``bench/gpu/run.sh``;
+``--smoke`` runs tiny shapes on the CPU interpreter (no graphs) to check the script itself.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import math
+import os
 import sys
-import time
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from kverr.config import PRESETS, CacheConfig, Override
-from kverr.gpu import PagedKVCache
-from kverr.quant import PerChannel, PerToken, PerTokenGroup, float_format, int_format
+import dataclasses  # noqa: E402
+import datetime as dt  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-HQ, H, D = 32, 8, 128
-CONTEXTS = [4096, 32768, 131072]
-BATCHES = [1, 16]
-OUT = Path(__file__).resolve().parents[1] / "results"
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kverr.config import PRESETS, CacheConfig, Override  # noqa: E402
+from kverr.cost import GPUS, OVERHEADS, fp16_step, step_cost  # noqa: E402
+from kverr.gpu import PagedKVCache, calibrate_static_scales  # noqa: E402
+from kverr.memory import DEFAULT_SHAPE, ModelShape  # noqa: E402
+from kverr.quant import PerToken, PerTokenGroup, int_format  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "bench" / "results"
+LLAMA = ModelShape(1, 8, 128, name="Llama-3-8B attention (one layer)", n_q_heads=32)
+CONTEXTS, BATCHES, MODEL_CONTEXTS = [4096, 32768, 131072], [1, 16], [4096, 32768]
+DEADLINE_S = 330  # no new case after this many seconds (the call has 8 minutes in all)
+if SMOKE:
+    LLAMA = ModelShape(1, 2, 32, name="smoke", n_q_heads=4)
+    CONTEXTS, BATCHES, MODEL_CONTEXTS = [40], [2], [40]
 
 
-def configs() -> dict[str, CacheConfig]:
-    int4 = int_format(4, PerTokenGroup(64))
+def llama_configs() -> dict[str, CacheConfig]:
+    int4 = int_format(4, PerTokenGroup(64 if not SMOKE else 32))
+    i8 = int_format(8, PerToken())
     return {
         "fp16": PRESETS["fp16"],
-        "int8": CacheConfig(k=int_format(8, PerToken()), v=int_format(8, PerToken()), window=0),
-        "int4": CacheConfig(k=int4, v=int4, window=128),
+        "int8": CacheConfig(name="int8", k=i8, v=i8, window=0),
+        "int4": CacheConfig(name="int4", k=int4, v=int4, window=128),
         "int2-kivi": PRESETS["kivi-2"],
-        "mixed": CacheConfig(k=int4, v=int4, window=128,
-                             heads={(0, h): Override(k=int_format(8, PerToken()), v=int_format(8, PerToken())) for h in (0, 1)}),
+        "mixed": CacheConfig(name="mixed", k=int4, v=int4, window=128,
+                             heads={(0, h): Override(k=i8, v=i8) for h in (0, 1)}),
     }
 
 
+def model_configs() -> dict[str, CacheConfig]:
+    cfgs = {n: PRESETS[n] for n in ("fp16", "int8-token")}
+    for b in ("3", "4.5"):
+        for suffix in ("", "-g1"):
+            c = CacheConfig.load(ROOT / "data" / "configs" / f"calibrated-{b}b{suffix}.json")
+            cfgs[c.name] = c
+    return cfgs
+
+
 def timed(fn, iters=20, warmup=3) -> float:
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -57,86 +92,160 @@ def timed(fn, iters=20, warmup=3) -> float:
     return start.elapsed_time(end) / iters / 1e3
 
 
-def copy_bandwidth() -> float:
+def graph_timed(fn, iters=50) -> tuple[float | None, str]:
+    """Mean time of ``fn`` replayed from a CUDA graph (None and why, when capture fails)."""
+    if SMOKE:
+        return None, "no graphs on the interpreter"
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return timed(g.replay, iters=iters), ""
+    except Exception as exc:  # report, do not stop the benchmark
+        return None, f"{type(exc).__name__}: {exc}"[:200]
+
+
+def copy_bandwidth(dev) -> float:
+    if SMOKE:
+        return GPUS["h200"].bandwidth
     n = 1 << 30  # 2 GiB of fp16
-    a = torch.empty(n, dtype=torch.float16, device="cuda")
+    a = torch.randn(n, dtype=torch.float16, device=dev)
     b = torch.empty_like(a)
     t = timed(lambda: b.copy_(a), iters=10)
-    return 2 * a.numel() * 2 / t
+    return 2 * n * 2 / t
 
 
-def kernel_bytes(cache: PagedKVCache, T: int, B: int) -> int:
-    """Bytes a decode step reads: the codes, scales and zeros of the quantized tokens and the
-    full-precision tokens, every kv head, both K and V."""
-    total = 0
-    for which in ("k", "v"):
-        for pool in cache.pools[0][which]:
-            s = pool.spec
-            end = int(cache.region_end(T, s.tb))
-            n_q, n_fp = end - min(cache.S, T), T - (end - min(cache.S, T))
-            h = len(pool.heads)
-            total += B * h * n_q * s.cb * pool.codes.element_size()
-            if pool.scale is not None and not s.static:
-                per_tok = pool.scale.shape[-1] * pool.scale.element_size() / s.bts
-                total += int(B * h * n_q * per_tok * (2 if pool.zero is not None else 1))
-            total += B * h * n_fp * D * pool.fp.element_size()
-    return total
+def filled(cfg, shape: ModelShape, T: int, B: int, dev, k, v) -> tuple[PagedKVCache, object]:
+    """A cache holding ``T`` tokens per sequence in every layer, its last step planned and stored."""
+    H, D, L = shape.n_kv_heads, shape.head_dim, shape.n_layers
+    # static scales (calibrated configs at low bits) from the first tokens, the same for every layer
+    n = min(T, 1024)
+    static = calibrate_static_scales(cfg, [k[:, :, :n].float()] * L, [v[:, :, :n].float()] * L)
+    cache = PagedKVCache(cfg, n_layers=L, n_kv_heads=H, n_q_heads=shape.n_q_heads, head_dim=D,
+                         max_batch=B, max_tokens=T, device=dev, dot_fp16=True, static_scales=static,
+                         rope=_rope(T, D, dev) if cfg.key_pre_rope else None)
+    rows = lambda x: x.permute(0, 2, 1, 3).reshape(-1, H, D)  # noqa: E731
+    step = cache.plan([T - 1] * B)
+    for layer in range(shape.n_layers):
+        cache.store(step, layer, rows(k[:, :, : T - 1]), rows(v[:, :, : T - 1]))
+    step = cache.plan([1] * B)
+    for layer in range(shape.n_layers):
+        cache.store(step, layer, rows(k[:, :, T - 1:]), rows(v[:, :, T - 1:]))
+    return cache, step
+
+
+def _rope(T: int, D: int, dev):
+    inv = 1.0 / (1e5 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=1)
+    return ang.cos().to(dev), ang.sin().to(dev)
+
+
+def gpu_of(name: str, bw: float):
+    key = "h100" if "H100" in name else "a100" if "A100" in name else "h200"
+    return dataclasses.replace(GPUS[key], bandwidth=bw, source=f"{GPUS[key].source}; bandwidth measured here")
 
 
 def main() -> int:
-    assert torch.cuda.is_available(), "needs a CUDA device"
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    t_start = time.time()
-    bw = copy_bandwidth()
-    print(f"{props.name}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    dev = torch.device("cpu" if SMOKE else "cuda")
+    if not SMOKE and not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (or --smoke on the CPU interpreter)")
+    name = "interpreter (smoke)" if SMOKE else torch.cuda.get_device_properties(dev).name
+    t0 = time.time()
+    bw = copy_bandwidth(dev)
+    gpu = gpu_of(name, bw)
+    print(f"{name}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     gen = torch.Generator(device=dev).manual_seed(0)
+
+    def case(part, shape, cfg_name, cfg, T, B, q, k, v, t_sdpa):
+        cache, step = filled(cfg, shape, T, B, dev, k, v)
+        out = torch.empty_like(q)
+
+        def decode_all():
+            for layer in range(shape.n_layers):
+                cache.decode(step, layer, q, out=out)
+
+        t_eager = timed(decode_all)
+        t_graph, why = graph_timed(decode_all)
+        plan = step_cost(cfg, shape, T, B, gpu)
+        pred = plan.decode_seconds()
+        n_dec = sum(ln.count for lc in plan.layers for ln in lc.launches if ln.kind in ("main", "tail", "merge"))
+        row = dict(part=part, config=cfg_name, T=T, B=B, eager_s=t_eager, graph_s=t_graph, graph_error=why,
+                   predicted_s=pred, decode_launches=n_dec, bytes=plan.total_bytes,
+                   roofline_s=pred - n_dec * OVERHEADS.launch_device, splits=step.num_splits,
+                   speedup_vs_sdpa=None if t_sdpa is None else t_sdpa / (t_graph or t_eager))
+        rows.append(row)
+        meas = t_graph or t_eager
+        print(f"[{part}] T={T} B={B} {cfg_name:>18}: eager {t_eager * 1e6:8.1f} us, graph "
+              f"{'-' if t_graph is None else f'{t_graph * 1e6:8.1f}'} us, predicted {pred * 1e6:8.1f} us "
+              f"(x{meas / pred:.2f}), {plan.total_bytes / meas / 1e9:6.0f} GB/s"
+              + ("" if t_sdpa is None else f", x{t_sdpa / meas:.2f} vs SDPA") + (f"  [{why}]" if why else ""),
+              flush=True)
+
+    # part 2: one layer of the Llama-3-8B attention shape, beside SDPA
+    H, Hq, D = LLAMA.n_kv_heads, LLAMA.n_q_heads, LLAMA.head_dim
     for T in CONTEXTS:
         for B in BATCHES:
-            if time.time() - t_start > 400:
-                print("time budget reached; stopping", flush=True)
+            if time.time() - t0 > DEADLINE_S / 2:
+                print("part 2: time budget reached; stopping", flush=True)
                 break
-            q = torch.randn(B, HQ, D, device=dev, dtype=torch.float16, generator=gen)
+            q = torch.randn(B, Hq, D, device=dev, dtype=torch.float16, generator=gen)
             k = torch.randn(B, H, T, D, device=dev, dtype=torch.float16, generator=gen)
             v = torch.randn(B, H, T, D, device=dev, dtype=torch.float16, generator=gen)
             t_sdpa = timed(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
-            sdpa_bytes = 2 * B * H * T * D * 2
-            rows.append(dict(impl="torch-sdpa-fp16", config="fp16", T=T, B=B, seconds=t_sdpa, bytes=sdpa_bytes,
-                             frac_bw=sdpa_bytes / t_sdpa / bw, speedup=1.0))
-            print(f"T={T} B={B} sdpa {t_sdpa * 1e6:.0f} us", flush=True)
-            for name, cfg in configs().items():
-                cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=HQ, head_dim=D, max_batch=B,
-                                     max_tokens=T, device=dev, dot_fp16=True)
-                step = cache.plan([T - 1] * B)
-                cache.store(step, 0, k[:, :, : T - 1].permute(0, 2, 1, 3).reshape(-1, H, D),
-                            v[:, :, : T - 1].permute(0, 2, 1, 3).reshape(-1, H, D))
-                step = cache.plan([1] * B)
-                t_store = timed(lambda: cache.store(step, 0, k[:, :, T - 1:].permute(0, 2, 1, 3).reshape(-1, H, D),
-                                                     v[:, :, T - 1:].permute(0, 2, 1, 3).reshape(-1, H, D)), iters=5, warmup=1)
-                out = torch.empty_like(q)
-                t_dec = timed(lambda: cache.decode(step, 0, q, out=out))
-                nbytes = kernel_bytes(cache, T, B)
-                rows.append(dict(impl="kverr-triton", config=name, T=T, B=B, seconds=t_dec, bytes=nbytes,
-                                 frac_bw=nbytes / t_dec / bw, speedup=t_sdpa / t_dec, store_seconds=t_store,
-                                 splits=step.num_splits))
-                print(f"T={T} B={B} {name:>10}: {t_dec * 1e6:8.0f} us  {nbytes / t_dec / 1e9:6.0f} GB/s "
-                      f"({nbytes / t_dec / bw:5.1%} of copy)  x{t_sdpa / t_dec:.2f} vs SDPA  splits {step.num_splits}", flush=True)
-                del cache, step
+            ref = fp16_step(LLAMA, T, B, gpu).decode_seconds()
+            rows.append(dict(part="llama", config="torch-sdpa-fp16", T=T, B=B, eager_s=t_sdpa, graph_s=None,
+                             predicted_s=ref, decode_launches=1, bytes=2 * B * H * T * D * 2))
+            print(f"[llama] T={T} B={B} sdpa {t_sdpa * 1e6:.1f} us (predicted {ref * 1e6:.1f} us)", flush=True)
+            for cname, cfg in llama_configs().items():
+                case("llama", LLAMA, cname, cfg, T, B, q, k, v, t_sdpa)
+            q = k = v = None  # free the inputs before the next case allocates
+            if not SMOKE:
                 torch.cuda.empty_cache()
-            del k, v
-            torch.cuda.empty_cache()
+    # part 3: every layer of the bundled model's shape, the calibrated configs and their one-group variants
+    shape = DEFAULT_SHAPE
+    H, Hq, D = shape.n_kv_heads, shape.n_q_heads, shape.head_dim
+    for T in MODEL_CONTEXTS:
+        for B in BATCHES:
+            if time.time() - t0 > DEADLINE_S:
+                print("part 3: time budget reached; stopping", flush=True)
+                break
+            q = torch.randn(B, Hq, D, device=dev, dtype=torch.float16, generator=gen)
+            k = torch.randn(B, H, T, D, device=dev, dtype=torch.float16, generator=gen)
+            v = torch.randn(B, H, T, D, device=dev, dtype=torch.float16, generator=gen)
+            for cname, cfg in model_configs().items():
+                case("model", shape, cname, cfg, T, B, q, k, v, None)
+            q = k = v = None  # free the inputs before the next case allocates
+            if not SMOKE:
+                torch.cuda.empty_cache()
+    # the per-launch device cost, fitted over the graph cases: measured - roofline = launches x c
+    pts = [(r["decode_launches"], r["graph_s"] - r["roofline_s"]) for r in rows if r.get("graph_s") and "roofline_s" in r]
+    fit = sum(x * y for x, y in pts) / sum(x * x for x, _ in pts) if pts else None
     OUT.mkdir(parents=True, exist_ok=True)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    meta = dict(date=date, device=props.name, torch=torch.__version__, triton=__import__("triton").__version__,
-                copy_bandwidth_Bps=bw, shape=dict(q_heads=HQ, kv_heads=H, head_dim=D))
-    (OUT / f"gpu-decode-{date}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    lines = [f"# {props.name}, {date}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s",
-             f"{'impl':<16} {'config':<10} {'T':>7} {'B':>3} {'us':>9} {'GB/s':>7} {'of copy':>8} {'vs SDPA':>8}"]
+    meta = dict(date=date, device=name, torch=torch.__version__, triton=__import__("triton").__version__,
+                copy_bandwidth_Bps=bw, launch_device_fit_s=fit, launch_device_assumed_s=OVERHEADS.launch_device,
+                smoke=SMOKE)
+    stem = f"gpu-decode-{date}" + ("-smoke" if SMOKE else "")
+    (OUT / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+    lines = [f"# {name}, {date}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s; per-launch device "
+             f"cost fitted {'-' if fit is None else f'{fit * 1e6:.2f} us'} (assumed {OVERHEADS.launch_device * 1e6:.2f} us)",
+             f"{'part':<6} {'config':<18} {'T':>7} {'B':>3} {'eager us':>9} {'graph us':>9} {'pred us':>9} "
+             f"{'meas/pred':>9} {'vs SDPA':>8}"]
     for r in rows:
-        lines.append(f"{r['impl']:<16} {r['config']:<10} {r['T']:>7} {r['B']:>3} {r['seconds'] * 1e6:>9.0f} "
-                     f"{r['bytes'] / r['seconds'] / 1e9:>7.0f} {r['frac_bw']:>8.1%} {r['speedup']:>8.2f}")
-    (OUT / f"gpu-decode-{date}.txt").write_text("\n".join(lines) + "\n")
+        meas = r.get("graph_s") or r["eager_s"]
+        g = "-" if not r.get("graph_s") else f"{r['graph_s'] * 1e6:.1f}"
+        sp = "-" if r.get("speedup_vs_sdpa") is None else f"{r['speedup_vs_sdpa']:.2f}"
+        lines.append(f"{r['part']:<6} {r['config']:<18} {r['T']:>7} {r['B']:>3} {r['eager_s'] * 1e6:>9.1f} {g:>9} "
+                     f"{r['predicted_s'] * 1e6:>9.1f} {meas / r['predicted_s']:>9.2f} {sp:>8}")
+    (OUT / f"{stem}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
