@@ -89,6 +89,17 @@ def add_model_shape_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def config_and_shape(args: argparse.Namespace):
+    """The config (file or preset) and model shape a command names, checked to belong together."""
+    from kverr.config import check_model_matches, resolve
+
+    cfg = resolve(args.config)
+    shape = resolve_shape(args)
+    check_model_matches(cfg, model_id="" if args.shape else shape.name,
+                        shape=(shape.n_layers, shape.n_kv_heads, shape.head_dim))
+    return cfg, shape
+
+
 def resolve_shape(args: argparse.Namespace):
     from kverr.memory import model_shape, parse_shape
 

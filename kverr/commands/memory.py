@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kverr.commands._common import add_model_shape_args, positive_int, resolve_shape
+from kverr.commands._common import add_model_shape_args, config_and_shape, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,13 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kverr.config import check_model_matches, resolve
     from kverr.memory import account
 
-    cfg = resolve(args.config)
-    shape = resolve_shape(args)
-    check_model_matches(cfg, model_id="" if args.shape else shape.name,
-                        shape=(shape.n_layers, shape.n_kv_heads, shape.head_dim))
+    cfg, shape = config_and_shape(args)
     rep = account(cfg, shape, args.tokens, batch=args.batch, page_size=args.page_size)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
