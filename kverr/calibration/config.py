@@ -115,6 +115,14 @@ class CalibrationConfig:
         Most distinct (K format, V format) pairs among a layer's kv heads (None: no bound). The
         kernels launch decode attention once per pair and layer (:meth:`CacheConfig.launch_groups`),
         so this bounds the launches a config costs (:mod:`kverr.cost`).
+    max_step_time : float or None
+        The predicted decode step (:mod:`kverr.cost`, CUDA graphs) may take at most this
+        fraction of fp16's: each budget's config gets the most format groups per layer (up to
+        ``max_groups_per_layer``) that fits, and records its prediction in ``provenance``
+        (``predicted_step``). None: no bound.
+    step_tokens, step_batch, gpu
+        Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
+        GPU of :data:`kverr.cost.GPUS`.
     """
 
     budgets: tuple[float, ...]
@@ -138,6 +146,10 @@ class CalibrationConfig:
     model: str | None = None
     name: str | None = None
     max_groups_per_layer: int | None = None
+    max_step_time: float | None = None
+    step_tokens: int | None = None
+    step_batch: int = 1
+    gpu: str = "h200"
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:  # normalise a field of the frozen instance
@@ -195,6 +207,20 @@ class CalibrationConfig:
         _int(self.sensitivity_tokens, "sensitivity_tokens", 1)
         if self.max_groups_per_layer is not None:
             _int(self.max_groups_per_layer, "max_groups_per_layer", 1)
+        if self.max_step_time is not None:
+            v = self.max_step_time
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise _fail("max_step_time", v, "a finite positive fraction of fp16's predicted step time")
+            put("max_step_time", float(v))
+        if self.step_tokens is not None:
+            _int(self.step_tokens, "step_tokens", 1)
+        _int(self.step_batch, "step_batch", 1)
+        from kverr.cost import GPUS
+
+        if self.gpu not in GPUS:
+            raise _fail("gpu", self.gpu, f"one of {', '.join(GPUS)}")
+        if self.max_step_time is None and (self.step_tokens is not None or self.step_batch != 1 or self.gpu != "h200"):
+            raise ConfigError("step_tokens, step_batch and gpu say where max_step_time is predicted; give max_step_time")
         for name in ("model", "name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -715,24 +715,50 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     t1 = time.perf_counter()
     max_bytes = math.ceil(cfg.frontier_bits * 2 * n_layers * n_kv * head_dim * context / 8)
     searches = []
-    for key in order:
+
+    def search(key, max_groups):
         ts = time.perf_counter()
         frontier, frontiers = _frontier(tables[key], weights, options, n_layers=n_layers, n_kv=n_kv,
                                         head_dim=head_dim, context=context, page_size=cfg.page_size,
                                         window_dtype=key[0], align=cfg.align, max_bytes=max_bytes,
-                                        max_groups=cfg.max_groups_per_layer)
-        searches.append(Search(
+                                        max_groups=max_groups)
+        return Search(
             window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
             scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
             sensitivity=sensitivity, shape=kv.shape, context=context, page_size=cfg.page_size, align=cfg.align,
             objective=cfg.objective, capture=kv.provenance,
             seconds={"score": score_s[key], "search": time.perf_counter() - ts},
-            max_groups_per_layer=cfg.max_groups_per_layer))
+            max_groups_per_layer=max_groups)
+
+    searches = [search(key, cfg.max_groups_per_layer) for key in order]
     configs, choices, index = {}, {}, {}
     for b in cfg.budgets:
         i = order.index(keys[b])
         configs[b], choices[b] = _build(searches[i], b, cfg.name)
         index[b] = i
+        if cfg.max_step_time is not None:
+            # the most format groups per layer whose predicted step time fits: fewer groups,
+            # fewer launches, more damage; each bound one more search of the same tables
+            bound = min(cfg.max_groups_per_layer or n_kv, n_kv)
+            while True:
+                step = _step_time(configs[b], cfg, kv, context)
+                if step["ratio"] <= cfg.max_step_time:
+                    break
+                if bound == 1:
+                    raise ConfigError(
+                        f"no config within {b:g} bits meets max_step_time={cfg.max_step_time:g}: with one format "
+                        f"pair per layer the predicted decode step takes {step['ratio']:.3g}x fp16's at "
+                        f"{step['tokens']} tokens x batch {step['batch']} on {step['gpu']} (kverr plan)")
+                bound -= 1
+                found = next((j for j, sr in enumerate(searches) if (sr.window_dtype, sr.candidates) == keys[b]
+                              and sr.max_groups_per_layer == bound), None)
+                if found is None:
+                    searches.append(search(keys[b], bound))
+                    found = len(searches) - 1
+                configs[b], choices[b] = _build(searches[found], b, cfg.name)
+                index[b] = found
+            prov = dict(configs[b].provenance, predicted_step=step | {"max_step_time": cfg.max_step_time})
+            configs[b] = configs[b].with_(provenance=prov)
     t2 = time.perf_counter()
     return Calibration(
         settings=cfg, configs=configs, choices=choices, searches=tuple(searches), budget_search=index,
@@ -740,6 +766,19 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0),
                  "model_load": sens_box.get("load", 0.0), "sensitivity_cpu": sens_box.get("cpu", 0.0)},
     )
+
+
+def _step_time(config: CacheConfig, cfg: CalibrationConfig, kv: Any, context: int) -> dict[str, Any]:
+    """``config``'s predicted decode step (:mod:`kverr.cost`, CUDA graphs) against fp16's, at
+    ``cfg.step_tokens`` (default: the context) x ``cfg.step_batch`` on ``cfg.gpu``."""
+    from kverr.cost import fp16_step, step_cost
+    from kverr.memory import ModelShape
+
+    shape = ModelShape(kv.n_layers, kv.n_kv_heads, kv.head_dim, n_q_heads=kv.n_q_heads)
+    tokens, batch, gpu = cfg.step_tokens or context, cfg.step_batch, cfg.gpu
+    t = step_cost(config, shape, tokens, batch, gpu).seconds(True)
+    ref = fp16_step(shape, tokens, batch, gpu).seconds(True)
+    return {"tokens": tokens, "batch": batch, "gpu": gpu, "seconds": t, "fp16_seconds": ref, "ratio": t / ref}
 
 
 def _grouped_solve(dmg: list[np.ndarray], ck: np.ndarray, cv: np.ndarray, n_kv: int, max_groups: int,

@@ -110,9 +110,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="at most N distinct (K format, V format) pairs among a layer's kv heads: the "
                    "kernels launch decode attention once per pair and layer (kverr plan counts the "
                    "launches); default: no bound")
+    p.add_argument("--max-step-time", type=positive_float, metavar="X",
+                   help="the predicted decode step (kverr plan, CUDA graphs) may take at most X times fp16's: "
+                   "each config gets the most format groups per layer that fits")
+    p.add_argument("--step-at", type=_step_at, metavar="T,B",
+                   help="with --max-step-time: cached tokens and batch it is predicted at (default: the context, 1)")
+    p.add_argument("--gpu", choices=("h200", "h100", "a100"),
+                   help="with --max-step-time: the GPU it is predicted on (default: h200)")
     p.add_argument("--name", help="config name; '{bits}' is replaced by the budget (default: calibrated-{bits}b)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=run)
+
+
+def _step_at(text: str) -> tuple[int, int]:
+    try:
+        tokens, batch = (int(p) for p in text.split(","))
+        if tokens < 1 or batch < 1:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give TOKENS,BATCH, two positive integers, e.g. 32768,16") from None
+    return tokens, batch
 
 
 def settings_of(args: argparse.Namespace):
@@ -127,6 +144,8 @@ def settings_of(args: argparse.Namespace):
         decode=args.decode or None, max_bits=args.max_bits, objective=args.objective,
         sensitivity_noise=args.sensitivity_noise, sensitivity_tokens=args.sensitivity_tokens,
         model=args.model, name=args.name, max_groups_per_layer=args.max_groups_per_layer,
+        max_step_time=args.max_step_time, step_tokens=args.step_at[0] if args.step_at else None,
+        step_batch=args.step_at[1] if args.step_at else 1, gpu=args.gpu or "h200",
     )
 
 
@@ -148,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     if args.target != "kverr":
         given = [o for o, v in (("--sinks", args.sinks), ("--window", args.window), ("--key-rope", args.key_rope),
                                 ("--scheduler", args.scheduler), ("--max-bits", args.max_bits),
-                                ("--max-groups-per-layer", args.max_groups_per_layer))
+                                ("--max-groups-per-layer", args.max_groups_per_layer),
+                                ("--max-step-time", args.max_step_time))
                  if v is not None]
         given += [o for o, v in (("--window-dtype", args.window_dtype), ("--candidates", args.candidates))
                   if v != "auto"]
@@ -185,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
               f"{pv['candidates_k']} candidates, "
               f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")
+        if "predicted_step" in pv:
+            st = pv["predicted_step"]
+            print(f"  at most {pv.get('max_groups_per_layer', 'any number of')} format pairs per layer: predicted decode "
+                  f"step {st['ratio']:.3f}x fp16's at {st['tokens']} tokens x batch {st['batch']} on {st['gpu']} "
+                  f"(bound {st['max_step_time']:g}x)")
     if args.frontier:
         fr = cal.frontier
         atomic_write_text(args.frontier, fr.to_csv(index=False))

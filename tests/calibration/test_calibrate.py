@@ -327,6 +327,35 @@ def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):
         CalibrationConfig(budgets=4, max_groups_per_layer=0)
 
 
+def test_max_step_time_takes_the_most_groups_that_fit(tiny_capture):
+    """A bound on the predicted step time picks, per budget, the most format pairs per layer
+    whose prediction fits; a bound nothing meets is refused with the fastest prediction."""
+    from kverr.calibration.search import _step_time
+
+    cap, _, loaded = tiny_capture
+    base = dict(context=160, options=(OuterOption(sinks=4),), cands_k=SMALL, cands_v=SMALL, queries=16,
+                objective="rel")
+    free = cal_at(cap, 4.0, **base)
+    one = cal_at(cap, 4.0, scores=free.scores, max_groups_per_layer=1, **base)
+    at = dict(step_tokens=32768, step_batch=16)
+    settings = CalibrationConfig(budgets=4.0, max_step_time=1.0, **at, **base)
+    r_free = _step_time(free.config, settings, cap.kv, 160)["ratio"]
+    r_one = _step_time(one.config, settings, cap.kv, 160)["ratio"]
+    assert r_one < r_free  # fewer launch groups, a faster predicted step
+    fit = cal_at(cap, 4.0, scores=free.scores, max_step_time=(r_one + r_free) / 2, **at, **base)
+    assert fit.config.with_(provenance={}) == one.config.with_(provenance={})
+    st = fit.config.provenance["predicted_step"]
+    assert st["ratio"] == pytest.approx(r_one) and (st["tokens"], st["batch"], st["gpu"]) == (32768, 16, "h200")
+    loose = cal_at(cap, 4.0, scores=free.scores, max_step_time=r_free * 1.01, **at, **base)
+    assert loose.config.with_(provenance={}) == free.config.with_(provenance={})
+    with pytest.raises(ConfigError, match=r"with one format pair per layer the predicted decode step takes"):
+        cal_at(cap, 4.0, scores=free.scores, max_step_time=r_one / 2, **at, **base)
+    with pytest.raises(ConfigError, match="give max_step_time"):
+        CalibrationConfig(budgets=4, step_batch=16)
+    with pytest.raises(ConfigError, match="gpu='v100'"):
+        CalibrationConfig(budgets=4, max_step_time=1.0, gpu="v100")
+
+
 def test_window_dtype_rule_and_scores_of_another_window_dtype_are_refused(tiny_capture):
     """``auto`` keeps int8 windows below INT8_WINDOW_BELOW_BITS, fp16 from there on; an int8
     window costs fewer bytes for the same formats; damage tables are tied to the dtype the cache
@@ -482,6 +511,16 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
     d5 = CacheConfig.load(tmp_path / "d.json")
     assert d5.with_(provenance={}) == c5.with_(provenance={})
     capsys.readouterr()
+    # a generous step-time bound keeps the free config and says what it predicts
+    code = main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "t.json"),
+                 "--queries", "8", "--workers", "1", "--candidates", "dynamic", "--max-step-time", "100",
+                 "--step-at", "4096,16"])
+    o, _ = capsys.readouterr()
+    assert code == 0 and "predicted decode step" in o and "at 4096 tokens x batch 16 on h200 (bound 100x)" in o
+    assert CacheConfig.load(tmp_path / "t.json").with_(provenance={}) == c5.with_(provenance={})
+    code = main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "u.json"),
+                 "--step-at", "4096,16"])
+    assert code == 2 and "give max_step_time" in capsys.readouterr().err
     code = main(["calibrate", "--capture", str(path), "--budget-bits", "0.5", "--out", str(tmp_path / "x.json")])
     _, err = capsys.readouterr()
     assert code == 2 and "cheapest possible config costs" in err and len(err.strip().splitlines()) == 1
