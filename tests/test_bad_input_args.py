@@ -290,7 +290,7 @@ def test_progress_bars_only_on_a_terminal_through_one_helper(monkeypatch):
 def test_help_states_the_pipeline_order():
     text = build_parser().format_help()
     assert "capture -> info -> decompose -> calibrate -> (project) -> export -> evaluate -> validate" in text
-    assert "presets and memory need no capture" in text and "demo runs the whole pipeline" in text
+    assert "presets, memory and plan need no capture" in text and "demo runs the whole pipeline" in text
 
 
 # 12 ----------------------------------------------------------------------------------------------
