@@ -109,8 +109,8 @@ SOFTMAX_OPS = 5
 HOST_OPS = {"fp_rows": 2, "fp_rows_int8": 4}
 #: Host-to-device copies of one step's plan (sequence lengths; per token block, the store jobs'
 #: nine index arrays), counted from ``PagedKVCache.plan`` (on a CPU they are no copies at all);
-#: with an int8 window, the four operations that make the receiving launch's jobs.
-PLAN_COPIES = {"step": 1, "token_block": 9, "int8_window": 4}
+#: with an int8 window, the five index arrays of the receiving launch's jobs.
+PLAN_COPIES = {"step": 1, "token_block": 9, "int8_window": 5}
 #: Bytes of a query, output or new key/value element (the model's fp16/bf16 activations).
 ACT_BYTES = 2
 

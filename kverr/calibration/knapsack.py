@@ -123,6 +123,15 @@ def set_partitions(n: int, max_blocks: int) -> list[list[list[int]]]:
     return out
 
 
+def n_partitions(n: int, max_blocks: int) -> int:
+    """How many partitions :func:`set_partitions` gives: Stirling numbers of the second kind
+    ``S(n, k)`` summed over ``k <= max_blocks``."""
+    row = [1] + [0] * max_blocks  # S(0, k)
+    for i in range(1, n + 1):
+        row = [0] + [k * row[k] + row[k - 1] for k in range(1, max_blocks + 1)]
+    return sum(row[1:]) if n else 1
+
+
 #: Most set partitions of one layer's kv heads :func:`layer_items` enumerates.
 MAX_PARTITIONS = 20_000
 
@@ -153,12 +162,12 @@ def layer_items(cost_k: np.ndarray, dmg_k: np.ndarray, cost_v: np.ndarray, dmg_v
         raise ConfigError("layer_items: damages must be [candidates, heads] matching the costs")
     if isinstance(max_groups, bool) or not isinstance(max_groups, (int, np.integer)) or max_groups < 1:
         raise ConfigError(f"max_groups={max_groups!r}: give a positive integer")
-    parts = set_partitions(H, min(int(max_groups), H)) if H <= 12 else None
-    if parts is None or len(parts) > MAX_PARTITIONS:
+    if n_partitions(H, min(int(max_groups), H)) > MAX_PARTITIONS:
         raise ConfigError(
             f"at most {max_groups} format groups among {H} kv heads: too many ways to group the heads "
             f"to search exactly (more than {MAX_PARTITIONS}); give a smaller bound (1 or 2)"
         )
+    parts = set_partitions(H, min(int(max_groups), H))
     blocks: dict[tuple[int, ...], LayerItems] = {}
 
     def block(heads: tuple[int, ...]) -> LayerItems:

@@ -215,11 +215,11 @@ def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int =
         block_r = 16 if s.tb == 1 else s.tb
         jobs.append(("quant_store", s.fmt.label(), quant_store.quant_store_kernel, store_signature(s),
                      store_constexprs(s, D, block_r)))
-    # int8 windows: the new rows received (the store kernel in the window's int8 format, one row
+    # int8 windows: the new rows received (the store kernel in the window's int8 format, 16 rows
     # a job), the store kernel's int8 reads for each token-block size, the decode tail
-    recv = kernel_spec(window_format("int8"), D, 1)
+    recv = kernel_spec(window_format("int8"), D, 16)
     jobs.append(("quant_store", "int8 window receive", quant_store.quant_store_kernel, store_signature(recv),
-                 store_constexprs(recv, D, 1)))
+                 store_constexprs(recv, D, 16)))
     int8_window = ("int2a/ch32/fp16", "int4a/tok/fp16/mse/had")
     for s in specs:
         if s.fmt.label() in int8_window:

@@ -311,7 +311,7 @@ class PagedKVCache:
             self.pools.append(per)
             self.launches.append(self._make_launches(layer, per))
         if self.fp_q:  # the int8 window's format, for receiving new rows on the device
-            self.receive_spec = kernel_spec(window_format(config.window_dtype), head_dim, 1)
+            self.receive_spec = kernel_spec(window_format(config.window_dtype), head_dim, JOB_ROWS)
             self.all_heads = torch.arange(n_kv_heads, dtype=torch.int32, device=dev)
             self.unit_ratio = torch.ones(1, dtype=torch.float32, device=dev)
         # decode serves query row b of sequence b: fixed, made once
@@ -443,13 +443,7 @@ class PagedKVCache:
         extras = {}
         rows = int(n.sum())
         if self.fp_q and rows:
-            # an int8 window receives the step's new rows with one store-kernel job per row
-            r = torch.arange(rows, dtype=torch.int32, device=dev)
-            zeros = torch.zeros(rows, dtype=torch.int32, device=dev)
-            extras["receive"] = StoreJobs(
-                tb=1, n_jobs=rows, block_r=1, page=r, row0=zeros, nrows=zeros + 1, seq=zeros, src_new=r[:, None],
-                src_slot=torch.full((rows, 1), -1, dtype=torch.int32, device=dev), n_fp=0, fp_row=r, fp_seq=r,
-                fp_slot=r)
+            extras["receive"] = self._receive_jobs(rows)
         return StepPlan(
             new_tokens=n, lengths=T1.copy(), n_rows=rows, store=store,
             seq_lens=torch.tensor(T1, dtype=torch.int32, device=dev), num_splits=ns, chunk=chunk,
@@ -458,6 +452,21 @@ class PagedKVCache:
             partial_l=torch.empty((self.B, self.Hq, nsp), dtype=torch.float32, device=dev),
             extras=extras,
         )
+
+    def _receive_jobs(self, rows: int) -> StoreJobs:
+        """Jobs of :meth:`_receive`: the step's new rows ``0 .. rows-1`` in blocks of
+        :data:`JOB_ROWS` (one scale per row: the rows of a job are independent)."""
+        br = min(JOB_ROWS, _next_pow2(rows))
+        n_jobs = -(-rows // br)
+        src = np.full((n_jobs, br), -1, dtype=np.int32)
+        src.reshape(-1)[:rows] = np.arange(rows)
+        dev = self.device
+        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev)  # noqa: E731
+        zeros = i32(np.zeros(n_jobs))
+        nrows = np.minimum(br, rows - br * np.arange(n_jobs))
+        return StoreJobs(tb=1, n_jobs=n_jobs, block_r=br, page=i32(np.arange(n_jobs)), row0=zeros, nrows=i32(nrows),
+                         seq=zeros, src_new=i32(src), src_slot=i32(np.full_like(src, -1)), n_fp=0, fp_row=zeros,
+                         fp_seq=zeros, fp_slot=zeros)
 
     def _jobs(self, tb: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
         S, P, cap = self.S, self.P, self.W + tb
@@ -568,15 +577,20 @@ class PagedKVCache:
         fp16 scales ``[N, H]``, bit for bit :meth:`kverr.quant.store.WindowRows.store`'s."""
         from kverr.gpu.launch import launch_store
 
-        n = step.n_rows
-        spec = self.receive_spec
-        codes = torch.empty((n, self.H, 1, self.D), dtype=torch.uint8, device=self.device)
-        scale = torch.empty((n, self.H, 1, 1), dtype=torch.float16, device=self.device)
+        jobs = step.extras["receive"]
+        n, br, H, D = step.n_rows, jobs.block_r, self.H, self.D
+        rows = jobs.n_jobs * br
+        # head-major buffers [H, rows, D] and [H, rows], seen by the kernel as pages of br rows
+        # ([page, head, row, ...]), and by the store kernels as [N, H, D] and [N, H] (any strides)
+        codes = torch.empty((H, rows, D), dtype=torch.uint8, device=self.device)
+        scale = torch.empty((H, rows), dtype=torch.float16, device=self.device)
+        pages = codes.as_strided((jobs.n_jobs, H, br, D), (br * D, rows * D, D, 1))
+        spages = scale.as_strided((jobs.n_jobs, H, br, 1), (br, rows, 1, 1))
         # the float input stands in for the window buffer: rounding a row to its own dtype is exact
-        pool = Pool(spec, list(range(self.H)), self.all_heads, self.all_heads, codes, scale, None, x, None, 0,
-                    self.unit_ratio)
-        launch_store(pool, step.extras["receive"], x, self.D, 1)
-        return codes[:, :, 0], scale[:, :, 0, 0]
+        pool = Pool(self.receive_spec, list(range(H)), self.all_heads, self.all_heads, pages, spages, None, x, None,
+                    0, self.unit_ratio)
+        launch_store(pool, jobs, x, D, JOB_ROWS)
+        return codes[:, :n].permute(1, 0, 2), scale[:, :n].t()
 
     def decode(self, step: StepPlan, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:

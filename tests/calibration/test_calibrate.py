@@ -22,7 +22,7 @@ from kverr.calibration import (
     solve,
 )
 from kverr.calibration.candidates import default_candidates, head_bytes
-from kverr.calibration.knapsack import layer_items, set_partitions
+from kverr.calibration.knapsack import layer_items, n_partitions, set_partitions
 from kverr.calibration.objective import key_damage, prepare_layer, value_damage
 from kverr.config import CacheConfig
 from kverr.exceptions import CaptureError, ConfigError
@@ -123,6 +123,7 @@ def test_layer_items_are_the_exact_pareto_set_of_grouped_choices(seed, max_group
 
 def test_set_partitions_and_the_bound_on_them():
     assert [len(set_partitions(4, n)) for n in (1, 2, 3, 4)] == [1, 8, 14, 15]  # Stirling sums, Bell(4)
+    assert [n_partitions(4, n) for n in (1, 2, 3, 4)] == [1, 8, 14, 15] and n_partitions(12, 12) == 4213597
     assert sorted(map(len, set_partitions(3, 2))) == [1, 2, 2, 2]
     rng = np.random.default_rng(0)
     with pytest.raises(ConfigError, match="too many ways to group the heads"):
