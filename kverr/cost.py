@@ -136,7 +136,7 @@ BYTE_KINDS = ("codes", "scales", "zeros", "static", "window", "rope", "query", "
 class Launch:
     """One kernel launch (or eager torch operation) of a layer's decode step."""
 
-    kind: str  # "main", "tail", "merge", "store", "host"
+    kind: str  # "main", "tail", "merge", "store", "receive", "host"; the fp16 reference's "attention"
     count: float  # launches per step (fractional: a store every tb-th step)
     heads: tuple[int, ...] = ()
     bytes: dict[str, float] = field(default_factory=dict)
@@ -149,11 +149,10 @@ class Launch:
         return float(sum(self.bytes.values()))
 
     def device_seconds(self, gpu: Gpu, oh: Overheads) -> float:
-        """Roofline time of all ``count`` launches of this kind."""
-        per = oh.launch_device + max(self.nbytes / max(self.count, 1e-30) / gpu.bandwidth,
-                                     self.alu / max(self.count, 1e-30) / gpu.fp32,
-                                     self.dot / max(self.count, 1e-30) / gpu.tensor)
-        return self.count * per
+        """Roofline time of all ``count`` launches of this kind (the bytes and work are theirs
+        together): ``count`` launch costs plus the slowest of bytes, operations and FLOPs."""
+        return self.count * oh.launch_device + max(self.nbytes / gpu.bandwidth, self.alu / gpu.fp32,
+                                                   self.dot / gpu.tensor)
 
     def host_seconds(self, oh: Overheads) -> float:
         return self.count * (oh.triton_host if self.triton else oh.torch_host)
