@@ -386,8 +386,8 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                 tb = token_block(fmt.granularity, config.page_size)
                 blocks.add(tb)
                 b1, _ = group_bytes(config, fmt, h, T, D, B)
-                n_q = token_regions(T, config, fmt)[1] - token_regions(T, config, fmt)[0]
-                per_tok = (b1.payload + b1.scales + b1.zeros) / max(n_q, 1)
+                start, end = token_regions(T, config, fmt)
+                per_tok = (b1.payload + b1.scales + b1.zeros) / max(end - start, 1)
                 # steady state: past the sinks and window, a token block is quantized every tb-th
                 # step; the new row stays full precision unless it is quantized at once (no
                 # window: in tb - 1 of tb steps it waits for its block)
