@@ -238,11 +238,13 @@ class Calibration:
 
     @property
     def frontier(self) -> Any:
-        """Every search's frontier, one after the other, with columns ``candidates`` and
-        ``window_dtype`` naming the search (what ``kverr calibrate --frontier`` writes)."""
+        """Every search's frontier, one after the other, with columns ``candidates``,
+        ``window_dtype`` and ``max_groups_per_layer`` (0: no bound) naming the search (what
+        ``kverr calibrate --frontier`` writes)."""
         import pandas as pd
 
-        return pd.concat([s.frontier.assign(candidates=s.candidates, window_dtype=s.window_dtype)
+        return pd.concat([s.frontier.assign(candidates=s.candidates, window_dtype=s.window_dtype,
+                                            max_groups_per_layer=s.max_groups_per_layer or 0)
                           for s in self.searches], ignore_index=True)
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:

@@ -347,6 +347,8 @@ def test_max_step_time_takes_the_most_groups_that_fit(tiny_capture):
     assert fit.config.with_(provenance={}) == one.config.with_(provenance={})
     st = fit.config.provenance["predicted_step"]
     assert st["ratio"] == pytest.approx(r_one) and (st["tokens"], st["batch"], st["gpu"]) == (32768, 16, "h200")
+    # the frontier names each search's bound: the free one (0) and, two kv heads here, one pair
+    assert loaded.n_kv_heads == 2 and set(fit.frontier["max_groups_per_layer"]) == {0, 1}
     loose = cal_at(cap, 4.0, scores=free.scores, max_step_time=r_free * 1.01, **at, **base)
     assert loose.config.with_(provenance={}) == free.config.with_(provenance={})
     with pytest.raises(ConfigError, match=r"with one format pair per layer the predicted decode step takes"):
