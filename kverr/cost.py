@@ -48,9 +48,8 @@ from typing import Any
 
 from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
-from kverr.memory import ModelShape, group_bytes
+from kverr.memory import ModelShape, group_bytes, window_row_sections
 from kverr.quant.formats import QuantFormat, window_format
-from kverr.quant.reference import codes_nbytes
 from kverr.quant.store import token_block, token_regions
 
 
@@ -129,6 +128,9 @@ def decode_splits(batch: int, n_kv_heads: int, tokens_after_sinks: int, sms: int
     return min(max(1, -(-2 * sms // (batch * n_kv_heads))), -(-tokens_after_sinks // block_n))
 
 
+#: The launches of decode attention (a benchmark of decode alone, store left out, times these);
+#: ``attention`` is the fp16 reference's kernel.
+DECODE_KINDS = ("main", "tail", "merge", "attention")
 BYTE_KINDS = ("codes", "scales", "zeros", "static", "window", "rope", "query", "partials", "store")
 
 
@@ -222,7 +224,7 @@ class StepCost:
         the fp16 reference, its attention kernels): what a benchmark of decode, store left
         out, measures from a CUDA graph."""
         return sum(ln.device_seconds(self.gpu, self.overheads) for lc in self.layers for ln in lc.launches
-                   if ln.kind in ("main", "tail", "merge", "attention"))
+                   if ln.kind in DECODE_KINDS)
 
     def layer_seconds(self, layer: int, graphs: bool = True) -> float:
         dev, host = self._times(self.layers[layer])
@@ -338,7 +340,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
     T, B = tokens, batch
     splits = decode_splits(B, H, T - min(config.sinks, T), g.sms, default_block_n(D))
     wf = window_format(config.window_dtype)
-    fp_row = codes_nbytes(wf, D) + (0 if wf.is_float else wf.scale_bytes)
+    fp_row = sum(window_row_sections(config.window_dtype, D))
     win_ops = DEQUANT_OPS["float"] if wf.is_float else DEQUANT_OPS["int8_row"]
     layers = []
     blocks: set[int] = set()

@@ -198,6 +198,13 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def window_row_sections(window_dtype: str, D: int) -> list[int]:
+    """Bytes of one full-precision row (a sink, window or pending token of one head), section by
+    section as the cache aligns them: the values, and for an int8 window its fp16 scale."""
+    wf = window_format(window_dtype)
+    return [codes_nbytes(wf, D)] + ([] if wf.is_float else [wf.scale_bytes])
+
+
 def group_bytes(
     config: CacheConfig, fmt: QuantFormat, h: int, T: int, D: int, batch: int, prefill_quantized: int = 0
 ) -> tuple[Bytes, int]:
@@ -210,10 +217,9 @@ def group_bytes(
     pages = -(-n_q // P)
     # Full-precision tokens, one aligned row per (sequence, head); int8: a row of codes and a
     # row of scales (one per token), each aligned.
-    wf = window_format(config.window_dtype)
     n_sink, n_win = start, T - end
     n_fp = n_sink + n_win
-    sections = [codes_nbytes(wf, D)] + ([] if wf.is_float else [wf.scale_bytes])
+    sections = window_row_sections(config.window_dtype, D)
     per_token = sum(sections)
     b.sinks = rows * n_sink * per_token
     b.window = rows * n_win * per_token

@@ -9,6 +9,7 @@ import pytest
 
 from kverr.config import PRESETS, CacheConfig, Override
 from kverr.cost import (
+    DECODE_KINDS,
     GPUS,
     OVERHEADS,
     Gpu,
@@ -85,7 +86,7 @@ def test_launch_groups_are_the_distinct_pairs_and_cost_launches():
     assert [h for *_, h in mixed.launch_groups(1, 3)] == [[0, 1, 2]]
     a, b = step_cost(one, shape, 500, 2), step_cost(mixed, shape, 500, 2)
     assert [lc.groups for lc in b.layers] == [3, 1]
-    decode = lambda lc: sum(ln.count for ln in lc.launches if ln.kind in ("main", "tail", "merge"))  # noqa: E731
+    decode = lambda lc: sum(ln.count for ln in lc.launches if ln.kind in DECODE_KINDS)  # noqa: E731
     assert decode(a.layers[0]) == 3 and decode(b.layers[0]) == 2 * 3 + 1
     # more groups: more launches, never fewer seconds
     assert b.seconds(True) > a.seconds(True) and b.seconds(False) > a.seconds(False)

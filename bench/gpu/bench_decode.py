@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kverr.config import PRESETS, CacheConfig, Override  # noqa: E402
-from kverr.cost import GPUS, OVERHEADS, fp16_step, step_cost  # noqa: E402
+from kverr.cost import DECODE_KINDS, GPUS, OVERHEADS, fp16_step, step_cost  # noqa: E402
 from kverr.gpu import PagedKVCache, calibrate_static_scales  # noqa: E402
 from kverr.memory import DEFAULT_SHAPE, ModelShape  # noqa: E402
 from kverr.quant import PerToken, PerTokenGroup, int_format  # noqa: E402
@@ -176,7 +176,7 @@ def main() -> int:
         t_graph, why = graph_timed(decode_all)
         plan = step_cost(cfg, shape, T, B, gpu)
         pred = plan.decode_seconds()
-        n_dec = sum(ln.count for lc in plan.layers for ln in lc.launches if ln.kind in ("main", "tail", "merge"))
+        n_dec = sum(ln.count for lc in plan.layers for ln in lc.launches if ln.kind in DECODE_KINDS)
         row = dict(part=part, config=cfg_name, T=T, B=B, eager_s=t_eager, graph_s=t_graph, graph_error=why,
                    predicted_s=pred, decode_launches=n_dec, bytes=plan.total_bytes,
                    roofline_s=pred - n_dec * OVERHEADS.launch_device, splits=step.num_splits,

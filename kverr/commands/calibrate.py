@@ -35,6 +35,8 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kverr.cost import GPUS
+
     p = sub.add_parser(
         "calibrate",
         help="choose a format per layer, kv head and K|V under a budget in effective bits",
@@ -115,7 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "each config gets the most format groups per layer that fits")
     p.add_argument("--step-at", type=_step_at, metavar="T,B",
                    help="with --max-step-time: cached tokens and batch it is predicted at (default: the context, 1)")
-    p.add_argument("--gpu", choices=("h200", "h100", "a100"),
+    p.add_argument("--gpu", choices=sorted(GPUS),
                    help="with --max-step-time: the GPU it is predicted on (default: h200)")
     p.add_argument("--name", help="config name; '{bits}' is replaced by the budget (default: calibrated-{bits}b)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")

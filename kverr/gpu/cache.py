@@ -453,6 +453,10 @@ class PagedKVCache:
             extras=extras,
         )
 
+    def _i32(self, a) -> torch.Tensor:
+        """A host index array as an int32 tensor on the cache's device (one copy)."""
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(self.device)
+
     def _receive_jobs(self, rows: int) -> StoreJobs:
         """Jobs of :meth:`_receive`: the step's new rows ``0 .. rows-1`` in blocks of
         :data:`JOB_ROWS` (one scale per row: the rows of a job are independent)."""
@@ -460,8 +464,7 @@ class PagedKVCache:
         n_jobs = -(-rows // br)
         src = np.full((n_jobs, br), -1, dtype=np.int32)
         src.reshape(-1)[:rows] = np.arange(rows)
-        dev = self.device
-        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev)  # noqa: E731
+        i32 = self._i32
         zeros = i32(np.zeros(n_jobs))
         nrows = np.minimum(br, rows - br * np.arange(n_jobs))
         return StoreJobs(tb=1, n_jobs=n_jobs, block_r=br, page=i32(np.arange(n_jobs)), row0=zeros, nrows=i32(nrows),
@@ -482,7 +485,7 @@ class PagedKVCache:
             fp_t.append(t[keep])
             fp_b.append(np.full(int(keep.sum()), b))
         dev = self.device
-        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev)  # noqa: E731
+        i32 = self._i32
         t = np.concatenate(q_t) if q_t else np.zeros(0, np.int64)
         b = np.concatenate(q_b) if q_b else np.zeros(0, np.int64)
         if t.size:
@@ -554,8 +557,8 @@ class PagedKVCache:
             codes = scale = None
             if self.fp_q and step.n_rows:
                 # an int8 window: the cache receives every row as the oracle's int8 row, quantized
-                # on the device by the store kernel in the window's format (one row a job): its
-                # codes and scale go to the window, and the store kernels decode them
+                # on the device by the store kernel in the window's format (JOB_ROWS rows a job):
+                # its codes and scale go to the window, and the store kernels decode them
                 codes, scale = self._receive(step, x)
             for pool in self.pools[layer][which]:
                 jobs = step.store[pool.spec.tb]
