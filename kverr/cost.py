@@ -66,8 +66,8 @@ class Gpu:
 
 
 #: The GPUs ``kverr plan --gpu`` knows. Bandwidth: H200 measured (device-to-device copy of a
-#: large buffer, read + write bytes over time, on one H200 of the project's GPU machines,
-#: 2026-11-04: about 4.3 TB/s, 0.9 of the datasheet's 4.8); H100 and A100 are their datasheet
+#: large buffer, read + write bytes over time, on one H200 of the GPU machines kverr is lent,
+#: 2026-11-04, not yet by ``bench/gpu``: about 4.3 TB/s, 0.9 of the datasheet's 4.8); H100 and A100 are their datasheet
 #: figures times that same 0.9, not measured. fp32: datasheet FP32 FLOP/s halved (an FMA is one
 #: operation here). tensor: datasheet dense fp16.
 GPUS: dict[str, Gpu] = {
