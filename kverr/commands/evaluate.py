@@ -1,4 +1,5 @@
-"""``kverr evaluate``: next-token KL, top-1 and perplexity of cache formats in the real model."""
+"""``kverr evaluate``: what cache formats do to the real model's output — next-token KL, top-1 and
+perplexity on running text (``--task text``), or pass-key retrieval (``--task passkey``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,40 @@ import argparse
 from pathlib import Path
 
 from kverr.commands._common import non_negative_int, positive_int
+
+
+#: Defaults of the options that belong to one task (None on the command line: not given).
+TEXT_DEFAULTS = {"prefill": [1024], "decode": 128, "segments": 1, "offset": 5000, "prefill_policy": "all",
+                 "greedy": None}
+PASSKEY_DEFAULTS = {"context": [1024], "depth": [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 4, "keys": 1, "seed": 0}
+
+
+def _percents(text: str) -> list[float]:
+    """``"0,50,100"`` -> ``[0.0, 0.5, 1.0]``: percentages 0 to 100, as fractions."""
+    out = []
+    for part in text.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of percentages such as 0,50,100") from None
+        if not 0.0 <= v <= 100.0:
+            raise argparse.ArgumentTypeError(f"depth {part.strip()} is outside 0-100 %")
+        out.append(v / 100.0)
+    return out
+
+
+def _task_options(args: argparse.Namespace) -> None:
+    """Refuse the other task's options; fill this task's defaults."""
+    mine, other = ((TEXT_DEFAULTS, PASSKEY_DEFAULTS) if args.task == "text" else (PASSKEY_DEFAULTS, TEXT_DEFAULTS))
+    given = [k for k in other if getattr(args, k) is not None]
+    if given:
+        from kverr.exceptions import ConfigError
+
+        names = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ConfigError(f"{names}: not an option of --task {args.task}")
+    for k, v in mine.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,8 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "QuantizedCache, group 64, residual 128). Writes a CSV (one row per scheme and context, "
         "mean over segments, with standard errors), the per-segment rows beside it and a plot of "
         "KL against effective bits. Static per-tensor/per-head scales come from the prefill unless "
-        "--scales gives them, as a serving engine has them fixed beforehand.",
+        "--scales gives them, as a serving engine has them fixed beforehand. "
+        "--task passkey instead hides a five-digit key at --depth percent of a haystack of --text, asks for "
+        "it at the end of a --context-token prompt and scores the greedy answer through each cache, "
+        "beside the unquantized cache: accuracy with its Wilson 95%% interval per scheme and context.",
     )
+    p.add_argument("--task", choices=("text", "passkey"), default="text",
+                   help="'text': KL on running text (default); 'passkey': retrieval of a hidden key")
     p.add_argument("--model", default="default", help="'default' or a transformers model directory")
     p.add_argument("--scheme", action=_Remember, default=[], metavar="NAME", help="a preset or a peer (repeat)")
     p.add_argument("--config", action=_Remember, default=[], metavar="PATH", help="a config JSON (repeat)")
@@ -32,16 +72,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(the first chunk's, the default); the scheme is named NAME@SRC, so one config may be given "
         "several times with different scales",
     )
-    p.add_argument("--text", default="pydoc", help="'pydoc' (the stdlib's topics) or a UTF-8 file")
-    p.add_argument("--prefill", action="append", type=positive_int, metavar="P", help="prefill tokens (repeat; default 1024)")
-    p.add_argument("--decode", type=positive_int, default=128, help="teacher-forced decode steps (default: %(default)s)")
-    p.add_argument("--segments", type=positive_int, default=1, help="disjoint text segments (default: %(default)s)")
-    p.add_argument("--offset", type=non_negative_int, default=5000, help="first token of the first segment (default: %(default)s)")
-    p.add_argument(
-        "--prefill-policy", choices=("all", "window"), default="all",
+    p.add_argument("--text", default="pydoc", help="'pydoc' (the stdlib's topics) or a UTF-8 file (the haystack "
+                   "for --task passkey)")
+    text = p.add_argument_group("--task text")
+    text.add_argument("--prefill", action="append", type=positive_int, metavar="P", help="prefill tokens (repeat; default 1024)")
+    text.add_argument("--decode", type=positive_int, help=f"teacher-forced decode steps (default: {TEXT_DEFAULTS['decode']})")
+    text.add_argument("--segments", type=positive_int, help=f"disjoint text segments (default: {TEXT_DEFAULTS['segments']})")
+    text.add_argument("--offset", type=non_negative_int,
+                      help=f"first token of the first segment (default: {TEXT_DEFAULTS['offset']})")
+    text.add_argument(
+        "--prefill-policy", choices=("all", "window"),
         help="'all': quantize everything after prefill (default); 'window': keep each config's window",
     )
-    p.add_argument("--greedy", type=non_negative_int, help="greedy steps for first divergence (default: --decode; 0 skips)")
+    text.add_argument("--greedy", type=non_negative_int, help="greedy steps for first divergence (default: --decode; 0 skips)")
+    key = p.add_argument_group("--task passkey")
+    key.add_argument("--context", action="append", type=positive_int, metavar="C",
+                     help=f"prompt tokens (repeat; default {PASSKEY_DEFAULTS['context'][0]})")
+    key.add_argument("--depth", type=_percents, metavar="D,D,...",
+                     help="depths of the key in the haystack, percent (default: 0,25,50,75,100)")
+    key.add_argument("--trials", type=positive_int,
+                     help=f"prompts per context and depth (default: {PASSKEY_DEFAULTS['trials']})")
+    key.add_argument("--keys", type=positive_int,
+                     help="needles per prompt; more than 1 is the multi-key variant, the question names one (default: 1)")
+    key.add_argument("--seed", type=non_negative_int, help="seed of the keys and haystack offsets (default: 0)")
     p.add_argument("--out", required=True, type=Path, help="CSV to write (plot and per-segment CSV beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument(
@@ -83,8 +136,11 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    _task_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.task == "passkey":
+        return _passkey(args)
     out: Path = args.out
     segments_csv = out.with_name(out.stem + ".segments.csv")
     # The plot and per-segment CSV beside --out obey the same overwrite rule as --out itself.
@@ -122,4 +178,56 @@ def run(args: argparse.Namespace) -> int:
         cols.append("first_divergence")
     print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"wrote {out}, {segments_csv} and {plot}")
+    return 0
+
+
+def _passkey(args: argparse.Namespace) -> int:
+    """``--task passkey``: the trials checked before the model's weights are loaded, then run."""
+    from kverr.capturing import load_model, load_text, supported_shape
+    from kverr.config import atomic_write_text, check_model_matches
+    from kverr.evaluation import parse_schemes, read_scales
+    from kverr.io import check_output_path
+    from kverr.retrieval import evaluate_passkey, passkey_trials, plot_passkey, summarize_passkey
+
+    out: Path = args.out
+    trials_csv = out.with_name(out.stem + ".trials.csv")
+    for path in (out, trials_csv, out.with_suffix(".png")):
+        check_output_path(path, overwrite=args.overwrite, kind="file")
+    schemes = parse_schemes(args.scheme, args.config, scales=args.scales)
+    shape = supported_shape(args.model)
+    dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
+    from kverr.exceptions import ConfigError
+    from kverr.retrieval import NAMES
+
+    for c in args.context:
+        if shape.max_context and c > shape.max_context:
+            raise ConfigError(f"--context {c} exceeds the model's context of {shape.max_context} tokens")
+    if args.keys > len(NAMES):
+        raise ConfigError(f"--keys {args.keys}: at most {len(NAMES)} needles (one per door name)")
+    for s in schemes:
+        if s.config is not None:
+            s.config.check_model(*dims)
+            check_model_matches(s.config, shape=dims)
+            if s.scales is not None:
+                read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
+    text = load_text(args.text)
+    loaded = load_model(args.model)
+    trials = passkey_trials(loaded.tokenizer, text, contexts=args.context, depths=args.depth, trials=args.trials,
+                            keys=args.keys, seed=args.seed, max_context=loaded.max_context)
+    given = {s.name: read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
+             for s in schemes if s.scales is not None}
+    import pandas as pd
+
+    def save_rows(rows: list[dict]) -> None:
+        atomic_write_text(trials_csv, pd.DataFrame(rows).to_csv(index=False))
+
+    df = evaluate_passkey(loaded, trials, schemes, static_scales=given, on_row=save_rows)
+    save_rows(df.to_dict("records"))
+    summary = summarize_passkey(df)
+    atomic_write_text(out, summary.to_csv(index=False))
+    plot = plot_passkey(df, out.with_suffix(".png"))
+    cols = ["scheme", "context", "effective_bits", "accuracy", "accuracy_lo", "accuracy_hi", "kept", "key_nll_delta",
+            "answer_kl", "trials"]
+    print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"wrote {out}, {trials_csv} and {plot}")
     return 0

@@ -1,0 +1,107 @@
+"""Held out: pass-key retrieval through the quantized cache (``docs/results.md``, the README).
+
+The calibrated configs at 2.5–5 bits (calibrated on pydoc), the presets and the peers at their
+effective bits, and the unquantized cache, on a haystack they were not calibrated on, the
+stdlib's ``typing.py`` (Python 3.11): a five-digit key at depths 0, 25, 50, 75 and 100 %, four
+trials per depth, one context per run, one torch thread::
+
+    kverr evaluate --task passkey --threads 1 --text <python 3.11 lib>/typing.py --context C \\
+        --depth 0,25,50,75,100 --trials 4 --config data/configs/calibrated-<b>b.json ... \\
+        --scheme kivi-2 ... --out retrieval-C.csv
+
+``python -m bench.retrieval run C`` runs it and appends its trial rows, stamped with machine and
+date, to ``bench/results/retrieval.trials.csv`` (replacing earlier rows of that context);
+``python -m bench.retrieval`` prints the table from the committed rows, with each scheme's mean
+held-out KL on running text (``bench/results/heldout.segments.csv``) beside it, and writes the
+figure ``bench/results/retrieval.png``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from bench.common import RESULTS, ROOT, WORK, machine, now
+
+TRIALS_CSV = RESULTS / "retrieval.trials.csv"
+FIGURE = RESULTS / "retrieval.png"
+BUDGETS = ("2.5", "3", "4", "4.5", "5")
+CONFIGS = [ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
+SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head")
+DEPTHS, TRIALS = "0,25,50,75,100", 4
+
+
+def run(context: int) -> None:
+    """Measure one context and keep its stamped trial rows in :data:`TRIALS_CSV`."""
+    import pandas as pd
+
+    from bench.heldout import typing_py
+    from kverr.cli import main
+    from kverr.config import atomic_write_text
+
+    out = WORK / f"retrieval-{context}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = ["evaluate", "--task", "passkey", "--threads", "1", "--text", str(typing_py()), "--context", str(context),
+            "--depth", DEPTHS, "--trials", str(TRIALS), "--overwrite", "--out", str(out)]
+    for c in CONFIGS:
+        argv += ["--config", str(c)]
+    for s in SCHEMES:
+        argv += ["--scheme", s]
+    if main(argv) != 0:
+        raise RuntimeError("kverr evaluate failed")
+    df = pd.read_csv(out.with_name(out.stem + ".trials.csv"), dtype={"key": str})
+    df["machine"], df["date"] = machine(), now()
+    if TRIALS_CSV.exists():
+        old = pd.read_csv(TRIALS_CSV, dtype={"key": str})
+        df = pd.concat([old[old.context != context], df], ignore_index=True)
+    atomic_write_text(TRIALS_CSV, df.to_csv(index=False))
+
+
+def table() -> str:
+    """The retrieval table from the committed rows: per scheme and context, accuracy (Wilson 95 %),
+    kept, the key's NLL increase and the answer's KL; the running-text KL beside it."""
+    import pandas as pd
+
+    from kverr.retrieval import summarize_passkey
+
+    df = pd.read_csv(TRIALS_CSV, dtype={"key": str})
+    s = summarize_passkey(df)
+    seg = pd.read_csv(RESULTS / "heldout.segments.csv")
+    text_kl = seg.groupby("scheme")["mean_kl"].mean()
+    contexts = sorted(s["context"].unique())
+    head = ("| scheme | effective bits | running-text KL | "
+            + " | ".join(f"accuracy at {c} (95 % CI) | kept | key NLL +" for c in contexts) + " |")
+    lines = [head, "|---|---:|---:|" + "---:|---:|---:|" * len(contexts)]
+    names = s.sort_values("effective_bits")["scheme"].unique()
+    for name in names:
+        g = s[s.scheme == name].set_index("context")
+        bits = df[(df.scheme == name)]["effective_bits"].mean()
+        kl = f"{text_kl[name]:#.3g}" if name in text_kl else ("0" if name == "unquantized" else "")
+        cells = []
+        for c in contexts:
+            r = g.loc[c]
+            cells.append(f"{r['accuracy']:.2f} ({r['accuracy_lo']:.2f}–{r['accuracy_hi']:.2f}) | {r['kept']:.2f} | "
+                         f"{r['key_nll_delta']:#.2g}")
+        lines.append(f"| {name} | {bits:.2f} | {kl} | " + " | ".join(cells) + " |")
+    n = df.groupby("context")["trial"].size() // df["scheme"].nunique()
+    m, d = df["machine"].iloc[0], df["date"].max()
+    lines.append("")
+    lines.append(f"Trials per context: {', '.join(f'{c}: {k}' for c, k in n.items())}; measured on {m}, {d}.")
+    return "\n".join(lines) + "\n"
+
+
+def figure() -> None:
+    import pandas as pd
+
+    from kverr.retrieval import plot_passkey
+
+    plot_passkey(pd.read_csv(TRIALS_CSV, dtype={"key": str}), FIGURE)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "run":
+        run(int(sys.argv[2]))
+    elif len(sys.argv) == 1:
+        sys.stdout.write(table())
+        figure()
+    else:
+        sys.exit("usage: python -m bench.retrieval [run CONTEXT]")
