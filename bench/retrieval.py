@@ -9,6 +9,10 @@ trials per depth, one context per run, one torch thread::
         --depth 0,25,50,75,100 --trials 4 --config data/configs/calibrated-<b>b.json ... \\
         --scheme kivi-2 ... --out retrieval-C.csv
 
+The unquantized cache alone, at contexts up to the model's limit, says where the model itself
+retrieves (``python -m bench.retrieval baseline``: 1024, 2048, 4096 and 8000 tokens, the same
+depths and trials, into ``bench/results/retrieval-baseline.trials.csv``).
+
 ``python -m bench.retrieval run C`` runs it and appends its trial rows, stamped with machine and
 date, to ``bench/results/retrieval.trials.csv`` (replacing earlier rows of that context);
 ``python -m bench.retrieval`` prints the table from the committed rows, with each scheme's mean
@@ -19,10 +23,13 @@ figure ``bench/results/retrieval.png``.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from bench.common import RESULTS, ROOT, WORK, machine, now
 
 TRIALS_CSV = RESULTS / "retrieval.trials.csv"
+BASELINE_CSV = RESULTS / "retrieval-baseline.trials.csv"
+BASELINE_CONTEXTS = (1024, 2048, 4096, 8000)
 FIGURE = RESULTS / "retrieval.png"
 BUDGETS = ("2.5", "3", "4", "4.5", "5")
 CONFIGS = [ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
@@ -30,30 +37,43 @@ SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-
 DEPTHS, TRIALS = "0,25,50,75,100", 4
 
 
-def run(context: int) -> None:
-    """Measure one context and keep its stamped trial rows in :data:`TRIALS_CSV`."""
+def _measure(contexts: tuple[int, ...], schemes: bool, into: Path) -> None:
+    """Run ``kverr evaluate --task passkey`` and keep its stamped trial rows in ``into``, replacing
+    earlier rows of the same contexts."""
     import pandas as pd
 
     from bench.heldout import typing_py
     from kverr.cli import main
     from kverr.config import atomic_write_text
 
-    out = WORK / f"retrieval-{context}.csv"
+    out = WORK / f"{into.name.split('.')[0]}-{'-'.join(map(str, contexts))}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = ["evaluate", "--task", "passkey", "--threads", "1", "--text", str(typing_py()), "--context", str(context),
-            "--depth", DEPTHS, "--trials", str(TRIALS), "--overwrite", "--out", str(out)]
-    for c in CONFIGS:
+    argv = ["evaluate", "--task", "passkey", "--threads", "1", "--text", str(typing_py()), "--depth", DEPTHS,
+            "--trials", str(TRIALS), "--overwrite", "--out", str(out)]
+    for c in contexts:
+        argv += ["--context", str(c)]
+    for c in CONFIGS if schemes else ():
         argv += ["--config", str(c)]
-    for s in SCHEMES:
+    for s in SCHEMES if schemes else ():
         argv += ["--scheme", s]
     if main(argv) != 0:
         raise RuntimeError("kverr evaluate failed")
     df = pd.read_csv(out.with_name(out.stem + ".trials.csv"), dtype={"key": str})
     df["machine"], df["date"] = machine(), now()
-    if TRIALS_CSV.exists():
-        old = pd.read_csv(TRIALS_CSV, dtype={"key": str})
-        df = pd.concat([old[old.context != context], df], ignore_index=True)
-    atomic_write_text(TRIALS_CSV, df.to_csv(index=False))
+    if into.exists():
+        old = pd.read_csv(into, dtype={"key": str})
+        df = pd.concat([old[~old.context.isin(contexts)], df], ignore_index=True)
+    atomic_write_text(into, df.to_csv(index=False))
+
+
+def run(context: int) -> None:
+    """Measure every scheme at one context into :data:`TRIALS_CSV`."""
+    _measure((context,), True, TRIALS_CSV)
+
+
+def baseline() -> None:
+    """Measure the unquantized cache alone at :data:`BASELINE_CONTEXTS` into :data:`BASELINE_CSV`."""
+    _measure(BASELINE_CONTEXTS, False, BASELINE_CSV)
 
 
 def table() -> str:
@@ -100,8 +120,10 @@ def figure() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "run":
         run(int(sys.argv[2]))
+    elif sys.argv[1:] == ["baseline"]:
+        baseline()
     elif len(sys.argv) == 1:
         sys.stdout.write(table())
         figure()
     else:
-        sys.exit("usage: python -m bench.retrieval [run CONTEXT]")
+        sys.exit("usage: python -m bench.retrieval [run CONTEXT | baseline]")

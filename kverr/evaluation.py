@@ -79,7 +79,7 @@ class Scheme:
 
 def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
                   config_option: str | None = "--config",
-                  scales: dict[tuple[str, int], str] | None = None) -> list[Scheme]:
+                  scales: dict[tuple[str, int], str] | None = None, required: bool = True) -> list[Scheme]:
     """``--scheme NAME`` (preset or peer) and ``--config PATH`` -> schemes, in order, no duplicates.
 
     ``config_option`` is the option that gives config files in the calling command, named in
@@ -87,7 +87,7 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     ``("config", j)`` (the i-th scheme, the j-th config) to the static scales it is evaluated
     with (see :class:`Scheme`); such a scheme is named ``NAME@SOURCE`` (``SOURCE``: ``unit``,
     ``prefill``, or the file's or directory's name), so that one config with several scales is
-    several schemes.
+    several schemes. ``required=False`` accepts no scheme at all (an empty list).
     """
     hint = f" (give a config file with {config_option})" if config_option else ""
     named = named_presets()
@@ -117,7 +117,7 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ConfigError(f"scheme {sorted(dup)[0]!r} is given twice")
-    if not out:
+    if not out and required:
         raise ConfigError(f"give at least one --scheme{' or ' + config_option if config_option else ''}")
     return out
 

@@ -215,6 +215,10 @@ def passkey_trials(
                 if asked[: len(question)] != question or not answer:
                     raise ConfigError("the tokenizer merges the question with its answer; the pass-key task "
                                       "needs them apart")
+                if max_context and c + len(answer) > max_context:
+                    raise ConfigError(f"context {c} and the key's {len(answer)} answer tokens exceed the model's "
+                                      f"context of {max_context} tokens; give a context of at most "
+                                      f"{max_context - len(answer)}")
                 assert len(prompt) == c, (len(prompt), c)
                 out.append(PasskeyTrial(c, float(d), t, str(digits[0]), offset, where[0] / n_hay,
                                         torch.as_tensor(prompt, dtype=torch.int64),

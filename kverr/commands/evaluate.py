@@ -193,7 +193,8 @@ def _passkey(args: argparse.Namespace) -> int:
     trials_csv = out.with_name(out.stem + ".trials.csv")
     for path in (out, trials_csv, out.with_suffix(".png")):
         check_output_path(path, overwrite=args.overwrite, kind="file")
-    schemes = parse_schemes(args.scheme, args.config, scales=args.scales)
+    # No scheme: the unquantized cache alone, to find the contexts where the model retrieves.
+    schemes = parse_schemes(args.scheme, args.config, scales=args.scales, required=False)
     shape = supported_shape(args.model)
     dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
     from kverr.exceptions import ConfigError
