@@ -103,6 +103,8 @@ def test_multi_key_prompts_ask_for_one_named_key(tiny):
     (dict(depths=[1.2]), ConfigError, r"depth 120 % is outside 0-100 %"),
     (dict(depths=[-0.1]), ConfigError, r"outside 0-100 %"),
     (dict(contexts=[2048]), ConfigError, r"context 2048 exceeds the model's context of 1024"),
+    (dict(contexts=[1022]), ConfigError, r"context 1022 and the key's \d+ answer tokens exceed the model's context of "
+                                         r"1024 tokens; give a context of at most \d+"),
     (dict(contexts=[30]), ConfigError, r"context 30 leaves 0 haystack tokens .* at least \d+ tokens"),
     (dict(trials=0), ConfigError, r"trials must be at least 1"),
     (dict(keys=11), ConfigError, r"keys must be 1 to 10"),
@@ -184,6 +186,9 @@ def test_cli_writes_table_trials_and_plot(tiny, tmp_path, capsys):
     summary = pd.read_csv(out)
     assert set(summary["scheme"]) == {"kivi-2", "unquantized"} and (summary["trials"] == 4).all()
     assert main(argv) == 2 and "exists" in capsys.readouterr().err  # no overwrite without --overwrite
+    # no scheme: the unquantized cache alone
+    assert main([*argv[: argv.index("--scheme")], "--out", str(tmp_path / "base.csv")]) == 0
+    assert set(pd.read_csv(tmp_path / "base.trials.csv")["scheme"]) == {"unquantized"}
 
 
 @pytest.mark.parametrize("extra, message", [
