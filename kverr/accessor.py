@@ -115,7 +115,7 @@ class CaptureAccessor:
         from kverr.memory import ModelShape
 
         return ModelShape(self.n_layers, self.n_kv_heads, self.head_dim,
-                          name=str(self._ds.attrs.get("model_id", "")))
+                          name=str(self._ds.attrs.get("model_id", "")), n_q_heads=self.n_q_heads)
 
     @property
     def provenance(self) -> dict[str, Any]:

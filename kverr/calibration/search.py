@@ -175,6 +175,20 @@ class Search:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
         return _build(self, budget_bits, name)[0]
 
+    def step_times(self, tokens: int | None = None, batch: int = 1, gpu: str = "h200") -> np.ndarray:
+        """Every frontier point's predicted decode step (:mod:`kverr.cost`, CUDA graphs) over
+        fp16's, at ``tokens`` (default: the calibration context) x ``batch`` on ``gpu``; in the
+        order of :attr:`frontier`'s rows. Builds each point's config: about 50 ms a point."""
+        from kverr.cost import fp16_step, step_cost
+
+        t = tokens or self.context
+        ref = fp16_step(self.shape, t, batch, gpu).seconds(True)
+        out = np.empty(len(self.frontier))
+        for i, (_, row) in enumerate(self.frontier.iterrows()):
+            cfg = _build_row(self, row, float(row["effective_bits"]), None)[0]
+            out[i] = step_cost(cfg, self.shape, t, batch, gpu).seconds(True) / ref
+        return out
+
     def choices_at(self, budget_bits: float) -> Any:
         """One row per (layer, kv_head, which) of :meth:`config_at`'s config: format label,
         dtype, bits, granularity, rotate, clip, bytes, predicted and relative damage."""
@@ -246,6 +260,14 @@ class Calibration:
         return pd.concat([s.frontier.assign(candidates=s.candidates, window_dtype=s.window_dtype,
                                             max_groups_per_layer=s.max_groups_per_layer or 0)
                           for s in self.searches], ignore_index=True)
+
+    def frontier_steps(self) -> Any:
+        """:attr:`frontier` with ``predicted_step``: each point's predicted decode step over
+        fp16's (:meth:`Search.step_times`) where the settings ask for one (``step_tokens``,
+        default the context; ``step_batch``; ``gpu``)."""
+        st = self.settings
+        return self.frontier.assign(predicted_step=np.concatenate(
+            [s.step_times(st.step_tokens, st.step_batch, st.gpu) for s in self.searches]))
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config within another budget (no new scoring), from the search of that
@@ -774,9 +796,8 @@ def _step_time(config: CacheConfig, cfg: CalibrationConfig, kv: Any, context: in
     """``config``'s predicted decode step (:mod:`kverr.cost`, CUDA graphs) against fp16's, at
     ``cfg.step_tokens`` (default: the context) x ``cfg.step_batch`` on ``cfg.gpu``."""
     from kverr.cost import fp16_step, step_cost
-    from kverr.memory import ModelShape
 
-    shape = ModelShape(kv.n_layers, kv.n_kv_heads, kv.head_dim, n_q_heads=kv.n_q_heads)
+    shape = kv.shape
     tokens, batch, gpu = cfg.step_tokens or context, cfg.step_batch, cfg.gpu
     t = step_cost(config, shape, tokens, batch, gpu).seconds(True)
     ref = fp16_step(shape, tokens, batch, gpu).seconds(True)
@@ -832,8 +853,6 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
 
 def _build(search: Search, budget_bits: float, name: str | None) -> tuple[CacheConfig, Any]:
     """The config of ``search`` within ``budget_bits`` and its per-head choices."""
-    import pandas as pd
-
     n_layers, n_kv, D = search.shape.n_layers, search.shape.n_kv_heads, search.shape.head_dim
     context = search.context
     budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * D * context / 8 + 1e-9)
@@ -846,7 +865,15 @@ def _build(search: Search, budget_bits: float, name: str | None) -> tuple[CacheC
             f"cheapest possible config costs {bits_of(cheapest, n_layers, n_kv, D, context):.4f} "
             f"effective bits ({cheapest} bytes)"
         )
-    row = ok.iloc[-1]
+    return _build_row(search, ok.iloc[-1], budget_bits, name)
+
+
+def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -> tuple[CacheConfig, Any]:
+    """The config of one row of ``search.frontier`` and its per-head choices."""
+    import pandas as pd
+
+    n_layers, n_kv, D = search.shape.n_layers, search.shape.n_kv_heads, search.shape.head_dim
+    context = search.context
     opt = next(o for o in search.frontiers if o.label() == row["option"])
     oi = list(search.frontiers).index(opt)
     fr = search.frontiers[opt]

@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-bits", required=True, type=_budgets, metavar="B[,B...]",
                    help="effective bits per element; a list writes one config per budget (use {bits} in --out)")
     p.add_argument("--out", required=True, help="config JSON to write; '{bits}' is replaced by the budget")
-    p.add_argument("--frontier", type=Path, help="write the Pareto frontier as CSV")
+    p.add_argument("--frontier", type=Path, help="write the Pareto frontier as CSV (with --max-step-time or "
+                   "--step-at, each point's predicted decode step over fp16's too, column predicted_step)")
     p.add_argument("--context", type=positive_int,
                    help="tokens at which effective bits are counted (default: the capture's length)")
     p.add_argument("--sinks", type=_ints, metavar="S[,S...]",
@@ -213,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
                   f"step {st['ratio']:.3f}x fp16's at {st['tokens']} tokens x batch {st['batch']} on {st['gpu']} "
                   f"(bound {st['max_step_time']:g}x)")
     if args.frontier:
-        fr = cal.frontier
+        # with a step-time question, every frontier point's predicted step beside its bits and KL
+        fr = cal.frontier_steps() if args.max_step_time is not None or args.step_at else cal.frontier
         atomic_write_text(args.frontier, fr.to_csv(index=False))
         groups = ", ".join(f"{s.candidates} ({s.window_dtype} window)" for s in cal.searches)
         print(f"wrote the frontier ({len(fr)} points; candidates {groups}) to {args.frontier}")

@@ -349,6 +349,17 @@ def test_max_step_time_takes_the_most_groups_that_fit(tiny_capture):
     assert st["ratio"] == pytest.approx(r_one) and (st["tokens"], st["batch"], st["gpu"]) == (32768, 16, "h200")
     # the frontier names each search's bound: the free one (0) and, two kv heads here, one pair
     assert loaded.n_kv_heads == 2 and set(fit.frontier["max_groups_per_layer"]) == {0, 1}
+    # every frontier point's predicted step, as the chosen config's own prediction is computed
+    steps = fit.frontier_steps()
+    assert len(steps) == len(fit.frontier) and (steps["predicted_step"] > 0).all()
+    for s in fit.searches:
+        rows = steps[steps.max_groups_per_layer == (s.max_groups_per_layer or 0)]
+        i = rows["bytes"].searchsorted(fit.config.provenance["bytes"], side="right") - 1
+        cfg = s.config_at(float(rows["effective_bits"].iloc[i]))
+        assert rows["predicted_step"].iloc[i] == pytest.approx(_step_time(cfg, settings, cap.kv, 160)["ratio"],
+                                                               rel=1e-12)
+    picked = steps[(steps.max_groups_per_layer == 1) & (steps.bytes == fit.config.provenance["bytes"])]
+    assert picked["predicted_step"].tolist() == pytest.approx([st["ratio"]], rel=1e-12)
     loose = cal_at(cap, 4.0, scores=free.scores, max_step_time=r_free * 1.01, **at, **base)
     assert loose.config.with_(provenance={}) == free.config.with_(provenance={})
     with pytest.raises(ConfigError, match=r"with one format pair per layer the predicted decode step takes"):
@@ -517,9 +528,13 @@ def test_cli_calibrate_writes_configs_and_frontier(tiny_capture, tmp_path, capsy
     # a generous step-time bound keeps the free config and says what it predicts
     code = main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "t.json"),
                  "--queries", "8", "--workers", "1", "--candidates", "dynamic", "--max-step-time", "100",
-                 "--step-at", "4096,16"])
+                 "--step-at", "4096,16", "--frontier", str(tmp_path / "ft.csv")])
     o, _ = capsys.readouterr()
     assert code == 0 and "predicted decode step" in o and "at 4096 tokens x batch 16 on h200 (bound 100x)" in o
+    ft = __import__("pandas").read_csv(tmp_path / "ft.csv")
+    ratio = CacheConfig.load(tmp_path / "t.json").provenance["predicted_step"]["ratio"]
+    assert (ft["predicted_step"] > 0).all() and ratio == pytest.approx(
+        ft.loc[ft["bytes"] == CacheConfig.load(tmp_path / "t.json").provenance["bytes"], "predicted_step"].iloc[0])
     assert CacheConfig.load(tmp_path / "t.json").with_(provenance={}) == c5.with_(provenance={})
     code = main(["calibrate", "--capture", str(path), "--budget-bits", "5", "--out", str(tmp_path / "u.json"),
                  "--step-at", "4096,16"])
