@@ -288,6 +288,8 @@ def evaluate_passkey(
         rows.append({"scheme": reference.name, "kind": reference.kind, **common, "correct": ref_ok,
                      "ref_correct": ref_ok, "key_nll": ref_nll, "ref_key_nll": ref_nll, "answer_kl": 0.0,
                      "first_wrong": ref_wrong, "effective_bits": ref_bits})
+        if on_row is not None:
+            on_row(rows)
         bar.update()
         for s in schemes:
             bar.set_postfix_str(f"C={tr.context} d={tr.depth:g} #{tr.trial} {s.name}")
