@@ -78,7 +78,8 @@ def baseline() -> None:
 
 def table() -> str:
     """The retrieval table from the committed rows: per scheme and context, accuracy (Wilson 95 %),
-    kept, the key's NLL increase and the answer's KL; the running-text KL beside it."""
+    kept, the key's NLL increase (nats, summed over its tokens) and the answer steps' mean KL; the
+    running-text KL beside it."""
     import pandas as pd
 
     from kverr.retrieval import summarize_passkey
@@ -89,8 +90,8 @@ def table() -> str:
     text_kl = seg.groupby("scheme")["mean_kl"].mean()
     contexts = sorted(s["context"].unique())
     head = ("| scheme | effective bits | running-text KL | "
-            + " | ".join(f"accuracy at {c} (95 % CI) | kept | key NLL +" for c in contexts) + " |")
-    lines = [head, "|---|---:|---:|" + "---:|---:|---:|" * len(contexts)]
+            + " | ".join(f"accuracy at {c} (95 % CI) | kept | key NLL + | answer KL" for c in contexts) + " |")
+    lines = [head, "|---|---:|---:|" + "---:|---:|---:|---:|" * len(contexts)]
     names = s.sort_values("effective_bits")["scheme"].unique()
     for name in names:
         g = s[s.scheme == name].set_index("context")
@@ -100,7 +101,7 @@ def table() -> str:
         for c in contexts:
             r = g.loc[c]
             cells.append(f"{r['accuracy']:.2f} ({r['accuracy_lo']:.2f}–{r['accuracy_hi']:.2f}) | {r['kept']:.2f} | "
-                         f"{r['key_nll_delta']:#.2g}")
+                         f"{r['key_nll_delta']:+.2f} | {r['answer_kl']:#.2g}")
         lines.append(f"| {name} | {bits:.2f} | {kl} | " + " | ".join(cells) + " |")
     n = df.groupby("context")["trial"].size() // df["scheme"].nunique()
     m, d = df["machine"].iloc[0], df["date"].max()

@@ -41,7 +41,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"kverr", "exceptions", "dims", "progress", "rope"}),         # foundations
     frozenset({"quant", "config", "catalog", "memory", "cost", "io", "accessor", "engines"}),  # oracle, configs, bytes, cost, files, engines
     frozenset({"error", "capturing", "gpu", "kernels", "hf"}),              # decomposition, models, kernels
-    frozenset({"calibration", "evaluation", "validation"}),                 # the stages
+    frozenset({"calibration", "evaluation", "retrieval", "validation"}),    # the stages
     frozenset({"pipeline"}),                                                # the stages in order
     frozenset({"cli", "commands"}),                                         # the command line
 )
