@@ -23,8 +23,9 @@ Sections (the module each name comes from):
   :func:`open_capture` (:mod:`kverr.capturing`, :mod:`kverr.io`); ``ds.kv`` on a capture
   (:mod:`kverr.accessor`);
 * analysis -- :func:`decompose` (:func:`kverr.error.decompose_capture`), :func:`evaluate`,
-  :func:`calibrate` with its :class:`CalibrationConfig`, :func:`validate` (:mod:`kverr.error`,
-  :mod:`kverr.evaluation`, :mod:`kverr.calibration`, :mod:`kverr.validation`), and
+  pass-key retrieval (:func:`passkey_trials`, :func:`evaluate_passkey`), :func:`calibrate` with
+  its :class:`CalibrationConfig`, :func:`validate` (:mod:`kverr.error`, :mod:`kverr.evaluation`,
+  :mod:`kverr.retrieval`, :mod:`kverr.calibration`, :mod:`kverr.validation`), and
   :func:`run_pipeline`, all of them in order as ``make demo`` runs them (:mod:`kverr.pipeline`);
 * models -- :func:`cache_for`, a transformers cache that stores K/V per a config (:mod:`kverr.hf`).
 """
@@ -66,6 +67,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # analysis
     "decompose": ("kverr.error", "decompose_capture"),
     "evaluate": ("kverr.evaluation", "evaluate"),
+    "passkey_trials": ("kverr.retrieval", "passkey_trials"),
+    "evaluate_passkey": ("kverr.retrieval", "evaluate_passkey"),
     "calibrate": ("kverr.calibration", "calibrate"),
     "CalibrationConfig": ("kverr.calibration", "CalibrationConfig"),
     "validate": ("kverr.validation", "validate"),
