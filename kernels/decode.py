@@ -23,8 +23,9 @@ rescaling commutes with it). The tail, which mixes full-precision rows with quan
 rotates its dequantized rows back instead.
 
 Keys stored before RoPE (``K_PRE``) are rotated to their positions after dequantization, per row:
-``k cos_t + rotate_half(k) sin_t`` with the ``[T, D]`` tables ``COS``/``SIN`` (full rotary
-dimension, transformers' half-rotation convention). A Hadamard rotation cannot then move to the
+``k cos_t + rotate_half(k) sin_t`` with the ``[T, D/2]`` tables ``COS``/``SIN`` (transformers'
+half-rotation convention, full rotary dimension: a row's two halves share their frequencies, so the
+tables hold one half and channel ``c`` reads column ``c mod D/2``). A Hadamard rotation cannot then move to the
 query (RoPE sits between), so rotated pre-RoPE keys are rotated back row by row.
 """
 
@@ -103,10 +104,11 @@ def _offsets(t, start, b, BT, sbt_b, P: tl.constexpr, hloc, s_cp, s_ch, s_sp, s_
 
 @triton.jit
 def _rope_rows(k, t, nmask, COS, SIN, N: tl.constexpr, D: tl.constexpr):
-    """``k cos_t + rotate_half(k) sin_t`` for the fp32 ``[N, D]`` tile ``k`` at positions ``t``;
+    """``k cos_t + rotate_half(k) sin_t`` for the fp32 ``[N, D]`` tile ``k`` at positions ``t``
+    (tables ``[T, D/2]``: channel ``c`` uses column ``c mod D/2``);
     ``rotate_half([x1, x2]) = [-x2, x1]``, the halves picked out of a ``[N, 2, D/2]`` view."""
-    c = tl.arange(0, D)
-    off = t.to(tl.int64)[:, None] * D + c[None, :]
+    c = tl.arange(0, D) % (D // 2)
+    off = t.to(tl.int64)[:, None] * (D // 2) + c[None, :]
     cos = tl.load(COS + off, mask=nmask[:, None], other=0.0)
     sin = tl.load(SIN + off, mask=nmask[:, None], other=0.0)
     j = tl.arange(0, 2)[None, :, None]
@@ -159,7 +161,7 @@ def paged_decode_kernel(
     VF, svf_b, svf_h, svf_t,
     KFS, skfs_b, skfs_h, VFS, svfs_b, svfs_h,  # FP_Q: their int8 rows' fp16 scales [slots, h, sinks + cap]
     PO, PM, PL,  # partials [B, Hq, NSP, D], [B, Hq, NSP], [B, Hq, NSP] fp32
-    COS, SIN,  # [max_tokens, D] fp32 RoPE tables of the positions (used when K_PRE)
+    COS, SIN,  # [max_tokens, D/2] fp32 RoPE tables of the positions (used when K_PRE)
     qk_scale,  # softmax scale * log2(e)
     SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0,
     HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_H: tl.constexpr,

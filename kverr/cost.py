@@ -17,7 +17,7 @@ sequence, ``tokens`` cached per sequence, ``batch`` sequences) and the launch st
   (:func:`kverr.memory.group_bytes`: exactly what the cache holds, less page rounding and
   padding, which are never read), ``static`` scales (once per program), ``window`` (sinks,
   window and pending rows, with their int8 scales), ``rope`` (pre-RoPE keys: an fp32 cos and sin
-  row per key position and launch -- the sequences and heads of a launch read the same rows, and
+  half-row, ``D/2`` values each, per key position and launch -- the sequences and heads of a launch read the same rows, and
   L2 serves the repeats), ``query`` (each program reads its query rows), ``partials``
   (written by the attention programs and read by the merge, output included) and ``store``
   (the step's new rows, amortised);
@@ -363,10 +363,11 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                 main.alu += B * h * n_q * D * _dequant_ops(fmt)
                 tail.alu += B * h * n_fp * D * win_ops
                 if is_key and config.key_pre_rope:
-                    # the fp32 cos and sin rows of every key position: the sequences and heads of
-                    # one launch read the same rows at about the same time, so L2 serves repeats
-                    main.bytes["rope"] += n_q * 2 * D * 4
-                    tail.bytes["rope"] += n_fp * 2 * D * 4
+                    # the fp32 cos and sin half-rows (D/2 each) of every key position: the sequences
+                    # and heads of one launch read the same rows at about the same time, so L2
+                    # serves repeats
+                    main.bytes["rope"] += n_q * 2 * (D // 2) * 4
+                    tail.bytes["rope"] += n_fp * 2 * (D // 2) * 4
                     main.alu += B * h * n_q * D * ROPE_OPS
                     tail.alu += B * h * n_fp * D * ROPE_OPS
             # the main launch holds the tokens quantized for both K and V; the tail the rest

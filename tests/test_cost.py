@@ -63,6 +63,18 @@ def test_bytes_equal_hand_counts_kivi_2():
     assert lc.n_launches == pytest.approx(3 + 1 / 32 + 1 + 2 * 2)
 
 
+def test_rope_bytes_equal_hand_counts():
+    """Pre-RoPE keys: every launch group reads an fp32 cos and sin half-row (D/2 values each) per
+    key position, quantized or not, whatever the batch; values and post-RoPE keys read none."""
+    cfg = PRESETS["int8-token"].with_(key_pre_rope=True, window=16)
+    two = cfg.with_(heads={(0, 1): Override(k=int_format(4, PerTokenGroup(32)))})
+    for c, groups in ((cfg, {0: 1, 1: 1}), (two, {0: 2, 1: 1})):
+        plan = step_cost(c, SHAPE, T, B)
+        assert {lc.layer: lc.groups for lc in plan.layers} == groups
+        assert _per_layer(plan, "rope") == {layer: g * T * 2 * 32 * 4 for layer, g in groups.items()}
+    assert _per_layer(step_cost(PRESETS["int8-token"].with_(window=16), SHAPE, T, B), "rope") == {0: 0, 1: 0}
+
+
 def test_plan_bytes_are_the_cache_bytes_less_what_is_never_read():
     """Codes, scales, zeros and full-precision rows are the memory accounting's, page rounding
     and padding left out; for every preset and a calibrated config of the default model."""

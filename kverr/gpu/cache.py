@@ -27,7 +27,8 @@ the same, reference, codes.
 
 With ``config.key_pre_rope`` the cache stores the keys it is given -- pre-RoPE keys -- and the
 decode kernel rotates every key row to its position (``t`` = the token's index in its sequence)
-with the ``rope=(cos, sin)`` tables, ``[max_tokens, D]``, given at construction.
+with the ``rope=(cos, sin)`` tables, ``[max_tokens, D]``, given at construction (the cache keeps
+one half of each: in transformers' half-rotation convention both halves of a row are the same).
 
 Usage::
 
@@ -266,8 +267,15 @@ class PagedKVCache:
             if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < max_tokens or cos.shape[1] != head_dim:
                 raise ShapeError(f"rope tables must both be [>= max_tokens={max_tokens}, head_dim={head_dim}] "
                                  f"(full rotary dimension), got {tuple(cos.shape)} and {tuple(sin.shape)}")
-            self.rope_cos = cos.float().to(dev).contiguous()
-            self.rope_sin = sin.float().to(dev).contiguous()
+            # The half-rotation convention repeats each frequency in both halves of a row: the
+            # kernel reads one half (half the bytes of a pre-RoPE key's rotation, same numbers).
+            half = head_dim // 2
+            for name, t in (("cos", cos), ("sin", sin)):
+                if not torch.equal(t[:, :half], t[:, half:]):
+                    raise ShapeError(f"rope {name} table: its two halves differ; the decode kernel rotates keys in "
+                                     "transformers' half-rotation convention, whose tables repeat each frequency")
+            self.rope_cos = cos[:, :half].float().to(dev).contiguous()
+            self.rope_sin = sin[:, :half].float().to(dev).contiguous()
         elif rope is not None:
             raise ConfigError("rope tables were given but config.key_pre_rope is false (keys are post-RoPE)")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kverr.config import CacheConfig, Override
-from kverr.exceptions import KernelError
+from kverr.exceptions import KernelError, ShapeError
 from kverr.gpu import PagedKVCache, calibrate_static_scales
 from kverr.quant import (
     MSEClip, PerChannel, PerHead, PerPage, PerToken, PerTokenGroup, float_format, fp8_format, int_format, reconstruct,
@@ -177,8 +177,14 @@ def test_decode_pre_rope_keys(kf, wdt):
     cos, sin = rope_cos_sin(torch.arange(T), default_inv_freq(D, 10000.0))
     with pytest.raises(KernelError, match="rope="):
         PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T, device="cpu")
+    odd = sin.clone()
+    odd[3, 1] += 1e-3  # tables outside the half-rotation convention: the halves of a row differ
+    with pytest.raises(ShapeError, match="rope sin table: its two halves differ"):
+        PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                     device="cpu", rope=(cos, odd))
     cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
                          device="cpu", rope=(cos, sin), num_pages=16)
+    assert cache.rope_cos.shape == (T, D // 2)  # one half of each table is kept
     first = [n - 1 for n in lens]
     for counts, off in ((first, [0] * B), ([1] * B, first)):
         step = cache.plan(counts, num_splits=3)
