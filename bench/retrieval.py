@@ -17,7 +17,7 @@ depths and trials, into ``bench/results/retrieval-baseline.trials.csv``).
 date, to ``bench/results/retrieval.trials.csv`` (replacing earlier rows of that context);
 ``python -m bench.retrieval`` prints the table from the committed rows, with each scheme's mean
 held-out KL on running text (``bench/results/heldout.segments.csv``) beside it, and writes the
-figure ``bench/results/retrieval.png``.
+figures ``bench/results/retrieval.png`` and ``retrieval-vs-kl.png``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ TRIALS_CSV = RESULTS / "retrieval.trials.csv"
 BASELINE_CSV = RESULTS / "retrieval-baseline.trials.csv"
 BASELINE_CONTEXTS = (1024, 2048, 4096, 8000)
 FIGURE = RESULTS / "retrieval.png"
+#: Retrieval damage (the key's NLL increase) against running-text KL, one point per scheme.
+AGAINST_KL = RESULTS / "retrieval-vs-kl.png"
 BUDGETS = ("2.5", "3", "4", "4.5", "5")
 CONFIGS = [ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head")
@@ -111,11 +113,46 @@ def table() -> str:
 
 
 def figure() -> None:
+    """:func:`kverr.retrieval.plot_passkey` of the committed rows, and the key's NLL increase
+    against the running-text KL per scheme (where the two rank schemes differently)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     import pandas as pd
 
-    from kverr.retrieval import plot_passkey
+    from kverr.io import atomic_write
+    from kverr.retrieval import plot_passkey, summarize_passkey
 
-    plot_passkey(pd.read_csv(TRIALS_CSV, dtype={"key": str}), FIGURE)
+    df = pd.read_csv(TRIALS_CSV, dtype={"key": str})
+    plot_passkey(df, FIGURE)
+    s = summarize_passkey(df)
+    kl = pd.read_csv(RESULTS / "heldout.segments.csv").groupby("scheme")["mean_kl"].mean()
+    s = s[s.scheme.isin(kl.index)].assign(text_kl=lambda d: d.scheme.map(kl))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for _, r in s.iterrows():
+        cal = r["scheme"].startswith("calibrated")
+        ax.scatter(r["text_kl"], r["key_nll_delta"], c="tab:blue" if cal else "tab:orange", s=40)
+        ax.annotate(f"{r['scheme']} ({r['accuracy']:.2f})", (r["text_kl"], r["key_nll_delta"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=0.05)
+    ax.set_ylim(bottom=min(0.0, float(s["key_nll_delta"].min()) * 1.5))
+    from matplotlib.lines import Line2D
+
+    ax.legend(handles=[Line2D([], [], ls="", marker="o", color=c, label=lab)
+                       for c, lab in (("tab:blue", "calibrated"), ("tab:orange", "presets and peers"))],
+              fontsize=8, loc="lower right")
+    ax.set_xlabel("running-text mean KL, held out (8 segments)")
+    ax.set_ylabel("pass key: increase of the key's NLL (nats)")
+    ax.set_title(f"Retrieval against running-text KL (accuracy in brackets; {int(s['trials'].iloc[0])} trials, "
+                 f"{int(s['context'].iloc[0])} tokens)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    try:
+        atomic_write(AGAINST_KL, lambda tmp: fig.savefig(tmp, dpi=130, format="png"))
+    finally:
+        plt.close(fig)
 
 
 if __name__ == "__main__":
