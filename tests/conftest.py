@@ -33,3 +33,16 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("KVERR_HYPOTHESIS_PROFILE", "ci"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A random tiny Llama saved once per session: ``(directory, LoadedModel)``; tests read it and
+    leave it as it is."""
+    from kverr.capturing import load_model
+    from kverr.capturing.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "m", "llama")
+    return path, load_model(str(path))

@@ -18,11 +18,8 @@ from kverr.quant import float_format
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from kverr.capturing.tiny import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama")
-    return path, load_model(str(path))
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 def _text(n_chars=4000):

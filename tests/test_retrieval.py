@@ -15,7 +15,6 @@ import pandas as pd
 import pytest
 import torch
 
-from kverr.capturing import load_model
 from kverr.capturing.text import Text
 from kverr.cli import main
 from kverr.config import CacheConfig
@@ -33,11 +32,8 @@ from kverr.retrieval import (
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from kverr.capturing.tiny import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama")
-    return path, load_model(str(path))
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 def _text(n_lines=400):

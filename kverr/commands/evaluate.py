@@ -130,8 +130,8 @@ class _Scales(argparse.Action):
 
 def run(args: argparse.Namespace) -> int:
     from kverr.capturing import load_model, load_text, supported_shape
-    from kverr.config import atomic_write_text, check_model_matches
-    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, read_scales, summarize_schemes
+    from kverr.config import atomic_write_text
+    from kverr.evaluation import evaluate, parse_schemes, plot_kl_vs_bits, summarize_schemes
     from kverr.io import check_output_path
 
     import torch
@@ -148,14 +148,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(path, overwrite=args.overwrite, kind="file")
     schemes = parse_schemes(args.scheme, args.config, scales=args.scales)
     # Everything that can be checked without the model is checked before loading it.
-    shape = supported_shape(args.model)
-    dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
-    for s in schemes:
-        if s.config is not None:
-            s.config.check_model(*dims)
-            check_model_matches(s.config, shape=dims)
-            if s.scales is not None:
-                read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
+    _check_schemes(schemes, supported_shape(args.model))
     text = load_text(args.text)
     loaded = load_model(args.model)
     import pandas as pd
@@ -181,10 +174,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_schemes(schemes, shape) -> None:
+    """Each config against the model's shape and weights, and its given scales, before loading."""
+    from kverr.config import check_model_matches
+    from kverr.evaluation import read_scales
+
+    dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
+    for s in schemes:
+        if s.config is not None:
+            s.config.check_model(*dims)
+            check_model_matches(s.config, shape=dims)
+            if s.scales is not None:
+                read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
+
+
 def _passkey(args: argparse.Namespace) -> int:
     """``--task passkey``: the trials checked before the model's weights are loaded, then run."""
     from kverr.capturing import load_model, load_text, supported_shape
-    from kverr.config import atomic_write_text, check_model_matches
+    from kverr.config import atomic_write_text
     from kverr.evaluation import parse_schemes, read_scales
     from kverr.io import check_output_path
     from kverr.retrieval import evaluate_passkey, passkey_trials, plot_passkey, summarize_passkey
@@ -196,7 +203,6 @@ def _passkey(args: argparse.Namespace) -> int:
     # No scheme: the unquantized cache alone, to find the contexts where the model retrieves.
     schemes = parse_schemes(args.scheme, args.config, scales=args.scales, required=False)
     shape = supported_shape(args.model)
-    dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
     from kverr.exceptions import ConfigError
     from kverr.retrieval import NAMES
 
@@ -205,12 +211,7 @@ def _passkey(args: argparse.Namespace) -> int:
             raise ConfigError(f"--context {c} exceeds the model's context of {shape.max_context} tokens")
     if args.keys > len(NAMES):
         raise ConfigError(f"--keys {args.keys}: at most {len(NAMES)} needles (one per door name)")
-    for s in schemes:
-        if s.config is not None:
-            s.config.check_model(*dims)
-            check_model_matches(s.config, shape=dims)
-            if s.scales is not None:
-                read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
+    _check_schemes(schemes, shape)
     text = load_text(args.text)
     loaded = load_model(args.model)
     trials = passkey_trials(loaded.tokenizer, text, contexts=args.context, depths=args.depth, trials=args.trials,
