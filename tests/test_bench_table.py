@@ -50,3 +50,7 @@ def test_predicted_speedups_in_the_docs_and_readme_are_the_cost_models():
     kl = seg.groupby("scheme")["mean_kl"].mean()
     more = round(100 * (kl["calibrated-3b-g1"] / kl["calibrated-3b"] - 1))
     assert f"one pair {round(100 * (sp['-g1'] / sp[''] - 1))} % faster for {more} % more KL" in readme
+    # the held-out group-bound table of performance.md, predicted speedups included
+    from bench.heldout_groups import table
+
+    assert table() in (ROOT / "docs" / "performance.md").read_text()
