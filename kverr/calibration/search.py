@@ -178,7 +178,7 @@ class Search:
     def step_times(self, tokens: int | None = None, batch: int = 1, gpu: str = "h200") -> np.ndarray:
         """Every frontier point's predicted decode step (:mod:`kverr.cost`, CUDA graphs) over
         fp16's, at ``tokens`` (default: the calibration context) x ``batch`` on ``gpu``; in the
-        order of :attr:`frontier`'s rows. Builds each point's config: about 50 ms a point."""
+        order of :attr:`frontier`'s rows. Builds and plans each point's config."""
         from kverr.cost import fp16_step, step_cost
 
         t = tokens or self.context
