@@ -112,6 +112,26 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def baseline_table() -> str:
+    """Where the model itself retrieves: the unquantized cache's accuracy per context (Wilson 95 %)
+    and per depth, from :data:`BASELINE_CSV`."""
+    import pandas as pd
+
+    from kverr.retrieval import summarize_passkey
+
+    df = pd.read_csv(BASELINE_CSV, dtype={"key": str})
+    s = summarize_passkey(df).set_index("context")
+    d = summarize_passkey(df, by=("context", "depth")).pivot(index="context", columns="depth", values="accuracy")
+    depths = list(d.columns)
+    lines = ["| context | accuracy (95 % CI) | " + " | ".join(f"depth {100 * x:g} %" for x in depths)
+             + " | key NLL |", "|---:|---:|" + "---:|" * len(depths) + "---:|"]
+    for c, r in s.iterrows():
+        lines.append(f"| {c} | {r['accuracy']:.2f} ({r['accuracy_lo']:.2f}–{r['accuracy_hi']:.2f}) | "
+                     + " | ".join(f"{d.loc[c, x]:.2f}" for x in depths) + f" | {r['key_nll']:.2f} |")
+    m, when = df["machine"].iloc[0], df["date"].max()
+    return "\n".join(lines) + f"\n\nTrials per context: {int(s['trials'].iloc[0])}; measured on {m}, {when}.\n"
+
+
 def figure() -> None:
     """:func:`kverr.retrieval.plot_passkey` of the committed rows, and the key's NLL increase
     against the running-text KL per scheme (where the two rank schemes differently)."""
@@ -161,7 +181,7 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["baseline"]:
         baseline()
     elif len(sys.argv) == 1:
-        sys.stdout.write(table())
+        sys.stdout.write(baseline_table() + "\n" + table())
         figure()
     else:
         sys.exit("usage: python -m bench.retrieval [run CONTEXT | baseline]")

@@ -54,3 +54,11 @@ def test_predicted_speedups_in_the_docs_and_readme_are_the_cost_models():
     from bench.heldout_groups import table
 
     assert table() in (ROOT / "docs" / "performance.md").read_text()
+
+
+def test_retrieval_tables_in_the_docs_are_the_committed_rows():
+    """docs/results.md's pass-key tables are what bench.retrieval renders from the committed rows."""
+    from bench.retrieval import baseline_table, table
+
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert table() in text and baseline_table() in text
