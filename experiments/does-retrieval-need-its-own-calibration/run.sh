@@ -18,3 +18,9 @@ ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE .venv/bin/kverr calibrate --capt
 .venv/bin/kverr evaluate --threads 1 --greedy 0 --text "$typing_py" --offset 0 --prefill 1024 --decode 256 \
     --segments 8 --config "$here/calibrated-decode-2.5b.json" --config "$here/calibrated-decode-3b.json" \
     --out "$here/heldout.csv" --overwrite
+# 4. the multi-key variant (three named keys, one asked) on the same haystack, beside presets
+.venv/bin/kverr evaluate --task passkey --keys 3 --threads 2 --text "$typing_py" --context 1024 \
+    --depth 0,25,50,75,100 --trials 4 --config data/configs/calibrated-2.5b.json \
+    --config data/configs/calibrated-3b.json --config "$here/calibrated-decode-2.5b.json" \
+    --config "$here/calibrated-decode-3b.json" --scheme q4_0 --scheme kivi-4 --scheme kivi-2 \
+    --out "$here/multikey.csv" --overwrite
