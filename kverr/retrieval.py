@@ -154,7 +154,7 @@ def passkey_trials(
     TextError
         The text is shorter than a haystack.
     """
-    from kverr.capturing.text import Text, _adds_bos
+    from kverr.capturing.text import Text, adds_bos
 
     if trials < 1:
         raise ConfigError(f"trials must be at least 1, got {trials}")
@@ -172,7 +172,7 @@ def passkey_trials(
     def encode(s: str) -> list[int]:
         return tokenizer(s, add_special_tokens=False)["input_ids"]
 
-    bos = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
+    bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
     body = text.text if isinstance(text, Text) else text
     source = text.source if isinstance(text, Text) else "the text"
     hay_ids = encode(body)

@@ -20,7 +20,7 @@ from kverr.exceptions import TextError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Text", "load_text", "tokenize", "tokenize_windows"]
+__all__ = ["Text", "adds_bos", "load_text", "tokenize", "tokenize_windows"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def load_text(source: str) -> Text:
     return Text(text=text, source=name, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
-def _adds_bos(tokenizer: Any) -> bool:
+def adds_bos(tokenizer: Any) -> bool:
     """Whether the tokenizer puts a BOS token in front of a text by default."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
@@ -167,7 +167,7 @@ def tokenize_windows(
         raise TextError(f"the token offset must be 0 or more, got {min(offsets)}")
     body = text.text if isinstance(text, Text) else text
     source = text.source if isinstance(text, Text) else "the text"
-    bos = _adds_bos(tokenizer) if add_bos is None else add_bos
+    bos = adds_bos(tokenizer) if add_bos is None else add_bos
     if bos and getattr(tokenizer, "bos_token_id", None) is None:
         raise TextError("add_bos=True but the tokenizer has no BOS token")
     ids = tokenizer(body, add_special_tokens=False, verbose=False)["input_ids"]
