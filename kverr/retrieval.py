@@ -40,8 +40,8 @@ from kverr.exceptions import ConfigError, TextError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PasskeyTrial", "evaluate_passkey", "passkey_trials", "plot_passkey", "summarize_passkey",
-           "wilson_interval"]
+__all__ = ["PasskeyTrial", "check_passkey_request", "evaluate_passkey", "passkey_trials", "plot_passkey",
+           "summarize_passkey", "wilson_interval"]
 
 NEEDLE = "\nThe secret pass key is {key}. Remember it.\n"
 QUESTION = "\nThe secret pass key is"
@@ -109,6 +109,31 @@ def _snap(at: int, starts: np.ndarray) -> int:
     return int(near[np.argmin(np.abs(near - at))]) if near.size else at
 
 
+def check_passkey_request(contexts: Sequence[int], depths: Sequence[float], trials: int, keys: int,
+                          max_context: int = 0) -> None:
+    """What a pass-key request can be refused for without the tokenizer (:func:`passkey_trials`
+    checks it first; the command line before loading the model).
+
+    Raises
+    ------
+    ConfigError
+        No context or depth, a depth outside 0–1, a context over ``max_context`` (0: no limit),
+        ``trials`` below 1, ``keys`` outside 1 to ``len(NAMES)``.
+    """
+    if trials < 1:
+        raise ConfigError(f"trials must be at least 1, got {trials}")
+    if not 1 <= keys <= len(NAMES):
+        raise ConfigError(f"keys must be 1 to {len(NAMES)} (one needle per door name), got {keys}")
+    if not contexts or not depths:
+        raise ConfigError("give at least one context and one depth")
+    for d in depths:
+        if not 0.0 <= d <= 1.0:
+            raise ConfigError(f"depth {100 * d:g} % is outside 0-100 %")
+    for c in contexts:
+        if max_context and c > max_context:
+            raise ConfigError(f"context {c} exceeds the model's context of {max_context} tokens")
+
+
 def passkey_trials(
     tokenizer: Any,
     text: Any,
@@ -156,18 +181,7 @@ def passkey_trials(
     """
     from kverr.capturing.text import Text, adds_bos
 
-    if trials < 1:
-        raise ConfigError(f"trials must be at least 1, got {trials}")
-    if not 1 <= keys <= len(NAMES):
-        raise ConfigError(f"keys must be 1 to {len(NAMES)}, got {keys}")
-    if not contexts or not depths:
-        raise ConfigError("give at least one context and one depth")
-    for d in depths:
-        if not 0.0 <= d <= 1.0:
-            raise ConfigError(f"depth {100 * d:g} % is outside 0-100 %")
-    for c in contexts:
-        if max_context and c > max_context:
-            raise ConfigError(f"context {c} exceeds the model's context of {max_context} tokens")
+    check_passkey_request(contexts, depths, trials, keys, max_context)
 
     def encode(s: str) -> list[int]:
         return tokenizer(s, add_special_tokens=False)["input_ids"]
@@ -236,7 +250,8 @@ def evaluate_passkey(
     on_row: Any = None,
 ):
     """Run every trial through the unquantized cache and each scheme's; a pandas DataFrame, one
-    row per (scheme, trial), the unquantized cache's rows (scheme ``"unquantized"``) first.
+    row per (scheme, trial), trial by trial, each trial's unquantized row (scheme
+    ``"unquantized"``) before its schemes'.
 
     Columns: ``scheme, kind, context, depth, needle_depth, trial, offset, key, keys, correct,
     ref_correct, key_nll, ref_key_nll, answer_kl, first_wrong`` (the first key token that is not

@@ -189,8 +189,8 @@ def test_cli_writes_table_trials_and_plot(tiny, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--decode", "5"], "--decode: not an option of --task passkey"),
-    (["--context", "99999"], "--context 99999 exceeds the model's context of 1024 tokens"),
-    (["--keys", "12"], "--keys 12: at most 10 needles"),
+    (["--context", "99999"], "context 99999 exceeds the model's context of 1024 tokens"),
+    (["--keys", "12"], "keys must be 1 to 10 (one needle per door name), got 12"),
 ])
 def test_cli_refuses_bad_passkey_options_before_loading(tiny, tmp_path, capsys, monkeypatch, extra, message):
     import kverr.capturing

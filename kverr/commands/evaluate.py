@@ -194,7 +194,13 @@ def _passkey(args: argparse.Namespace) -> int:
     from kverr.config import atomic_write_text
     from kverr.evaluation import parse_schemes, read_scales
     from kverr.io import check_output_path
-    from kverr.retrieval import evaluate_passkey, passkey_trials, plot_passkey, summarize_passkey
+    from kverr.retrieval import (
+        check_passkey_request,
+        evaluate_passkey,
+        passkey_trials,
+        plot_passkey,
+        summarize_passkey,
+    )
 
     out: Path = args.out
     trials_csv = out.with_name(out.stem + ".trials.csv")
@@ -203,14 +209,7 @@ def _passkey(args: argparse.Namespace) -> int:
     # No scheme: the unquantized cache alone, to find the contexts where the model retrieves.
     schemes = parse_schemes(args.scheme, args.config, scales=args.scales, required=False)
     shape = supported_shape(args.model)
-    from kverr.exceptions import ConfigError
-    from kverr.retrieval import NAMES
-
-    for c in args.context:
-        if shape.max_context and c > shape.max_context:
-            raise ConfigError(f"--context {c} exceeds the model's context of {shape.max_context} tokens")
-    if args.keys > len(NAMES):
-        raise ConfigError(f"--keys {args.keys}: at most {len(NAMES)} needles (one per door name)")
+    check_passkey_request(args.context, args.depth, args.trials, args.keys, shape.max_context)
     _check_schemes(schemes, shape)
     text = load_text(args.text)
     loaded = load_model(args.model)
