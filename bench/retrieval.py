@@ -78,6 +78,13 @@ def baseline() -> None:
     _measure(BASELINE_CONTEXTS, False, BASELINE_CSV)
 
 
+def _text_kl():
+    """Each scheme's mean held-out running-text KL over its segments (the results table's)."""
+    import pandas as pd
+
+    return pd.read_csv(RESULTS / "heldout.segments.csv").groupby("scheme")["mean_kl"].mean()
+
+
 def table() -> str:
     """The retrieval table from the committed rows: per scheme and context, accuracy (Wilson 95 %),
     kept, the key's NLL increase (nats, summed over its tokens) and the answer steps' mean KL; the
@@ -88,8 +95,7 @@ def table() -> str:
 
     df = pd.read_csv(TRIALS_CSV, dtype={"key": str})
     s = summarize_passkey(df)
-    seg = pd.read_csv(RESULTS / "heldout.segments.csv")
-    text_kl = seg.groupby("scheme")["mean_kl"].mean()
+    text_kl = _text_kl()
     contexts = sorted(s["context"].unique())
     head = ("| scheme | effective bits | running-text KL | "
             + " | ".join(f"accuracy at {c} (95 % CI) | kept | key NLL + | answer KL" for c in contexts) + " |")
@@ -97,7 +103,7 @@ def table() -> str:
     names = s.sort_values("effective_bits")["scheme"].unique()
     for name in names:
         g = s[s.scheme == name].set_index("context")
-        bits = df[(df.scheme == name)]["effective_bits"].mean()
+        bits = g["effective_bits"].mean()
         kl = f"{text_kl[name]:#.3g}" if name in text_kl else ("0" if name == "unquantized" else "")
         cells = []
         for c in contexts:
@@ -147,7 +153,7 @@ def figure() -> None:
     df = pd.read_csv(TRIALS_CSV, dtype={"key": str})
     plot_passkey(df, FIGURE)
     s = summarize_passkey(df)
-    kl = pd.read_csv(RESULTS / "heldout.segments.csv").groupby("scheme")["mean_kl"].mean()
+    kl = _text_kl()
     s = s[s.scheme.isin(kl.index)].assign(text_kl=lambda d: d.scheme.map(kl))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for _, r in s.iterrows():

@@ -372,7 +372,9 @@ def plot_passkey(df: Any, path: Any) -> Any:
     s = summarize_passkey(df)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     palette = dict(zip(s["scheme"].unique(), sns.color_palette("husl", s["scheme"].nunique())))
-    markers = dict(zip(sorted(s["context"].unique()), "osD^v<>ph*"))
+    from itertools import cycle
+
+    markers = dict(zip(sorted(s["context"].unique()), cycle("osD^v<>ph*")))
     for _, r in s.iterrows():
         a1.errorbar(r["effective_bits"], r["accuracy"],
                     yerr=[[r["accuracy"] - r["accuracy_lo"]], [r["accuracy_hi"] - r["accuracy"]]],

@@ -205,3 +205,12 @@ def test_cli_refuses_bad_passkey_options_before_loading(tiny, tmp_path, capsys, 
     assert main(["evaluate", "--model", str(path), "--scheme", "kivi-2", "--context", "100", "--out",
                  str(tmp_path / "x.csv")]) == 2
     assert "--context: not an option of --task text" in capsys.readouterr().err
+
+
+def test_the_figure_takes_any_number_of_contexts(tmp_path):
+    from kverr.retrieval import plot_passkey
+
+    rows = [dict(scheme=s, kind="x", context=100 * (i + 1), depth=d, trial=0, correct=True, ref_correct=True,
+                 key_nll=1.0, ref_key_nll=1.0, answer_kl=0.0, effective_bits=b)
+            for i in range(11) for d in (0.0, 1.0) for s, b in (("a", 4.0), ("unquantized", 32.0))]
+    assert plot_passkey(pd.DataFrame(rows), tmp_path / "p.png").stat().st_size > 0
