@@ -105,6 +105,12 @@ class CaptureAccessor:
             return int(self._ds["sliding_window"].sel({LAYER: int(layer)}).values)
         return 0
 
+    def sliding_windows(self) -> xr.DataArray:
+        """int64 [layer]: :meth:`sliding_window` of every captured layer."""
+        if "sliding_window" in self._ds.coords:
+            return self._ds["sliding_window"].astype(np.int64)
+        return xr.zeros_like(self._ds[LAYER], dtype=np.int64)
+
     @property
     def has_sliding_window(self) -> bool:
         return "sliding_window" in self._ds.coords and bool(np.any(self._ds["sliding_window"].values > 0))
@@ -115,7 +121,22 @@ class CaptureAccessor:
         from kverr.memory import ModelShape
 
         return ModelShape(self.n_layers, self.n_kv_heads, self.head_dim,
-                          name=str(self._ds.attrs.get("model_id", "")), n_q_heads=self.n_q_heads)
+                          name=str(self._ds.attrs.get("model_id", "")), n_q_heads=self.n_q_heads,
+                          sliding_windows=self.model_sliding_windows)
+
+    @property
+    def model_sliding_windows(self) -> tuple[int, ...]:
+        """The sliding window of every model layer (``model_sliding_windows``; else those of the
+        captured layers, 0 for the others); empty when no layer has one."""
+        a = self._ds.attrs.get("model_sliding_windows")
+        if a is not None:
+            return tuple(int(w) for w in (json.loads(a) if isinstance(a, str) else a))
+        if not self.has_sliding_window:
+            return ()
+        out = [0] * self.n_layers
+        for layer in self.layers:
+            out[layer] = self.sliding_window(layer)
+        return tuple(out)
 
     @property
     def provenance(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ModelError, ShapeError
 from kverr.quant.formats import QuantFormat, is_static, window_format
 from kverr.quant.reference import block_shape, codes_nbytes, scale_shape
-from kverr.quant.store import align_up, token_regions
+from kverr.quant.store import align_up, live_start, token_regions
 
 #: Shape of the bundled default model, SmolLM2-135M-Instruct (Llama: 30 layers, 9 query heads,
 #: 3 kv heads, head dim 64, 8k context).
@@ -29,8 +29,9 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the cache size depends on: layers, kv heads, head dim (and the context limit); the
-    query heads, where known, for what decoding costs (:mod:`kverr.cost`), not for bytes."""
+    """What the cache size depends on: layers, kv heads, head dim, the sliding window of each
+    layer (empty: none has one) and the context limit; the query heads, where known, for what
+    decoding costs (:mod:`kverr.cost`), not for bytes."""
 
     n_layers: int
     n_kv_heads: int
@@ -38,15 +39,25 @@ class ModelShape:
     name: str = "custom"
     max_context: int | None = None
     n_q_heads: int | None = field(default=None, compare=False)
+    sliding_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("n_layers", "n_kv_heads", "head_dim"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ShapeError(f"{f}={v!r}: must be a positive integer")
+        sw = tuple(int(w) for w in self.sliding_windows)
+        if sw and (len(sw) != self.n_layers or min(sw) < 0):
+            raise ShapeError(f"sliding_windows={list(sw)}: give one non-negative window per layer "
+                             f"({self.n_layers}), 0 for full attention")
+        object.__setattr__(self, "sliding_windows", sw if any(sw) else ())
         q = self.n_q_heads
         if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1 or q % self.n_kv_heads):
             raise ShapeError(f"n_q_heads={q!r}: must be a positive multiple of n_kv_heads={self.n_kv_heads}")
+
+    def sliding_window(self, layer: int) -> int:
+        """Sliding window of ``layer`` (0: full causal attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
 
 DEFAULT_SHAPE = ModelShape(30, 3, 64, name=DEFAULT_MODEL_ID, max_context=8192, n_q_heads=9)
@@ -79,7 +90,36 @@ def model_shape(spec: str = "default") -> ModelShape:
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"{cfg_path} does not describe a decoder with attention heads ({exc!r})") from None
     return ModelShape(n_layers, n_kv, head_dim, name=str(path), max_context=cfg.get("max_position_embeddings"),
-                      n_q_heads=n_heads)
+                      n_q_heads=n_heads, sliding_windows=sliding_windows_of(cfg, n_layers, cfg_path))
+
+
+def sliding_windows_of(cfg: dict[str, Any], n_layers: int, where: Any = "config") -> tuple[int, ...]:
+    """Per-layer sliding windows of a transformers ``config.json`` (0: full attention).
+
+    ``layer_types`` names each layer (``sliding_attention`` or ``full_attention``); without it,
+    ``sliding_window_pattern`` N makes every layer but each N-th sliding (older Gemma configs),
+    and a bare ``sliding_window`` applies to every layer unless ``use_sliding_window`` is false
+    (Mistral; Qwen2 carries a window it does not use).
+    """
+    w = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != n_layers:
+            raise ModelError(f"{where}: layer_types names {len(types)} layers, the model has {n_layers}")
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ModelError(f"{where}: layer types {unknown} are not supported; kverr knows "
+                             "sliding_attention and full_attention")
+        if "sliding_attention" in types and not w:
+            raise ModelError(f"{where}: sliding_attention layers but no sliding_window")
+        out = tuple(int(w) if t == "sliding_attention" else 0 for t in types)
+        return out if any(out) else ()
+    if not w or cfg.get("use_sliding_window") is False:
+        return ()
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern:
+        return tuple(0 if (i + 1) % int(pattern) == 0 else int(w) for i in range(n_layers))
+    return (int(w),) * n_layers
 
 
 @dataclass
@@ -92,7 +132,7 @@ class Bytes:
     static: int = 0  # static scales and zero points, once per model
     sinks: int = 0  # full-precision sink tokens
     window: int = 0  # full-precision recent tokens
-    page_rounding: int = 0  # unused slots of the last, partly filled page
+    page_rounding: int = 0  # unused slots of held pages: the last; in a sliding layer, the first's dead ones
     padding: int = 0  # alignment of page sections and full-precision rows
 
     KINDS = ("payload", "scales", "zeros", "static", "sinks", "window", "page_rounding", "padding")
@@ -120,7 +160,9 @@ class MemoryReport:
 
     @property
     def elements(self) -> int:
-        """K and V elements cached: ``2 * L * H_kv * D * T * batch``."""
+        """K and V elements of the context: ``2 * L * H_kv * D * T * batch``, sliding layers
+        included at ``T`` (so the tokens they free lower the effective bits: bits per element of
+        context)."""
         s = self.shape
         return 2 * s.n_layers * s.n_kv_heads * s.head_dim * self.tokens * self.batch
 
@@ -206,18 +248,34 @@ def window_row_sections(window_dtype: str, D: int) -> list[int]:
 
 
 def group_bytes(
-    config: CacheConfig, fmt: QuantFormat, h: int, T: int, D: int, batch: int, prefill_quantized: int = 0
+    config: CacheConfig,
+    fmt: QuantFormat,
+    h: int,
+    T: int,
+    D: int,
+    batch: int,
+    prefill_quantized: int = 0,
+    sliding_window: int = 0,
 ) -> tuple[Bytes, int]:
-    """Bytes of one (layer, K|V) head group of ``h`` heads, and its seed-formula bytes."""
+    """Bytes of one (layer, K|V) head group of ``h`` heads, and its seed-formula bytes.
+
+    A sliding-window layer holds only its last ``sliding_window`` tokens: the pages wholly
+    behind them are freed (:func:`kverr.quant.store.live_start`), the page the window starts in
+    is held whole (its dead slots count as page rounding).
+    """
     P, A = config.page_size, config.align
     b = Bytes()
     start, end = token_regions(T, config, fmt, prefill_quantized)
+    live = live_start(T, sliding_window)
     n_q = end - start
+    first_page = max(0, live - start) // P if live < end else -(-n_q // P)
+    q0 = start + first_page * P  # first token of the first held page
+    n_held = max(0, end - max(live, start))  # quantized tokens still read
     rows = batch * h
-    pages = -(-n_q // P)
+    pages = -(-n_q // P) - first_page
     # Full-precision tokens, one aligned row per (sequence, head); int8: a row of codes and a
     # row of scales (one per token), each aligned.
-    n_sink, n_win = start, T - end
+    n_sink, n_win = start - min(live, start), T - max(live, end)
     n_fp = n_sink + n_win
     sections = window_row_sections(config.window_dtype, D)
     per_token = sum(sections)
@@ -226,11 +284,11 @@ def group_bytes(
     b.padding += rows * sum(align_up(n_fp * e, A) - n_fp * e for e in sections)
     # Codes, in pages.
     cb = codes_nbytes(fmt, D)
-    b.payload = rows * n_q * cb
-    b.page_rounding += rows * (pages * P - n_q) * cb
+    b.payload = rows * n_held * cb
+    b.page_rounding += rows * (pages * P - n_held) * cb
     b.padding += rows * pages * (align_up(P * cb, A) - P * cb)
     # Scales and zero points.
-    if not fmt.is_float and n_q:
+    if not fmt.is_float and pages:
         sb = fmt.scale_bytes
         n_meta = 2 if fmt.has_zero else 1
         if is_static(fmt.granularity):
@@ -239,13 +297,14 @@ def group_bytes(
         else:
             _, bt, bd = block_shape(fmt, h, n_q, D, P)
             nD = D // bd
-            used = -(-n_q // bt) * nD
+            # the blocks of the held pages, less those wholly behind the window in the first
+            used = (-(-n_q // bt) - (max(live, q0) - start) // bt) * nD
             per_page = (P // bt) * nD
             b.scales = rows * used * sb
             b.zeros = b.scales if fmt.has_zero else 0
             b.page_rounding += rows * (pages * per_page - used) * sb * n_meta
             b.padding += rows * pages * (align_up(per_page * sb, A) - per_page * sb) * n_meta
-    seed = rows * T * D * fmt.bits // 8
+    seed = rows * (T - live) * D * fmt.bits // 8
     return b, seed
 
 
@@ -290,7 +349,8 @@ def account(
         for w in WHICH:
             total = Bytes()
             for fmt, heads in config.head_groups(layer, shape.n_kv_heads, w):
-                b, seed = group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized)
+                b, seed = group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized,
+                                      shape.sliding_window(layer))
                 total.add(b)
                 report.seed_bytes += seed
             entry[w] = total

@@ -17,10 +17,12 @@ from kverr.rope import apply_rope, default_inv_freq
 
 
 def synthetic_capture(n_layers: int = 2, n_q: int = 4, n_kv: int = 2, n_tokens: int = 64,
-                      head_dim: int = 16, seed: int = 0, *, outlier_channel: int | None = None) -> xr.Dataset:
+                      head_dim: int = 16, seed: int = 0, *, outlier_channel: int | None = None,
+                      sliding_windows: list[int] | None = None) -> xr.Dataset:
     """A capture-shaped dataset: ``q`` [layer, q_head, token, channel] and ``k_pre``, ``k``, ``v``
     [layer, kv_head, token, channel] standard normal in float32 (``outlier_channel`` of the
-    keys shifted by 4, as real keys have such channels), RoPE with theta 1e4."""
+    keys shifted by 4, as real keys have such channels), RoPE with theta 1e4; a
+    ``sliding_window`` coordinate when ``sliding_windows`` (one per layer) is given."""
     rng = np.random.default_rng(seed)
     rope = json.dumps({"rope_theta": 1e4, "inv_freq": default_inv_freq(head_dim, 1e4).tolist(),
                        "attention_scaling": 1.0})
@@ -34,6 +36,7 @@ def synthetic_capture(n_layers: int = 2, n_q: int = 4, n_kv: int = 2, n_tokens: 
         k_pre[..., outlier_channel] += 4.0
     k = apply_rope(torch.from_numpy(k_pre), pos, rope).numpy()
     kv = ("layer", "kv_head", "token", "channel")
+    windows = {} if sliding_windows is None else {"sliding_window": ("layer", np.asarray(sliding_windows))}
     return xr.Dataset(
         {
             "q": (("layer", "q_head", "token", "channel"), q),
@@ -47,6 +50,7 @@ def synthetic_capture(n_layers: int = 2, n_q: int = 4, n_kv: int = 2, n_tokens: 
             "layer": np.arange(n_layers),
             KV_HEAD_OF_Q: ("q_head", np.arange(n_q) // (n_q // n_kv)),
             "attn_scale": ("layer", np.full(n_layers, head_dim ** -0.5)),
+            **windows,
         },
         attrs={
             "model_id": "synthetic",

@@ -37,6 +37,65 @@ def test_accounting_equals_the_bytes_the_reference_store_allocates(cfg, T, B, se
         assert rep.layer_total(layer).total == store.nbytes_of(layer)
 
 
+@given(cfg=configs(L, H, D), T=st.integers(0, 150), B=st.integers(1, 2), seed=st.integers(0, 2**16),
+       windows=st.lists(st.integers(0, 160), min_size=L, max_size=L))
+def test_sliding_layers_hold_their_window_and_count_what_they_hold(cfg, T, B, seed, windows):
+    """A sliding layer frees the pages behind its window: the count equals the store's bytes,
+    the held tokens read back as the oracle says, the freed ones are gone (NaN), and no layer
+    holds more than it would without a window."""
+    ks, vs = _kv(B, T, seed)
+    store = ReferenceStore(cfg, ks, vs, sliding_windows=windows)
+    rep = account(cfg, ModelShape(L, H, D, sliding_windows=tuple(windows)), T, batch=B)
+    full = account(cfg, ModelShape(L, H, D), T, batch=B)
+    assert rep.total_bytes == store.nbytes
+    for layer, w in enumerate(windows):
+        assert rep.layer_total(layer).total == store.nbytes_of(layer) <= full.layer_total(layer).total
+        live = max(0, T - w) if w else 0
+        for which, x in (("k", ks[layer]), ("v", vs[layer])):
+            got = store.read(layer, which)
+            assert torch.equal(got[:, :, live:], reconstruct(x, cfg, layer=layer, which=which)[:, :, live:])
+            assert bool(got[:, :, :live].isnan().all())
+
+
+def test_a_sliding_layer_holds_whole_pages_from_the_one_its_window_starts_in():
+    """By hand: asymmetric int4 per token (D/2 bytes of codes, an fp16 scale and zero a token),
+    pages of 16, 8 recent tokens in fp16; a sliding window of 26 at T = 100 holds tokens
+    74..99: the window 92..99 and the quantized 74..91, in the pages 64..79 and 80..95 (0..63
+    freed); the slots 64..73 (behind the window) and 92..95 (not yet filled) are rounding."""
+    cfg = CacheConfig(k=int_format(4, PerTokenGroup(D)), v=int_format(4, PerTokenGroup(D)), window=8,
+                      page_size=16, align=1)
+    k = account(cfg, ModelShape(1, 1, D, sliding_windows=(26,)), 100).per_layer[0]["k"]
+    per_token = D // 2 + 2 + 2
+    assert k.window == 8 * D * 2 and k.payload == 18 * D // 2 and k.scales == k.zeros == 18 * 2
+    assert k.page_rounding == (10 + 4) * per_token
+    assert k.total == 8 * D * 2 + 32 * per_token
+
+
+@pytest.mark.parametrize("cfg, want", [
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}, (64, 0)),
+    ({"sliding_window": 40}, (40, 40)),
+    ({"sliding_window": 4096, "use_sliding_window": False}, ()),
+    ({"sliding_window": 512, "sliding_window_pattern": 2}, (512, 0)),
+    ({"layer_types": ["full_attention", "full_attention"], "sliding_window": None}, ()),
+    ({}, ()),
+])
+def test_sliding_windows_are_read_from_the_config_as_transformers_lays_them_out(cfg, want):
+    from kverr.memory import sliding_windows_of
+
+    assert sliding_windows_of(cfg, 2) == want
+
+
+def test_unknown_layer_types_and_bad_windows_are_refused():
+    from kverr.memory import sliding_windows_of
+
+    with pytest.raises(ModelError, match="chunked_attention"):
+        sliding_windows_of({"layer_types": ["chunked_attention", "full_attention"]}, 2)
+    with pytest.raises(ModelError, match="no sliding_window"):
+        sliding_windows_of({"layer_types": ["sliding_attention", "full_attention"]}, 2)
+    with pytest.raises(ShapeError, match="one non-negative window per layer"):
+        ModelShape(2, 1, 8, sliding_windows=(4,))
+
+
 @pytest.mark.parametrize("T", [0, 1, 5, 70])
 def test_int8_window_bytes_at_the_edges(T):
     """An int8 window: D + 2 bytes per held token (codes, fp16 scale), each row aligned; also with

@@ -334,6 +334,7 @@ def capture(
         "weights_sha256": loaded.weights_sha256,
         "model_dtype": str(loaded.dtype).removeprefix("torch."),
         "model_n_layers": int(loaded.n_layers),
+        "model_sliding_windows": list(loaded.sliding_windows),
         "rope": json.dumps(rope, sort_keys=True),
         "head_dim": int(loaded.head_dim),
         "dtype": dtype,

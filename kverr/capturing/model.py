@@ -136,6 +136,15 @@ class LoadedModel:
         """The dtype of the model's weights."""
         return self.model.dtype
 
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """Per-layer sliding windows of the model's config (empty: full attention everywhere)."""
+        from kverr.memory import sliding_windows_of
+
+        cfg = self.model.config
+        cfg = getattr(cfg, "text_config", None) or cfg
+        return sliding_windows_of(cfg.to_dict(), self.n_layers, self.model_id)
+
 
 def cache_dir() -> Path:
     """Directory for converted weights and hashes: ``$KVERR_CACHE_DIR`` or ``~/.cache/kverr``."""

@@ -44,7 +44,7 @@ class Decomposition:
     Attributes
     ----------
     delta_logits : array ``[..., Q, T]``
-        δs = q·(k̂ − k)ᵀ·scale; 0 at keys a query does not see (causal mask).
+        δs = q·(k̂ − k)ᵀ·scale; 0 at keys a query does not see (causal mask, sliding window).
     attn, attn_hat : array ``[..., Q, T]``
         Softmax weights with clean and reconstructed keys (0 where masked).
     key_term : array ``[..., Q, Dv]``
@@ -131,6 +131,7 @@ def _prepare(
     kv_head_of_q: Sequence[int] | np.ndarray | torch.Tensor | None,
     q_positions: Sequence[int] | np.ndarray | torch.Tensor | None,
     check_finite: bool,
+    window: int = 0,
 ):
     names = ("q", "k", "v", "k_hat", "v_hat")
     pairs = [_as_tensor(x, n) for x, n in zip((q, k, v, k_hat, v_hat), names)]
@@ -192,7 +193,12 @@ def _prepare(
                 f"positions), got Q={Q}, T={T}"
             )
         qpos = torch.arange(T - Q, T, device=tq.device)
-    if qpos is not None and int(qpos.min()) >= T - 1:
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ShapeError(f"window={window!r} must be a non-negative integer (0: no sliding window)")
+    window = int(window)
+    if window and qpos is None:
+        raise ShapeError("a sliding window needs causal attention (the window ends at each query)")
+    if qpos is not None and int(qpos.min()) >= T - 1 and not window:
         qpos = None  # every query sees every key
 
     # ---- grouped-query attention ---------------------------------------------------------------
@@ -269,7 +275,7 @@ def _prepare(
         gqa_perm=gqa_perm,
         gqa_groups=groups,
     )
-    return plan, (cq, ck, cv, ckh, cvh, qpos, scale)
+    return plan, (cq, ck, cv, ckh, cvh, qpos, scale, window)
 
 
 def _unfold(plan: _Plan, t: torch.Tensor) -> torch.Tensor:
@@ -298,12 +304,12 @@ def _out(plan: _Plan, t: torch.Tensor | None):
 
 
 def _run(q, k, v, k_hat, v_hat, *, causal, scale, kv_head_of_q, q_positions, topk,
-         block_size, keep_rows, check_finite) -> Decomposition:
+         block_size, keep_rows, check_finite, window) -> Decomposition:
     if int(topk) < 1:
         raise ShapeError(f"topk must be >= 1, got {topk}")
-    plan, (cq, ck, cv, ckh, cvh, qpos, sc) = _prepare(
+    plan, (cq, ck, cv, ckh, cvh, qpos, sc, window) = _prepare(
         q, k, v, k_hat, v_hat, causal=causal, scale=scale, kv_head_of_q=kv_head_of_q,
-        q_positions=q_positions, check_finite=check_finite,
+        q_positions=q_positions, check_finite=check_finite, window=window,
     )
     B, M, _ = cq.shape
     T = ck.shape[1]
@@ -311,7 +317,7 @@ def _run(q, k, v, k_hat, v_hat, *, causal, scale, kv_head_of_q, q_positions, top
     log.debug("decompose: B=%d M=%d T=%d block=%d dtype=%s", B, M, T, block, cq.dtype)
     with torch.no_grad():
         res = run_engine(cq, ck, cv, ckh, cvh, qpos, sc, block=block, keep_rows=keep_rows,
-                         topk=int(topk))
+                         topk=int(topk), window=window)
     return Decomposition(
         delta_logits=_out(plan, res.delta_logits),
         attn=_out(plan, res.attn),
@@ -339,6 +345,7 @@ def decompose(
     topk: int = 8,
     block_size: int | None = None,
     check_finite: bool = True,
+    window: int = 0,
 ) -> Decomposition:
     """Decompose the attention-output error caused by reconstructed keys and values.
 
@@ -361,6 +368,10 @@ def decompose(
     q_positions : sequence of int, optional
         ``[Q]`` explicit positions of the queries on the key axis (with ``causal``), instead of
         the last Q.
+    window : int
+        Sliding-window attention (with ``causal``): a query at position p sees keys
+        ``p − window < t ≤ p``, the rule of transformers' sliding-window masks. 0 (default):
+        every key up to its position.
     topk : int
         k of the top-k overlap and rank-flip metrics.
     block_size : int, optional
@@ -388,7 +399,7 @@ def decompose(
     """
     return _run(q, k, v, k_hat, v_hat, causal=causal, scale=scale, kv_head_of_q=kv_head_of_q,
                 q_positions=q_positions, topk=topk, block_size=block_size, keep_rows=True,
-                check_finite=check_finite)
+                check_finite=check_finite, window=window)
 
 
 def decompose_stream(
@@ -405,6 +416,7 @@ def decompose_stream(
     topk: int = 8,
     block_size: int | None = None,
     check_finite: bool = True,
+    window: int = 0,
 ) -> Decomposition:
     """Like :func:`decompose` but streamed over key blocks, without the ``[..., Q, T]`` rows.
 
@@ -417,4 +429,4 @@ def decompose_stream(
     """
     return _run(q, k, v, k_hat, v_hat, causal=causal, scale=scale, kv_head_of_q=kv_head_of_q,
                 q_positions=q_positions, topk=topk, block_size=block_size, keep_rows=False,
-                check_finite=check_finite)
+                check_finite=check_finite, window=window)

@@ -63,7 +63,9 @@ class QueryTerms:
     kl: float
 
 
-def decompose_query(q, k, v, k_hat, v_hat, scale: float, n_visible: int | None = None) -> QueryTerms:
+def decompose_query(
+    q, k, v, k_hat, v_hat, scale: float, n_visible: int | None = None, window: int = 0
+) -> QueryTerms:
     """The attention error of one query, by definition, in float64.
 
     Parameters
@@ -79,6 +81,8 @@ def decompose_query(q, k, v, k_hat, v_hat, scale: float, n_visible: int | None =
     n_visible : int, optional
         The query sees keys ``0 .. n_visible − 1`` (causal attention at position
         ``n_visible − 1``); default all ``T``.
+    window : int
+        Sliding window: of those, the query sees only the last ``window`` keys (0: all).
 
     Returns
     -------
@@ -94,7 +98,10 @@ def decompose_query(q, k, v, k_hat, v_hat, scale: float, n_visible: int | None =
     n = k.shape[0] if n_visible is None else int(n_visible)
     if not 1 <= n <= k.shape[0]:
         raise ShapeError(f"n_visible must lie in [1, {k.shape[0]}], got {n_visible}")
-    k, k_hat, v, v_hat = k[:n], k_hat[:n], v[:n], v_hat[:n]
+    if window < 0:
+        raise ShapeError(f"window must be >= 0, got {window}")
+    first = max(0, n - window) if window else 0
+    k, k_hat, v, v_hat = k[first:n], k_hat[first:n], v[first:n], v_hat[first:n]
     e_v = v_hat - v
 
     s = scale * (k @ q)

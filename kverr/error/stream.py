@@ -74,12 +74,15 @@ def choose_rows(block: int, rows_per_chunk: int | None = None) -> int:
     return max(8, DEFAULT_SLAB_ELEMENTS // max(1, block))
 
 
-def _logits(qs, kk, qpos, t0, t1, T):
+def _logits(qs, kk, qpos, t0, t1, T, window=0):
     """Masked clean logits s and perturbation δs for keys t0..t1-1: ``[B, m, n]`` views.
 
-    ``kk`` is ``[B, 2T, D]`` = [K; E_K], so both come out of one matmul. Hidden logits are
-    set to the dtype's most negative finite value rather than −inf, so that p·(s − m) stays
-    0·finite = 0 there (every row sees key 0, so a row maximum is never the sentinel itself).
+    ``kk`` is ``[B, 2T, D]`` = [K; E_K], so both come out of one matmul. A row at position p
+    sees keys ``p − window < t ≤ p`` (``t ≤ p`` when ``window`` is 0). Hidden logits are set to
+    the dtype's most negative finite value rather than −inf, so that p·(s − m) stays
+    0·finite = 0 there. Every row sees the key at its own position, so its maximum over all
+    blocks is never the sentinel; a block may be hidden whole from a row only under a window
+    (see :func:`_chunk`).
     """
     n = t1 - t0
     if n == T:
@@ -95,20 +98,30 @@ def _logits(qs, kk, qpos, t0, t1, T):
             hidden = t.unsqueeze(0) > qpos.unsqueeze(1)  # [m, n']
             s[..., c0 - t0:].masked_fill_(hidden, torch.finfo(s.dtype).min)
             ds[..., c0 - t0:].masked_fill_(hidden, 0.0)
+        # the window hides the columns at or before p − window
+        c1 = min(t1, int(qpos.max()) - window + 1) if window else t0
+        if c1 > t0:
+            t = torch.arange(t0, c1, device=qpos.device)
+            hidden = t.unsqueeze(0) <= (qpos - window).unsqueeze(1)  # [m, n'']
+            s[..., : c1 - t0].masked_fill_(hidden, torch.finfo(s.dtype).min)
+            ds[..., : c1 - t0].masked_fill_(hidden, 0.0)
     return s, ds
 
 
-def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
+def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out, window=0):
     """The engine on one row chunk ``qs [B, m, D]``; returns raw per-row results.
 
     ``rhs`` is ``[B, T, 3·Dv]`` = [V, E_V, V̂]: one matmul per weight matrix gives every
-    output quantity.
+    output quantity. Under a ``window`` the blocks no row of the chunk sees are skipped, and a
+    row that has seen no key yet keeps zero weight on the block (its running maximum is still
+    the hidden sentinel, so e^{s−m} would be 1 there).
     """
     B, m, D = qs.shape
     T = kk.shape[1] // 2
     dt, dev = qs.dtype, qs.device
     neg = torch.finfo(dt).min
-    bounds = [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
+    lo = max(0, int(qpos.min()) - window + 1) if window and qpos is not None else 0
+    bounds = [(t0, min(T, t0 + block)) for t0 in range(0, T, block) if min(T, t0 + block) > lo]
     single = len(bounds) == 1
 
     # ---- pass 1: online softmax statistics -------------------------------------------------
@@ -124,7 +137,7 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
     top_s, top_i, top_s2, top2_s, top2_i = ev, ei, ev, ev, ei
     kept = None
     for t0, t1 in bounds:
-        s, ds = _logits(qs, kk, qpos, t0, t1, T)
+        s, ds = _logits(qs, kk, qpos, t0, t1, T, window)
         m_new = torch.maximum(mx, s.amax(dim=-1))
         alpha = torch.exp(mx - m_new)  # 0 on the first block (mx = −inf, m_new finite)
         shift = torch.where(torch.isfinite(mx), mx - m_new, torch.zeros_like(mx))
@@ -146,6 +159,8 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
         del s2
         buf = torch.empty((B, 2 * m, t1 - t0), dtype=dt, device=dev)
         p = torch.exp(sc, out=buf[:, :m])
+        if window:
+            p.masked_fill_((m_new <= neg / 2).unsqueeze(-1), 0.0)
         PS = alpha * (PS + shift * Z) + torch.linalg.vecdot(p, sc)
         Z = alpha * Z + p.sum(dim=-1)
         e1 = torch.expm1(ds, out=buf[:, m:2 * m])
@@ -169,14 +184,14 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out):
     tv, fo_num, fo_den = torch.zeros_like(Z), torch.zeros_like(Z), torch.zeros_like(Z)
     rows = None
     if keep_rows:
-        rows = tuple(torch.empty((B, m, T), dtype=dt, device=dev) for _ in range(3))
+        rows = tuple(torch.zeros((B, m, T), dtype=dt, device=dev) for _ in range(3))
     for t0, t1 in bounds:
         if kept is not None:
             buf, ds = kept
             kept = None
             p, e1 = buf[:, :m], buf[:, m:2 * m]
         else:
-            s, ds = _logits(qs, kk, qpos, t0, t1, T)
+            s, ds = _logits(qs, kk, qpos, t0, t1, T, window)
             buf = torch.empty((B, 2 * m, t1 - t0), dtype=dt, device=dev)
             p = torch.exp(s.sub_(mx.unsqueeze(-1)), out=buf[:, :m])
             e1 = torch.expm1(ds, out=buf[:, m:2 * m])
@@ -228,6 +243,7 @@ def run_engine(
     topk: int,
     rows_per_chunk: int | None = None,
     first_order_out: bool = True,
+    window: int = 0,
 ) -> EngineOut:
     """Decompose attention-output error for canonical tensors.
 
@@ -255,6 +271,9 @@ def run_engine(
     first_order_out : bool
         Also push the first-order weight change through V (one more [M, T]·[T, Dv] matmul)
         for the ``first_order_key_err`` metric; NaN when false.
+    window : int
+        Sliding window: a row at position p sees keys ``p − window < t ≤ p`` (needs ``qpos``);
+        0 for plain causal attention.
 
     Returns
     -------
@@ -272,9 +291,10 @@ def run_engine(
     for m0 in range(0, M, mc):
         m1 = min(M, m0 + mc)
         qp = None if qpos is None else qpos[m0:m1]
-        if qp is not None and int(qp.min()) >= T - 1:
+        if qp is not None and int(qp.min()) >= T - 1 and not window:
             qp = None
-        parts.append(_chunk(qs[:, m0:m1], kk, rhs, qp, block, keep_rows, topk, Dv, first_order_out))
+        parts.append(_chunk(qs[:, m0:m1], kk, rhs, qp, block, keep_rows, topk, Dv, first_order_out,
+                            window))
 
     def cat(name):
         return torch.cat([p[name] for p in parts], dim=1)
@@ -288,7 +308,8 @@ def run_engine(
     if qpos is None:
         n_vis = torch.full((M,), T, dtype=dt, device=dev)
     else:
-        n_vis = (torch.clamp(qpos, max=T - 1) + 1).to(dt)
+        n_vis = torch.clamp(qpos, max=T - 1) + 1
+        n_vis = (torch.clamp(n_vis, max=window) if window else n_vis).to(dt)
     n_vis = n_vis.expand(B, M)
 
     def norm(x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,11 @@ decomposes the attention of the last ``queries`` positions over the whole captur
 and measures tensor-level reconstruction error for contrast.
 
 The cache state is the one after all T captured tokens (sinks at the start, the full-precision
-window at the end of the T tokens); every query attends to it causally. This is a snapshot of
-the cache at the end of the capture, not a replay of the cache as it grew.
+window at the end of the T tokens); every query attends to it causally, and in a sliding-window
+layer of width W a query at position p sees the keys ``p − W < t ≤ p`` only. This is a snapshot
+of the cache at the end of the capture, not a replay of the cache as it grew. The reconstruction
+of a sliding layer is that of all T tokens: a cache that frees the blocks behind the window keeps
+the same codes for the keys it still holds, since no format's groups span more than one block.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ SUMMARY_VARS: tuple[str, ...] = (
 )
 
 
-def _layer_block(q, k, v, k_pre, layer_vals, scales, *, config, kv_map, positions, rope, topk,
-                 block_size):
+def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, *, config, kv_map, positions, rope,
+                 topk, block_size):
     """Decompose the layers of one chunk; called by dask with numpy arrays.
 
     Parameters
@@ -54,8 +57,8 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, *, config, kv_map, position
         ``[L, q_head, query, channel]`` (the last Q positions).
     k, v, k_pre : numpy.ndarray
         ``[L, kv_head, token, channel]`` (``k_pre`` may be a dummy when not needed).
-    layer_vals, scales : numpy.ndarray
-        ``[L]`` model layer indices and logit scales.
+    layer_vals, scales, windows : numpy.ndarray
+        ``[L]`` model layer indices, logit scales and sliding windows (0: full attention).
 
     Returns
     -------
@@ -85,7 +88,7 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, *, config, kv_map, position
         v_hat = reconstruct(vi, config, layer=layer, which="v")
         d = decompose_stream(qi, ki, vi, k_hat.to(torch.float32), v_hat.to(torch.float32),
                              causal=True, scale=float(scales[i]), kv_head_of_q=kv_map,
-                             topk=topk, block_size=block_size)
+                             topk=topk, block_size=block_size, window=int(windows[i]))
         for j, name in enumerate(QUERY_METRICS):
             qm[i, ..., j] = d.metrics[name].to(torch.float64).numpy()
         k_mse, k_snr = reconstruction_error(ki, k_hat)
@@ -114,14 +117,6 @@ def _check_capture(capture, config) -> None:
         raise CaptureError(f"the capture lacks the coordinate {KV_HEAD_OF_Q!r} on {Q_HEAD!r}")
     if config.key_pre_rope and capture.kv.rope is None:
         raise CaptureError("the config quantizes keys before RoPE but the capture has no 'rope' attribute")
-    if "sliding_window" in capture.coords:
-        sw = np.asarray(capture["sliding_window"].values)
-        if np.any(sw > 0):
-            raise CaptureError(
-                "the capture has sliding-window layers "
-                f"({capture[LAYER].values[sw > 0].tolist()}); kverr.error supports full causal "
-                "attention only"
-            )
 
 
 def decompose_capture(
@@ -147,7 +142,8 @@ def decompose_capture(
         A config, a preset name or a config JSON path (:func:`kverr.config.resolve`).
     queries : int
         Number of query positions: the last ``queries`` tokens, each attending causally to
-        every token up to itself (all tokens when the capture is shorter).
+        every token up to itself, or to its last W in a layer with a sliding window W (all
+        tokens when the capture is shorter).
     layers : sequence of int, optional
         Layer coordinate values to decompose (default: all in the capture).
     scheduler : None, str or distributed.Client
@@ -174,7 +170,7 @@ def decompose_capture(
     Raises
     ------
     kverr.exceptions.CaptureError
-        Missing variables or coordinates, wrong dims, sliding-window layers.
+        Missing variables or coordinates, wrong dims.
     kverr.exceptions.ConfigError
         The config does not fit the model (e.g. a group size that does not divide the head
         dim, an override for a layer the model lacks).
@@ -228,12 +224,13 @@ def decompose_capture(
     k_pre = prep(capture["k_pre"]) if cfg.key_pre_rope else k
     layer_idx = layer_idx.chunk({LAYER: 1})
     scales = scales.chunk({LAYER: 1})
+    windows = capture.kv.sliding_windows().chunk({LAYER: 1})
 
     qm, rc = xr.apply_ufunc(
         _layer_block,
-        q, k, v, k_pre, layer_idx, scales,
+        q, k, v, k_pre, layer_idx, scales, windows,
         input_core_dims=[[Q_HEAD, QUERY, CHANNEL], [KV_HEAD, TOKEN, CHANNEL],
-                         [KV_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL], [], []],
+                         [KV_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL], [], [], []],
         output_core_dims=[[Q_HEAD, QUERY, "metric"], [KV_HEAD, "recon_metric"]],
         dask="parallelized",
         output_dtypes=[np.float64, np.float64],

@@ -23,6 +23,11 @@ entries in a page are ordered by token block, then channel block. The full-preci
 ``(sequence, layer, K|V, kv_head)`` are one row padded to ``align`` bytes (``int8``: a row of
 codes and a row of fp16 scales, each padded). Static scales
 (``tensor``, ``head``, ``channel`` over all tokens) are stored once per layer, not per sequence.
+
+A sliding-window layer of width W holds only its last W tokens (:func:`live_start`: what the
+last query reads): the pages wholly behind them are freed, a page the window starts in is held
+whole, and the full-precision rows keep the live sink and window tokens only. The codes of the
+held tokens are those of the whole sequence, since token blocks never cross a page.
 """
 
 from __future__ import annotations
@@ -145,6 +150,13 @@ def token_regions(T: int, config: CacheConfig, fmt: QuantFormat, prefill_quantiz
     return start, start + flushed + avail - avail % tb
 
 
+def live_start(T: int, sliding_window: int) -> int:
+    """First token a cache of ``T`` tokens still holds in a layer with this sliding window: the
+    last query, at position ``T − 1``, reads the keys ``T − W .. T − 1``; 0 means full attention
+    (every token is held)."""
+    return max(0, T - sliding_window) if sliding_window else 0
+
+
 def _static_metadata(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> dict:
     """Static scales (and zeros) taken jointly over the ``B`` sequences of ``x [B, h, n, D]``."""
     B, h, n, D = x.shape
@@ -230,6 +242,8 @@ class HeadGroupStore:
         then window tokens.
     fp_scale
         ``int8`` windows: ``[B * h, align_up(n_fp)]`` fp16, a scale per token; else ``None``.
+    live, first_page
+        First token held (sliding-window layers; else 0) and the first code page held.
     """
 
     fmt: QuantFormat
@@ -246,6 +260,8 @@ class HeadGroupStore:
     static_zero: torch.Tensor | None
     fp: torch.Tensor
     fp_scale: torch.Tensor | None = None
+    live: int = 0
+    first_page: int = 0
 
     def tensors(self) -> list[torch.Tensor]:
         return [
@@ -291,11 +307,23 @@ class ReferenceStore:
         The cache config.
     keys, values
         Per layer, ``[B, kv_head, token, channel]`` tensors (all layers the same shape).
+    sliding_windows
+        Per layer, the sliding window (0: full attention); a sliding layer holds only the tokens
+        from :func:`live_start` on.
     """
 
-    def __init__(self, config: CacheConfig, keys: list[ArrayLike], values: list[ArrayLike]) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        keys: list[ArrayLike],
+        values: list[ArrayLike],
+        sliding_windows: list[int] | None = None,
+    ) -> None:
         if len(keys) != len(values):
             raise ShapeError(f"{len(keys)} key layers but {len(values)} value layers")
+        if sliding_windows is not None and len(sliding_windows) != len(keys):
+            raise ShapeError(f"{len(sliding_windows)} sliding windows for {len(keys)} layers")
+        self.sliding_windows = [0] * len(keys) if sliding_windows is None else [int(w) for w in sliding_windows]
         self.config = config
         self.groups: dict[tuple[int, str, int], HeadGroupStore] = {}
         self.shape: tuple[int, ...] | None = None
@@ -309,31 +337,37 @@ class ReferenceStore:
                 elif tuple(x32.shape) != self.shape:
                     raise ShapeError(f"layer {layer} {which} has shape {tuple(x32.shape)}, expected {self.shape}")
                 for fmt, heads in config.head_groups(layer, x32.shape[1], which):
-                    self.groups[(layer, which, heads[0])] = self._store(x32[:, heads], fmt, heads)
+                    live = live_start(x32.shape[2], self.sliding_windows[layer])
+                    self.groups[(layer, which, heads[0])] = self._store(x32[:, heads], fmt, heads, live)
 
-    def _store(self, x: torch.Tensor, fmt: QuantFormat, heads: list[int]) -> HeadGroupStore:
+    def _store(self, x: torch.Tensor, fmt: QuantFormat, heads: list[int], live: int = 0) -> HeadGroupStore:
         cfg = self.config
         B, h, T, D = x.shape
         P, A = cfg.page_size, cfg.align
         fmt.check_head_dim(D)
         start, end = token_regions(T, cfg, fmt)
         n_q = end - start
-        pages = -(-n_q // P)
+        first_page = max(0, live - start) // P if live < end else -(-n_q // P)
+        pages = -(-n_q // P) - first_page
         R = B * h
-        # Full-precision tokens: sinks then window, one aligned row per (sequence, head).
-        rows = WindowRows.store(torch.cat([x[:, :, :start], x[:, :, end:]], dim=2), cfg.window_dtype)
+        # Full-precision tokens still held: sinks then window, one aligned row per (sequence, head).
+        rows = WindowRows.store(torch.cat([x[:, :, min(live, start):start], x[:, :, max(live, end):]], dim=2),
+                                cfg.window_dtype)
         fp = _aligned_rows(rows.data.reshape(R, -1), A)
         fp_scale = None if rows.scale is None else _aligned_rows(rows.scale.reshape(R, -1), A)
         cb = codes_nbytes(fmt, D)
         codes_dtype = TORCH_DTYPES[fmt.dtype] if fmt.is_float else torch.uint8
         esize = torch.tensor([], dtype=codes_dtype).element_size()
         static_scale = static_zero = scales = zeros = None
-        if n_q == 0:
+        if pages == 0:
             codes = torch.zeros((0, align_up(P * cb, A) // esize), dtype=codes_dtype)
         else:
+            # the whole region is quantized (the codes of a token do not depend on eviction), and
+            # the pages behind the window are dropped
             qt = quantize_region(x[:, :, start:end], fmt, P)
             per_page = P * cb // esize
-            codes = _to_pages(qt.codes.reshape(R, -1), pages, per_page, align_up(P * cb, A) // esize)
+            first = first_page * P * cb // esize
+            codes = _to_pages(qt.codes.reshape(R, -1)[:, first:], pages, per_page, align_up(P * cb, A) // esize)
             if qt.scale is not None:
                 if is_static(fmt.granularity):
                     static_scale = qt.scale[0].clone()
@@ -343,11 +377,13 @@ class ReferenceStore:
                     entries = (P // bt) * qt.scale.shape[-1]
                     sb = qt.scale.element_size()
                     padded = align_up(entries * sb, A) // sb
-                    scales = _to_pages(qt.scale.reshape(R, -1), pages, entries, padded)
+                    skip = first_page * entries
+                    scales = _to_pages(qt.scale.reshape(R, -1)[:, skip:], pages, entries, padded)
                     if qt.zero is not None:
-                        zeros = _to_pages(qt.zero.reshape(R, -1), pages, entries, padded)
+                        zeros = _to_pages(qt.zero.reshape(R, -1)[:, skip:], pages, entries, padded)
         return HeadGroupStore(
-            fmt, heads, B, T, start, end, pages, codes, scales, zeros, static_scale, static_zero, fp, fp_scale
+            fmt, heads, B, T, start, end, pages, codes, scales, zeros, static_scale, static_zero, fp, fp_scale,
+            live, first_page,
         )
 
     @property
@@ -359,22 +395,29 @@ class ReferenceStore:
         return sum(g.nbytes for (l, _, _), g in self.groups.items() if l == layer)
 
     def read(self, layer: int, which: Which) -> torch.Tensor:
-        """Read ``[B, kv_head, token, channel]`` float32 back from the pages."""
+        """Read ``[B, kv_head, token, channel]`` float32 back from the pages (NaN at tokens a
+        sliding-window layer no longer holds)."""
         if self.shape is None:
             raise ShapeError("the store holds no layers")
         B, H, T, D = self.shape
-        out = torch.empty((B, H, T, D), dtype=torch.float32)
+        out = torch.full((B, H, T, D), math.nan, dtype=torch.float32)
         for (l, w, _), g in self.groups.items():
             if l != layer or w != which:
                 continue
             h = len(g.heads)
             R = B * h
-            n_fp = T - (g.end - g.start)
+            s0, e0 = min(g.live, g.start), max(g.live, g.end)  # the live sinks end, the live window starts
+            n_sink = g.start - s0
+            n_fp = n_sink + T - e0
             fp_scale = None if g.fp_scale is None else g.fp_scale[:, :n_fp].reshape(B, h, n_fp, 1)
             fp = WindowRows(g.fp[:, : n_fp * D].reshape(B, h, n_fp, D), fp_scale, self.config.window_dtype).float()
-            out[:, g.heads, : g.start] = fp[:, :, : g.start]
-            out[:, g.heads, g.end :] = fp[:, :, g.start :]
-            n_q = g.end - g.start
+            out[:, g.heads, s0 : g.start] = fp[:, :, :n_sink]
+            out[:, g.heads, e0:] = fp[:, :, n_sink:]
+            if g.pages == 0:
+                continue
+            P = self.config.page_size
+            q0 = g.start + g.first_page * P  # first token of the first held page
+            n_q = g.end - q0
             if n_q == 0:
                 continue
             fmt, P = g.fmt, self.config.page_size
@@ -395,5 +438,6 @@ class ReferenceStore:
                 scale = None if g.static_scale is None else g.static_scale.unsqueeze(0).expand(B, *g.static_scale.shape)
                 zero = None if g.static_zero is None else g.static_zero.unsqueeze(0).expand(B, *g.static_zero.shape)
             qt = QTensor(codes, scale, zero, fmt, (B, h, n_q, D), P)
-            out[:, g.heads, g.start : g.end] = dequantize(qt)
+            out[:, g.heads, q0 : g.end] = dequantize(qt)
+        out[:, :, : live_start(T, self.sliding_windows[layer])] = math.nan
         return out

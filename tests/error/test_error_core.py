@@ -21,16 +21,19 @@ from kverr.exceptions import DTypeError, NonFiniteError, ShapeError
 # ---------------------------------------------------------------------------------------------
 
 
-def _mask(Q, T, causal):
+def _mask(Q, T, causal, window=0):
     if not causal:
         return np.ones((Q, T), bool)
-    return np.arange(T)[None, :] <= (np.arange(Q) + T - Q)[:, None]
+    pos = (np.arange(Q) + T - Q)[:, None]
+    seen = np.arange(T)[None, :] <= pos
+    return seen & (np.arange(T)[None, :] > pos - window) if window else seen
 
 
-def naive(q, k, v, kh, vh, causal=True, scale=None):
+def naive(q, k, v, kh, vh, causal=True, scale=None, window=0):
     """:func:`kverr.error.naive.decompose_query` over ``q [..., Q, D]`` and ``k, v [..., T, ·]``
-    (batch dims broadcast; causal: the queries are the last Q positions). Rows ``[..., Q, T]``
-    are 0 (weights) or −inf (logits) at hidden keys."""
+    (batch dims broadcast; causal: the queries are the last Q positions, each seeing its last
+    ``window`` keys when a window is given). Rows ``[..., Q, T]`` are 0 (weights) or −inf
+    (logits) at hidden keys."""
     q, k, v, kh, vh = (np.asarray(x, np.float64) for x in (q, k, v, kh, vh))
     D = q.shape[-1]
     Q, T, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
@@ -39,17 +42,18 @@ def naive(q, k, v, kh, vh, causal=True, scale=None):
     q = np.broadcast_to(q, batch + (Q, D))
     k, kh = (np.broadcast_to(x, batch + (T, D)) for x in (k, kh))
     v, vh = (np.broadcast_to(x, batch + (T, Dv)) for x in (v, vh))
-    msk = _mask(Q, T, causal)
+    msk = _mask(Q, T, causal, window)
     rows = {n: np.zeros(batch + (Q, T)) for n in ("attn", "attn_hat")}
     rows.update({n: np.full(batch + (Q, T), -np.inf) for n in ("s", "s2")})
     outs = {n: np.zeros(batch + (Q, Dv)) for n in ("key_term", "value_term", "cross_term", "total", "out")}
     for b in np.ndindex(batch):
         for i in range(Q):
-            n = int(msk[i].sum())  # the visible keys are a prefix
-            r = decompose_query(q[b][i], k[b], v[b], kh[b], vh[b], scale, n_visible=n)
+            seen = np.flatnonzero(msk[i])  # the visible keys are contiguous
+            r = decompose_query(q[b][i], k[b], v[b], kh[b], vh[b], scale, n_visible=seen[-1] + 1,
+                                window=window if causal else 0)
             for name, x in (("attn", r.attn), ("attn_hat", r.attn_hat), ("s", r.logits),
                             ("s2", r.logits + r.delta_logits)):
-                rows[name][b + (i, slice(0, n))] = x
+                rows[name][b + (i, slice(seen[0], seen[-1] + 1))] = x
             for name in outs:
                 outs[name][b + (i,)] = getattr(r, name)
     return {**rows, **outs, "mask": msk}
@@ -377,6 +381,55 @@ def test_q_positions():
         ref = naive(q[:, i:i + 1], k[:, :p + 1], v[:, :p + 1], kh[:, :p + 1], vh[:, :p + 1])
         np.testing.assert_allclose(d.total[:, i:i + 1], ref["total"], atol=1e-13)
         assert np.all(d.attn[:, i, p + 1:] == 0)
+
+
+@given(st.integers(1, 12), st.integers(1, 9), st.integers(0, 40), st.sampled_from([1, 3, 8, None]),
+       st.integers(0, 2**31 - 1))
+def test_sliding_window_matches_definitions(window, Q, dT, block, seed):
+    """A window hides keys at or before p − window; blocks a row sees nothing of (as small
+    blocks make them) and whole skipped blocks leave every field and metric as defined."""
+    rng = np.random.default_rng(seed)
+    q, k, v, kh, vh = make(rng, (2,), Q, Q + dT, 8, ek=0.3, ev=0.1)
+    ref = naive(q, k, v, kh, vh, window=window)
+    d = decompose(q, k, v, kh, vh, window=window, block_size=block, topk=3)
+    ds = decompose_stream(q, k, v, kh, vh, window=window, block_size=block, topk=3)
+    scale = np.abs(ref["out"]).max() + np.abs(vh).max()
+    for name in ("attn", "attn_hat", "key_term", "value_term", "cross_term", "total", "out"):
+        np.testing.assert_allclose(getattr(d, name), ref[name], rtol=0,
+                                   atol=256 * np.finfo(np.float64).eps * scale, err_msg=name)
+        if name not in ("attn", "attn_hat"):
+            np.testing.assert_allclose(getattr(ds, name), ref[name], rtol=0,
+                                       atol=256 * np.finfo(np.float64).eps * scale, err_msg=name)
+    msk = ref["mask"]
+    a, a2 = ref["attn"], ref["attn_hat"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl = np.where(msk, a * (np.log(np.where(msk, a, 1)) - np.log(np.where(msk, a2, 1))), 0)
+    nvis = msk.sum(-1)
+    srt = -np.sort(-np.where(msk, ref["s"], -np.inf), axis=-1)
+    margin = np.where(nvis >= 2, srt[..., 0] - srt[..., min(1, srt.shape[-1] - 1)], np.nan)
+    for m in (d.metrics, ds.metrics):
+        np.testing.assert_allclose(m["kl"], kl.sum(-1), rtol=1e-6, atol=1e-13)
+        np.testing.assert_allclose(m["margin"], margin, rtol=1e-9, atol=1e-12)
+        with np.errstate(invalid="ignore"):
+            dlog = np.where(msk, ref["s2"] - ref["s"], 0)
+        np.testing.assert_allclose(m["logit_rms"], np.sqrt((dlog**2).sum(-1) / nvis), rtol=1e-7,
+                                   atol=1e-12)
+        flip = (np.argmax(ref["s"], -1) != np.argmax(ref["s2"], -1)).astype(float)
+        np.testing.assert_array_equal(m["top1_flip"], flip)
+        assert np.all(np.isfinite(m["entropy"]))
+    # rows outside the window are zero, and a window as long as the context changes nothing
+    assert np.all(d.attn[..., ~msk] == 0) and np.all(d.delta_logits[..., ~msk] == 0)
+    full = decompose(q, k, v, kh, vh, window=Q + dT)
+    plain = decompose(q, k, v, kh, vh)
+    np.testing.assert_array_equal(full.total, plain.total)
+
+
+def test_window_needs_causal_attention_and_a_count():
+    q, k, v, kh, vh = make(np.random.default_rng(3))
+    with pytest.raises(ShapeError, match="sliding window needs causal"):
+        decompose(q, k, v, kh, vh, causal=False, window=4)
+    with pytest.raises(ShapeError, match="window=-1"):
+        decompose(q, k, v, kh, vh, window=-1)
 
 
 def test_first_query_sees_one_key():

@@ -29,7 +29,7 @@ def synthetic_capture(n_layers=2, hq=4, hkv=2, T=160, D=64, seed=0):
     return shared_capture(n_layers, hq, hkv, T, D, seed, outlier_channel=3)
 
 
-def _direct(cap, config, layer_pos, queries, pre_rope=False):
+def _direct(cap, config, layer_pos, queries, pre_rope=False, window=0):
     """The array core on one layer, with K̂/V̂ from the oracle."""
     q = torch.from_numpy(cap.q.values[layer_pos, :, -queries:])
     k = torch.from_numpy(cap.k.values[layer_pos])
@@ -42,7 +42,8 @@ def _direct(cap, config, layer_pos, queries, pre_rope=False):
     else:
         k_hat = reconstruct(k, config, layer=layer, which="k")
     v_hat = reconstruct(v, config, layer=layer, which="v")
-    return decompose_stream(q, k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values), k_hat, v_hat
+    d = decompose_stream(q, k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values, window=window)
+    return d, k_hat, v_hat
 
 
 @pytest.mark.parametrize("preset", ["q4_0", "kivi-2"])
@@ -65,6 +66,22 @@ def test_capture_layer_matches_array_core(preset):
     shares = ds.key_share + ds.value_share + ds.cross_share
     np.testing.assert_allclose(shares.values, 1.0, rtol=1e-12)
     assert np.all(ds.layer_key_share.values >= 0)
+
+
+def test_sliding_window_layers_see_their_window():
+    """Each layer is decomposed under its own window: equal to the array core with that window,
+    and unlike the full-attention answer (the window hides most of the 160 keys)."""
+    cap = shared_capture(2, 4, 2, 160, 64, 0, outlier_channel=3, sliding_windows=[24, 0])
+    cfg = resolve("q4_0")
+    ds = decompose_capture(cap, cfg, queries=40).compute(scheduler="synchronous")
+    for li, w in enumerate([24, 0]):
+        d, _, _ = _direct(cap, cfg, li, 40, window=w)
+        for name in QUERY_METRICS:
+            np.testing.assert_allclose(ds[name].values[li], d.metrics[name].double().numpy(),
+                                       rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=name)
+    full, _, _ = _direct(cap, cfg, 0, 40)
+    assert not np.allclose(ds["kl"].values[0], full.metrics["kl"].double().numpy(), rtol=1e-2)
+    assert "sliding_window" not in ds.coords and cap.kv.shape.sliding_windows == (24, 0)
 
 
 def test_pre_rope_keys_are_quantized_then_rotated():
