@@ -159,7 +159,7 @@ def run_pipeline(out: str | Path, *, model: str = "default", capture: str | Path
     context = prefill + decode
     settings = CalibrationConfig(budgets=(budget,), context=context, queries=queries)
     check_budget(budget, n_layers=shape.n_layers, n_kv=shape.n_kv_heads, head_dim=shape.head_dim,
-                 context=context, context_from="--prefill + --decode")
+                 context=context, context_from="--prefill + --decode", sliding_windows=shape.sliding_windows)
     if capture is None:
         check_queries(queries, tokens, "--queries")
     text = load_text("pydoc")

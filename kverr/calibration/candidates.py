@@ -150,12 +150,14 @@ def head_bytes(
     page_size: int = 64,
     window_dtype: str = "fp16",
     align: int = 16,
+    sliding_window: int = 0,
 ) -> int:
     """Exact cache bytes of one kv head's keys (or values) stored with ``fmt`` at ``context`` tokens.
 
     Counted by :func:`kverr.memory.account` on a one-layer, one-head model, so payload, scales,
     zero points, page rounding, alignment, sinks and window are all included; because no
-    candidate's scale group spans heads, a layer's bytes are the sum of its heads' bytes.
+    candidate's scale group spans heads, a layer's bytes are the sum of its heads' bytes. In a
+    layer with a ``sliding_window`` only the tokens of the window are held.
     """
     from kverr.memory import ModelShape, account
 
@@ -163,4 +165,5 @@ def head_bytes(
         k=fmt, v=fmt, window=option.window, sinks=option.sinks, key_pre_rope=option.key_pre_rope,
         page_size=page_size, window_dtype=window_dtype, align=align,
     )
-    return account(cfg, ModelShape(1, 1, head_dim), context).per_layer[0]["k"].total
+    shape = ModelShape(1, 1, head_dim, sliding_windows=(sliding_window,))
+    return account(cfg, shape, context).per_layer[0]["k"].total

@@ -121,7 +121,8 @@ class LayerPrep:
     k, v : Tensor ``[kv_head, T, D]``  clean keys (post-RoPE) and values.
     k_pre : Tensor or None ``[kv_head, T, D]``  pre-RoPE keys.
     a : Tensor ``[q_head, n, T]``  clean attention weights (0 where masked).
-    o : Tensor ``[q_head, n, D]``  clean outputs; causal ``[n, T]`` 1 where a query sees a key.
+    o : Tensor ``[q_head, n, D]``  clean outputs; causal ``[n, T]`` 1 where a query sees a key
+        (causal, within the layer's sliding window).
     norm : float  ``n_q_heads * mean ||o||^2``.
     steps : Tensor ``[n]`` or None  decode step of each query (see :func:`decode_steps`); None: every
         query's window holds its ``window`` most recent tokens.
@@ -164,12 +165,14 @@ def decode_steps(n_queries: int, decode: int) -> torch.Tensor:
 
 
 def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: int,
-                  positions=None, rope=None, decode: int | None = None) -> LayerPrep:
+                  positions=None, rope=None, decode: int | None = None, sliding_window: int = 0) -> LayerPrep:
     """Clean attention of the sampled queries of one layer.
 
     ``q [q_head, T, D]``, ``k, v, k_pre [kv_head, T, D]`` (numpy or torch). ``decode``: model
     each query as a decode step after a wholly quantized prompt (:func:`decode_steps`); None
-    lets every query's window hold its most recent tokens.
+    lets every query's window hold its most recent tokens. ``sliding_window`` W > 0: a query at
+    p sees the keys ``p − W < t ≤ p`` only (the layer's attention mask), so the keys it cannot
+    see carry no damage.
     """
     q = torch.as_tensor(np.asarray(q), dtype=torch.float32)
     k = torch.as_tensor(np.asarray(k), dtype=torch.float32)
@@ -181,6 +184,8 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     qs = q[:, pos] * float(scale)
     s = torch.einsum("hnd,htd->hnt", qs, k[kv_map])
     causal = torch.arange(T)[None, :] <= pos[:, None]  # [n, T]
+    if sliding_window:
+        causal &= torch.arange(T)[None, :] > (pos - int(sliding_window))[:, None]
     s = s.masked_fill(~causal, -math.inf)
     a = torch.softmax(s, dim=-1)
     o = torch.einsum("hnt,htd->hnd", a, v[kv_map])
@@ -438,7 +443,8 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
         for li, layer in enumerate(layers):
             q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
             prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
-                                 positions=positions, rope=rope, decode=decode)
+                                 positions=positions, rope=rope, decode=decode,
+                                 sliding_window=capture.kv.sliding_window(layer))
             for ci, config in enumerate(configs):
                 opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
                 base = config.with_(window=0, sinks=0, provenance={})

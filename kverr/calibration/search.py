@@ -288,7 +288,7 @@ class Calibration:
 # --------------------------------------------------------------------------------------------
 
 
-def _score_block(q, k, v, k_pre, layer_vals, scales, *, kv_map, positions, rope, cands_k, cands_v,
+def _score_block(q, k, v, k_pre, layer_vals, scales, windows, *, kv_map, positions, rope, cands_k, cands_v,
                  options, queries, page_size, window_dtype, decode):
     """Score the layers of one chunk; called by dask with numpy arrays.
 
@@ -298,8 +298,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, *, kv_map, positions, rope,
         ``[L, q_head, token, channel]`` post-RoPE queries.
     k, v, k_pre : numpy.ndarray
         ``[L, kv_head, token, channel]`` (``k_pre`` is ``k`` when no option needs it).
-    layer_vals, scales : numpy.ndarray
-        ``[L]`` model layer indices and softmax scales.
+    layer_vals, scales, windows : numpy.ndarray
+        ``[L]`` model layer indices, softmax scales and sliding windows (0: full attention).
 
     Returns
     -------
@@ -323,7 +323,7 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, *, kv_map, positions, rope,
         t0 = time.thread_time()  # this thread's CPU: other tasks share the process
         prep = prepare_layer(q[i], k[i], v[i], k_pre[i] if need_pre else None, layer=int(layer_vals[i]),
                              kv_map=kv_map, scale=float(scales[i]), queries=queries, positions=positions,
-                             rope=rope, decode=decode)
+                             rope=rope, decode=decode, sliding_window=int(windows[i]))
         dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
         cpu[i] = time.thread_time() - t0
         log.debug("layer %d scored", int(layer_vals[i]))
@@ -359,10 +359,11 @@ def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequen
     k_pre = per_layer(capture["k_pre"]) if need_pre else k
     layer_idx = capture[LAYER].copy().chunk({LAYER: 1})
     scales = capture.kv.attn_scales().chunk({LAYER: 1})
+    windows = capture.kv.sliding_windows().chunk({LAYER: 1})
     core = [Q_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL]
     dk, dv, cpu = xr.apply_ufunc(
-        _score_block, q, k, v, k_pre, layer_idx, scales,
-        input_core_dims=[core[0], core[1], core[1], core[1], [], []],
+        _score_block, q, k, v, k_pre, layer_idx, scales, windows,
+        input_core_dims=[core[0], core[1], core[1], core[1], [], [], []],
         output_core_dims=[["option", "cand_k", KV_HEAD], ["option", "cand_v", KV_HEAD], []],
         dask="parallelized",
         output_dtypes=[np.float64, np.float64, np.float64],
@@ -485,9 +486,14 @@ def _groups(scores: Scores, opt_i: int, n_kv: int, weights: tuple[np.ndarray, np
     return keys, dmg
 
 
-def _costs(cands, opt, head_dim, context, page_size, window_dtype, align) -> np.ndarray:
-    return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align) for f in cands],
-                    dtype=np.int64)
+def _costs(cands, opt, head_dim, context, page_size, window_dtype, align, sliding_window=0) -> np.ndarray:
+    return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align, sliding_window)
+                     for f in cands], dtype=np.int64)
+
+
+def _layer_windows(windows: Sequence[int] | None, n_layers: int) -> list[int]:
+    """Per-layer sliding windows (0: full attention) from a shape's possibly empty tuple."""
+    return list(windows) if windows else [0] * n_layers
 
 
 def bits_of(nbytes: int, n_layers: int, n_kv: int, head_dim: int, context: int) -> float:
@@ -508,6 +514,7 @@ def check_budget(
     window_dtype: str = DEFAULT_WINDOW_DTYPE,
     align: int = 16,
     context_from: str | None = None,
+    sliding_windows: Sequence[int] | None = None,
 ) -> tuple[str, tuple[QuantFormat, ...], tuple[QuantFormat, ...]]:
     """Check, from the model's shape alone, that :func:`calibrate` can meet ``budget_bits``.
 
@@ -526,6 +533,9 @@ def check_budget(
         As in :func:`calibrate` (candidates default to those of the budget).
     context_from : str, optional
         Where ``context`` came from, for the error message (e.g. "the capture's length").
+    sliding_windows : sequence of int, optional
+        Per layer, the sliding window (0 or empty: full attention): a sliding layer holds only
+        its window, whatever the context.
 
     Returns
     -------
@@ -560,9 +570,11 @@ def check_budget(
                 "context or try fewer sinks and a smaller window"
             )
     # Infeasible budgets are refused before any scoring work.
+    windows = _layer_windows(sliding_windows, n_layers)
     cheapest = min(
-        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align))) for c in (cands_k, cands_v))
-        * n_layers * n_kv for o in options
+        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align, w))) * windows.count(w)
+            for c in (cands_k, cands_v) for w in set(windows)) * n_kv
+        for o in options
     )
     cheapest_bits = bits_of(cheapest, n_layers, n_kv, head_dim, context)
     budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * head_dim * context / 8 + 1e-9)
@@ -637,8 +649,8 @@ def calibrate(
         A budget below the cheapest possible config, candidates that do not fit the head dim,
         options covering the whole context, scores or a sensitivity that do not fit.
     CaptureError
-        A capture of some layers only, without the variables asked for, with sliding-window
-        layers, or of another model than ``model``.
+        A capture of some layers only, without the variables asked for, or of another model
+        than ``model``.
     """
     if not isinstance(config, CalibrationConfig):
         raise ConfigError(f"calibrate() takes a kverr.calibration.CalibrationConfig, got {type(config).__name__} "
@@ -683,7 +695,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
             check_budget(b, n_layers=n_layers, n_kv=n_kv, head_dim=head_dim, context=context, options=options,
                          cands_k=cands_k, cands_v=cands_v, page_size=cfg.page_size, window_dtype=key[0],
                          align=cfg.align,
-                         context_from=None if cfg.context else f"the capture's length, {n_tok} tokens")
+                         context_from=None if cfg.context else f"the capture's length, {n_tok} tokens",
+                         sliding_windows=kv.shape.sliding_windows)
     if scores is not None:
         for name, want in (("decode", cfg.decode), ("options", options)):
             if getattr(scores, name) != want:
@@ -745,7 +758,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         frontier, frontiers = _frontier(tables[key], weights, options, n_layers=n_layers, n_kv=n_kv,
                                         head_dim=head_dim, context=context, page_size=cfg.page_size,
                                         window_dtype=key[0], align=cfg.align, max_bytes=max_bytes,
-                                        max_groups=max_groups)
+                                        max_groups=max_groups, sliding_windows=kv.shape.sliding_windows)
         return Search(
             window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
             scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
@@ -804,7 +817,7 @@ def _step_time(config: CacheConfig, cfg: CalibrationConfig, kv: Any, context: in
     return {"tokens": tokens, "batch": batch, "gpu": gpu, "seconds": t, "fp16_seconds": ref, "ratio": t / ref}
 
 
-def _grouped_solve(dmg: list[np.ndarray], ck: np.ndarray, cv: np.ndarray, n_kv: int, max_groups: int,
+def _grouped_solve(dmg: list[np.ndarray], ck: list[np.ndarray], cv: list[np.ndarray], n_kv: int, max_groups: int,
                    max_bytes: int) -> Frontier:
     """:func:`solve` with at most ``max_groups`` (K, V) format pairs per layer: one knapsack group
     per layer whose candidates are :func:`~.knapsack.layer_items`; the frontier's choices are
@@ -813,7 +826,7 @@ def _grouped_solve(dmg: list[np.ndarray], ck: np.ndarray, cv: np.ndarray, n_kv: 
     items = []
     for li in range(n_layers):
         d = dmg[2 * n_kv * li: 2 * n_kv * (li + 1)]
-        items.append(layer_items(ck, np.stack(d[0::2], axis=1), cv, np.stack(d[1::2], axis=1), max_groups))
+        items.append(layer_items(ck[li], np.stack(d[0::2], axis=1), cv[li], np.stack(d[1::2], axis=1), max_groups))
     fr = solve([it.cost for it in items], [it.damage for it in items], max_cost=max_bytes)
     choices = np.empty((fr.choices.shape[0], 2 * n_kv * n_layers), dtype=np.int64)
     for li, it in enumerate(items):
@@ -824,21 +837,27 @@ def _grouped_solve(dmg: list[np.ndarray], ck: np.ndarray, cv: np.ndarray, n_kv: 
 
 
 def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, head_dim: int, context: int,
-              page_size: int, window_dtype: str, align: int, max_bytes: int, max_groups: int | None = None):
+              page_size: int, window_dtype: str, align: int, max_bytes: int, max_groups: int | None = None,
+              sliding_windows: Sequence[int] | None = None):
     """The knapsack frontier of every outer option, and their common Pareto frontier (with at
-    most ``max_groups`` (K, V) format pairs per layer when given)."""
+    most ``max_groups`` (K, V) format pairs per layer when given). A candidate's bytes depend on
+    its layer's sliding window (a sliding layer holds only its window)."""
     import pandas as pd
 
     frontiers: dict[OuterOption, Frontier] = {}
     rows = []
     for oi, opt in enumerate(options):
         keys, dmg = _groups(scores, oi, n_kv, weights)
-        ck = _costs(scores.cands_k, opt, head_dim, context, page_size, window_dtype, align)
-        cv = _costs(scores.cands_v, opt, head_dim, context, page_size, window_dtype, align)
+        windows = _layer_windows(sliding_windows, n_layers)
+        by_w = {w: (_costs(scores.cands_k, opt, head_dim, context, page_size, window_dtype, align, w),
+                    _costs(scores.cands_v, opt, head_dim, context, page_size, window_dtype, align, w))
+                for w in set(windows)}
+        ck = [by_w[windows[layer]][0] for layer in scores.layers]
+        cv = [by_w[windows[layer]][1] for layer in scores.layers]
         if max_groups is not None and max_groups < n_kv:
             fr = _grouped_solve(dmg, ck, cv, n_kv, max_groups, max_bytes)
         else:
-            costs = [ck if w == "k" else cv for (_, _, w) in keys]
+            costs = [by_w[windows[layer]][0 if w == "k" else 1] for (layer, _, w) in keys]
             fr = solve(costs, dmg, max_cost=max_bytes)
         frontiers[opt] = fr
         for i in range(len(fr.cost)):
@@ -890,7 +909,8 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         li = sc.layers.index(layer)
         rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
-        b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align)
+        b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
+                       search.shape.sliding_window(layer))
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
                          bytes=b, predicted=float(d), relative=rel))
@@ -953,5 +973,3 @@ def _check_capture(capture: Any) -> None:
             raise CaptureError(f"the capture lacks the variable {n!r}")
     if "kv_head_of_q" not in capture.coords:
         raise CaptureError("the capture lacks the coordinate 'kv_head_of_q'")
-    if capture.kv.has_sliding_window:
-        raise CaptureError("the capture has sliding-window layers; calibration supports full causal attention")

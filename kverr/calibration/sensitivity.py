@@ -188,43 +188,64 @@ def _parts(model: Any):
 
 class _Runner:
     """Runs a decoder's layers ``start..`` on the suffix ``[P, T)`` of the tokens, over a cache
-    that holds the clean prefix ``[0, P)`` (a perturbed run repeats no clean work)."""
+    that holds the clean prefix ``[0, P)`` (a perturbed run repeats no clean work).
+
+    Each layer gets the mask and the rotary embedding of its attention type, as the model's own
+    forward gives them (sliding-window layers: a sliding-window mask; models with a RoPE per
+    layer type: that type's). The cache keeps every prefix token of every layer (no sliding
+    layers that drop old tokens): the masks hide what a window does not see.
+    """
 
     def __init__(self, model: Any, ids: torch.Tensor, prefix: int):
-        from transformers.masking_utils import create_causal_mask
+        import inspect
+
+        from kverr.memory import sliding_windows_of
 
         self.base, self.layers, self.norm, self.head = _parts(model)
         self.config = self.base.config
+        windows = sliding_windows_of(self.config.to_dict(), len(self.layers), type(model).__name__)
+        self.types = ["sliding_attention" if w else "full_attention" for w in (windows or [0] * len(self.layers))]
         self.ids, self.P, self.T = ids, int(prefix), int(ids.shape[-1])
-        self._mask_fn = create_causal_mask
         self.pos_all = torch.arange(self.T)[None]
         self.pos_suf = self.pos_all[:, self.P:]
         self.emb = self.base.embed_tokens(ids[None])
-        self.pe_all = self.base.rotary_emb(self.emb, position_ids=self.pos_all)
-        self.pe_suf = tuple(x[:, self.P:] for x in self.pe_all)
+        per_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
+        self.pe_all = {t: (self.base.rotary_emb(self.emb, position_ids=self.pos_all, layer_type=t) if per_type
+                           else self.base.rotary_emb(self.emb, position_ids=self.pos_all))
+                       for t in set(self.types)}
         self.cache = None
+
+    def _masks(self, h: torch.Tensor, cache: Any, pos: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        fns = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {t: fns[t](config=self.config, inputs_embeds=h, attention_mask=None, cache=cache, position_ids=pos)
+                for t in set(self.types)}
+
+    def _pe(self, lo: int, hi: int, batch: int = 1) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Each type's rotary embedding ``(cos, sin)``, ``[batch, hi − lo, ·]``, of positions lo..hi."""
+        return {t: tuple(x[:, lo:hi].expand(batch, *x[:, lo:hi].shape[1:]) for x in pe)
+                for t, pe in self.pe_all.items()}
 
     def clean(self, record: list) -> torch.Tensor:
         """Clean forward over all tokens; ``record`` gets each layer's input at ``[P, T)``."""
-        mask = self._mask_fn(config=self.config, inputs_embeds=self.emb, attention_mask=None, cache=None,
-                             position_ids=self.pos_all)
+        masks = self._masks(self.emb, None, self.pos_all)
         h = self.emb
-        for layer in self.layers:
+        for layer, t in zip(self.layers, self.types):
             record.append(h[:, self.P:])
-            h = layer(h, attention_mask=mask, position_embeddings=self.pe_all, position_ids=self.pos_all)
+            h = layer(h, attention_mask=masks[t], position_embeddings=self.pe_all[t], position_ids=self.pos_all)
         return h[:, self.P:]
 
     def fill_prefix(self, batch: int) -> None:
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.config)
+        cache = DynamicCache()
         h = self.emb[:, :self.P]
         pos = self.pos_all[:, :self.P]
-        pe = tuple(x[:, :self.P] for x in self.pe_all)
-        mask = self._mask_fn(config=self.config, inputs_embeds=h, attention_mask=None, cache=cache,
-                             position_ids=pos)
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos, cache=cache,
+        pe = self._pe(0, self.P)
+        masks = self._masks(h, cache, pos)
+        for layer, t in zip(self.layers, self.types):
+            h = layer(h, attention_mask=masks[t], position_embeddings=pe[t], position_ids=pos, cache=cache,
                       use_cache=True)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
@@ -233,12 +254,12 @@ class _Runner:
     def run(self, h: torch.Tensor, start: int) -> torch.Tensor:
         """Layers ``start..`` on suffix inputs ``h [B, T-P, hidden]``; the cache is restored."""
         B = h.shape[0]
-        pe = tuple(x.expand(B, *x.shape[1:]) for x in self.pe_suf)
-        mask = self._mask_fn(config=self.config, inputs_embeds=h, attention_mask=None, cache=self.cache,
-                             position_ids=self.pos_suf)
+        pe = self._pe(self.P, self.T, B)
+        masks = self._masks(h, self.cache, self.pos_suf)
         try:
             for i in range(start, len(self.layers)):
-                h = self.layers[i](h, attention_mask=mask, position_embeddings=pe, position_ids=self.pos_suf,
+                t = self.types[i]
+                h = self.layers[i](h, attention_mask=masks[t], position_embeddings=pe[t], position_ids=self.pos_suf,
                                    cache=self.cache, use_cache=True)
         finally:
             # drop what this run appended (layers before ``start`` were not touched)
