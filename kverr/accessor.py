@@ -105,6 +105,25 @@ class CaptureAccessor:
             return int(self._ds["sliding_window"].sel({LAYER: int(layer)}).values)
         return 0
 
+    @property
+    def has_sinks(self) -> bool:
+        """Whether the model has learned attention-sink logits (``attn_sink``)."""
+        return "attn_sink" in self._ds.data_vars
+
+    def attn_sink(self, layer: int) -> np.ndarray | None:
+        """float64 [q_head]: the sink logit of each query head of model layer ``layer`` (a softmax
+        column without a value), or None when the model has none."""
+        if not self.has_sinks:
+            return None
+        return np.asarray(self._ds["attn_sink"].sel({LAYER: int(layer)}).values, dtype=np.float64)
+
+    def attn_sinks(self) -> xr.DataArray:
+        """float64 [layer, q_head]: :meth:`attn_sink` of every captured layer (NaN: none)."""
+        if self.has_sinks:
+            return self._ds["attn_sink"].astype(np.float64)
+        return xr.DataArray(np.full((self._ds.sizes[LAYER], self._ds.sizes[Q_HEAD]), np.nan), dims=(LAYER, Q_HEAD),
+                            coords={LAYER: self._ds[LAYER].values})
+
     def sliding_windows(self) -> xr.DataArray:
         """int64 [layer]: :meth:`sliding_window` of every captured layer."""
         if "sliding_window" in self._ds.coords:

@@ -18,6 +18,8 @@ A capture dataset (see :mod:`kverr.dims` for its variables and dims) carries the
     (:func:`kverr.capturing.float_environment`; absent in captures made before it was recorded).
 
 and the coordinates ``kv_head_of_q`` (q_head), ``sliding_window`` and ``attn_scale`` (layer).
+Captures of models with learned attention sinks (gpt-oss) also hold ``attn_sink`` (layer,
+q_head), float64: the sink logit of each query head, a softmax column without a value.
 
 Writes go to a temporary store beside the target, which is renamed into place only once it is
 complete: a crash or an interrupt never leaves a half-written dataset at the final path (at worst

@@ -126,6 +126,8 @@ class LayerPrep:
     norm : float  ``n_q_heads * mean ||o||^2``.
     steps : Tensor ``[n]`` or None  decode step of each query (see :func:`decode_steps`); None: every
         query's window holds its ``window`` most recent tokens.
+    rest : Tensor ``[q_head, n]`` or None  weight of a learned sink (no value, no error), so that
+        the keys' weights ``a`` sum to ``1 − rest``.
     """
 
     layer: int
@@ -142,6 +144,7 @@ class LayerPrep:
     positions: np.ndarray
     rope: Any
     steps: torch.Tensor | None = None
+    rest: torch.Tensor | None = None
 
 
 #: Decode steps the objective models by default: none (every query's window holds its most
@@ -165,14 +168,16 @@ def decode_steps(n_queries: int, decode: int) -> torch.Tensor:
 
 
 def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: int,
-                  positions=None, rope=None, decode: int | None = None, sliding_window: int = 0) -> LayerPrep:
+                  positions=None, rope=None, decode: int | None = None, sliding_window: int = 0,
+                  sinks=None) -> LayerPrep:
     """Clean attention of the sampled queries of one layer.
 
     ``q [q_head, T, D]``, ``k, v, k_pre [kv_head, T, D]`` (numpy or torch). ``decode``: model
     each query as a decode step after a wholly quantized prompt (:func:`decode_steps`); None
     lets every query's window hold its most recent tokens. ``sliding_window`` W > 0: a query at
     p sees the keys ``p − W < t ≤ p`` only (the layer's attention mask), so the keys it cannot
-    see carry no damage.
+    see carry no damage. ``sinks [q_head]``: learned sink logits, a softmax column per head
+    without a value (the key growth form is exact with it, since the sink's logit does not move).
     """
     q = torch.as_tensor(np.asarray(q), dtype=torch.float32)
     k = torch.as_tensor(np.asarray(k), dtype=torch.float32)
@@ -187,13 +192,20 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     if sliding_window:
         causal &= torch.arange(T)[None, :] > (pos - int(sliding_window))[:, None]
     s = s.masked_fill(~causal, -math.inf)
-    a = torch.softmax(s, dim=-1)
+    rest = None
+    if sinks is None:
+        a = torch.softmax(s, dim=-1)
+    else:
+        sk = torch.as_tensor(np.asarray(sinks), dtype=torch.float32)[:, None, None].expand(*s.shape[:2], 1)
+        lse = torch.logsumexp(torch.cat([s, sk], -1), -1, keepdim=True)
+        a = torch.exp(s - lse)
+        rest = torch.exp(sk - lse)[..., 0]
     o = torch.einsum("hnt,htd->hnd", a, v[kv_map])
     norm = float((o * o).sum(-1).mean()) * q.shape[0]
     return LayerPrep(layer, qs, k, v, kp, a, o, causal.to(torch.float32), pos, kv_map,
                      norm if norm > 0 else 1.0,
                      np.arange(T) if positions is None else np.asarray(positions), rope,
-                     None if decode is None else decode_steps(len(pos), decode))
+                     None if decode is None else decode_steps(len(pos), decode), rest)
 
 
 def _quantized_mask(prep: LayerPrep, sinks: int, window: int, g: int) -> torch.Tensor:
@@ -300,7 +312,8 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
             if term is None:
                 # float64: the logsumexp form cannot overflow, and a = 0 (masked by causality)
                 # contributes nothing, whatever its δs
-                da = _terms.weight_change(ah.double(), ds.double() * m)
+                rest = None if prep.rest is None else _grouped(prep, qi, prep.rest).double()[:, None]
+                da = _terms.weight_change(ah.double(), ds.double() * m, rest)
                 term = _terms.key_term(da, vh.double())
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
             res[(S, R)][:, h] = err2.mean(-1).sum(-1)
@@ -444,7 +457,7 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
             q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
             prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
                                  positions=positions, rope=rope, decode=decode,
-                                 sliding_window=capture.kv.sliding_window(layer))
+                                 sliding_window=capture.kv.sliding_window(layer), sinks=capture.kv.attn_sink(layer))
             for ci, config in enumerate(configs):
                 opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
                 base = config.with_(window=0, sinks=0, provenance={})

@@ -288,7 +288,7 @@ class Calibration:
 # --------------------------------------------------------------------------------------------
 
 
-def _score_block(q, k, v, k_pre, layer_vals, scales, windows, *, kv_map, positions, rope, cands_k, cands_v,
+def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, positions, rope, cands_k, cands_v,
                  options, queries, page_size, window_dtype, decode):
     """Score the layers of one chunk; called by dask with numpy arrays.
 
@@ -300,6 +300,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, *, kv_map, positio
         ``[L, kv_head, token, channel]`` (``k_pre`` is ``k`` when no option needs it).
     layer_vals, scales, windows : numpy.ndarray
         ``[L]`` model layer indices, softmax scales and sliding windows (0: full attention).
+    sinks : numpy.ndarray
+        ``[L, q_head]`` learned sink logits (NaN: the model has none).
 
     Returns
     -------
@@ -323,7 +325,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, *, kv_map, positio
         t0 = time.thread_time()  # this thread's CPU: other tasks share the process
         prep = prepare_layer(q[i], k[i], v[i], k_pre[i] if need_pre else None, layer=int(layer_vals[i]),
                              kv_map=kv_map, scale=float(scales[i]), queries=queries, positions=positions,
-                             rope=rope, decode=decode, sliding_window=int(windows[i]))
+                             rope=rope, decode=decode, sliding_window=int(windows[i]),
+                             sinks=None if np.isnan(sinks[i]).all() else sinks[i])
         dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
         cpu[i] = time.thread_time() - t0
         log.debug("layer %d scored", int(layer_vals[i]))
@@ -360,10 +363,11 @@ def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequen
     layer_idx = capture[LAYER].copy().chunk({LAYER: 1})
     scales = capture.kv.attn_scales().chunk({LAYER: 1})
     windows = capture.kv.sliding_windows().chunk({LAYER: 1})
+    sinks = capture.kv.attn_sinks().chunk({LAYER: 1, Q_HEAD: -1})
     core = [Q_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL]
     dk, dv, cpu = xr.apply_ufunc(
-        _score_block, q, k, v, k_pre, layer_idx, scales, windows,
-        input_core_dims=[core[0], core[1], core[1], core[1], [], [], []],
+        _score_block, q, k, v, k_pre, layer_idx, scales, windows, sinks,
+        input_core_dims=[core[0], core[1], core[1], core[1], [], [], [], [Q_HEAD]],
         output_core_dims=[["option", "cand_k", KV_HEAD], ["option", "cand_v", KV_HEAD], []],
         dask="parallelized",
         output_dtypes=[np.float64, np.float64, np.float64],

@@ -139,6 +139,7 @@ class _Recorder:
         self.k = np.empty((n_l, n_kv, n_tokens, head_dim), dtype=dtype)
         self.v = np.empty((n_l, n_kv, n_tokens, head_dim), dtype=dtype)
         self.sliding_window = np.zeros(n_l, dtype=np.int64)
+        self.sink = np.full((n_l, n_q), np.nan)  # learned sink logits, where the model has them
         self.scaling = np.full(n_l, np.nan)
         self.seen_pre: set[int] = set()
         self.seen: set[int] = set()
@@ -179,6 +180,12 @@ class _Recorder:
             torch.from_numpy(self.k[i]).copy_(key[0])
             torch.from_numpy(self.v[i]).copy_(value[0])
             self.sliding_window[i] = int(kwargs.get("sliding_window") or 0)
+            sinks = getattr(module, "sinks", None)
+            if isinstance(sinks, torch.Tensor):
+                if tuple(sinks.shape) != (self.n_q,):
+                    raise CaptureError(f"layer {layer}: sinks of shape {tuple(sinks.shape)}, expected one logit "
+                                       f"per query head ({self.n_q},)")
+                self.sink[i] = sinks.detach().double().cpu().numpy()
             self.scaling[i] = float(kwargs.get("scaling") or getattr(module, "scaling", np.nan))
             self.seen.add(layer)
         if self.progress is not None:
@@ -357,6 +364,7 @@ def capture(
             "v": (kv_dims, recorder.v),
             "token_id": ((TOKEN,), ids.numpy().astype(np.int32)),
             "position": ((TOKEN,), positions.numpy().astype(np.int32)),
+            **({} if np.isnan(recorder.sink).all() else {"attn_sink": ((LAYER, Q_HEAD), recorder.sink)}),
         },
         coords={
             LAYER: np.asarray(wanted, dtype=np.int64),

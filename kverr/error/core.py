@@ -132,6 +132,7 @@ def _prepare(
     q_positions: Sequence[int] | np.ndarray | torch.Tensor | None,
     check_finite: bool,
     window: int = 0,
+    sink: ArrayLike | None = None,
 ):
     names = ("q", "k", "v", "k_hat", "v_hat")
     pairs = [_as_tensor(x, n) for x, n in zip((q, k, v, k_hat, v_hat), names)]
@@ -163,7 +164,21 @@ def _prepare(
         raise ShapeError(
             f"q has {tq.shape[-1]} channels but k has {tk.shape[-1]}; head dims must match"
         )
-    Q, D = tq.shape[-2], tq.shape[-1]
+    if sink is not None:
+        # the sink logits ride along as one more channel of q, so that every fold and
+        # permutation q goes through below places them with their rows
+        ts, _ = _as_tensor(sink, "sink")
+        if ts.dtype not in _FLOATS:
+            raise DTypeError(f"sink has dtype {ts.dtype}; decompose needs float32 or float64")
+        if check_finite:
+            _check_finite(ts, "sink")
+        try:
+            ts = torch.broadcast_to(ts.to(tq.dtype)[..., None, None], (*tq.shape[:-1], 1))
+        except RuntimeError:
+            raise ShapeError(f"sink has shape {tuple(ts.shape)}; it must broadcast to q's batch dims "
+                             f"{tuple(tq.shape[:-2])} (one logit per query head)") from None
+        tq = torch.cat([tq, ts.to(tq.device)], dim=-1)
+    Q, D = tq.shape[-2], tk.shape[-1]
     T = tk.shape[-2]
     if Q == 0 or T == 0 or D == 0:
         raise ShapeError(f"empty input: Q={Q}, T={T}, D={D}")
@@ -221,7 +236,7 @@ def _prepare(
             groups = int(counts[0])
             gqa_perm = torch.argsort(mapping, stable=True).to(tq.device)
             tq = tq.index_select(-3, gqa_perm)
-            tq = tq.reshape(*tq.shape[:-3], hkv, groups, Q, D)
+            tq = tq.reshape(*tq.shape[:-3], hkv, groups, Q, tq.shape[-1])
 
             def grp(t: torch.Tensor) -> torch.Tensor:
                 return t.unsqueeze(-3)
@@ -246,10 +261,10 @@ def _prepare(
     keep = [i for i in range(nb) if i not in fold]
 
     def canon_q(t: torch.Tensor) -> torch.Tensor:
-        t = t.reshape(*bq_p, Q, D).expand(*batch, Q, D)
+        t = t.reshape(*bq_p, Q, t.shape[-1]).expand(*batch, Q, t.shape[-1])
         t = t.permute(*keep, *fold, nb, nb + 1)
         n_keep = int(np.prod([batch[i] for i in keep])) if keep else 1
-        return t.reshape(n_keep, -1, D)
+        return t.reshape(n_keep, -1, t.shape[-1])
 
     def canon_kv(t: torch.Tensor) -> torch.Tensor:
         c = t.shape[-1]
@@ -275,7 +290,10 @@ def _prepare(
         gqa_perm=gqa_perm,
         gqa_groups=groups,
     )
-    return plan, (cq, ck, cv, ckh, cvh, qpos, scale, window)
+    csink = None
+    if sink is not None:
+        cq, csink = cq[..., :D], cq[..., D]
+    return plan, (cq, ck, cv, ckh, cvh, qpos, scale, window, csink)
 
 
 def _unfold(plan: _Plan, t: torch.Tensor) -> torch.Tensor:
@@ -304,12 +322,12 @@ def _out(plan: _Plan, t: torch.Tensor | None):
 
 
 def _run(q, k, v, k_hat, v_hat, *, causal, scale, kv_head_of_q, q_positions, topk,
-         block_size, keep_rows, check_finite, window) -> Decomposition:
+         block_size, keep_rows, check_finite, window, sink) -> Decomposition:
     if int(topk) < 1:
         raise ShapeError(f"topk must be >= 1, got {topk}")
-    plan, (cq, ck, cv, ckh, cvh, qpos, sc, window) = _prepare(
+    plan, (cq, ck, cv, ckh, cvh, qpos, sc, window, csink) = _prepare(
         q, k, v, k_hat, v_hat, causal=causal, scale=scale, kv_head_of_q=kv_head_of_q,
-        q_positions=q_positions, check_finite=check_finite, window=window,
+        q_positions=q_positions, check_finite=check_finite, window=window, sink=sink,
     )
     B, M, _ = cq.shape
     T = ck.shape[1]
@@ -317,7 +335,7 @@ def _run(q, k, v, k_hat, v_hat, *, causal, scale, kv_head_of_q, q_positions, top
     log.debug("decompose: B=%d M=%d T=%d block=%d dtype=%s", B, M, T, block, cq.dtype)
     with torch.no_grad():
         res = run_engine(cq, ck, cv, ckh, cvh, qpos, sc, block=block, keep_rows=keep_rows,
-                         topk=int(topk), window=window)
+                         topk=int(topk), window=window, sink=csink)
     return Decomposition(
         delta_logits=_out(plan, res.delta_logits),
         attn=_out(plan, res.attn),
@@ -346,6 +364,7 @@ def decompose(
     block_size: int | None = None,
     check_finite: bool = True,
     window: int = 0,
+    sink: ArrayLike | None = None,
 ) -> Decomposition:
     """Decompose the attention-output error caused by reconstructed keys and values.
 
@@ -372,6 +391,11 @@ def decompose(
         Sliding-window attention (with ``causal``): a query at position p sees keys
         ``p − window < t ≤ p``, the rule of transformers' sliding-window masks. 0 (default):
         every key up to its position.
+    sink : numpy.ndarray or torch.Tensor, optional
+        Learned attention-sink logits (gpt-oss), broadcast against q's batch dims (``[q_head]``
+        with ``kv_head_of_q``): each softmax row gets one more column, ``sink`` itself (the
+        logit scale does not apply), without a value and unchanged by key errors. The weights
+        then sum to less than one; KL, TV and entropy are those of the whole row.
     topk : int
         k of the top-k overlap and rank-flip metrics.
     block_size : int, optional
@@ -399,7 +423,7 @@ def decompose(
     """
     return _run(q, k, v, k_hat, v_hat, causal=causal, scale=scale, kv_head_of_q=kv_head_of_q,
                 q_positions=q_positions, topk=topk, block_size=block_size, keep_rows=True,
-                check_finite=check_finite, window=window)
+                check_finite=check_finite, window=window, sink=sink)
 
 
 def decompose_stream(
@@ -417,6 +441,7 @@ def decompose_stream(
     block_size: int | None = None,
     check_finite: bool = True,
     window: int = 0,
+    sink: ArrayLike | None = None,
 ) -> Decomposition:
     """Like :func:`decompose` but streamed over key blocks, without the ``[..., Q, T]`` rows.
 
@@ -429,4 +454,4 @@ def decompose_stream(
     """
     return _run(q, k, v, k_hat, v_hat, causal=causal, scale=scale, kv_head_of_q=kv_head_of_q,
                 q_positions=q_positions, topk=topk, block_size=block_size, keep_rows=False,
-                check_finite=check_finite, window=window)
+                check_finite=check_finite, window=window, sink=sink)

@@ -64,7 +64,8 @@ class QueryTerms:
 
 
 def decompose_query(
-    q, k, v, k_hat, v_hat, scale: float, n_visible: int | None = None, window: int = 0
+    q, k, v, k_hat, v_hat, scale: float, n_visible: int | None = None, window: int = 0,
+    sink: float | None = None,
 ) -> QueryTerms:
     """The attention error of one query, by definition, in float64.
 
@@ -83,6 +84,10 @@ def decompose_query(
         ``n_visible − 1``); default all ``T``.
     window : int
         Sliding window: of those, the query sees only the last ``window`` keys (0: all).
+    sink : float, optional
+        A learned sink logit: one more softmax column, without a value, that key errors do not
+        change; ``attn`` and ``attn_hat`` are the keys' weights (they sum to less than one) and
+        ``kl`` is over the whole row, sink included.
 
     Returns
     -------
@@ -106,8 +111,9 @@ def decompose_query(
 
     s = scale * (k @ q)
     ds = scale * ((k_hat - k) @ q)
-    a = softmax(s)
-    a_hat = softmax(s + ds)
+    extra = [] if sink is None else [float(sink)]
+    a_row, a_hat_row = softmax(np.r_[s, extra]), softmax(np.r_[s + ds, extra])
+    a, a_hat = a_row[: s.shape[0]], a_hat_row[: s.shape[0]]
     da = a_hat - a
 
     jacobian = np.diag(a) - np.outer(a, a)
@@ -124,5 +130,5 @@ def decompose_query(
         out=a @ v,
         first_order_weight_change=lin,
         first_order_key_term=lin @ v,
-        kl=float(np.sum(a * (log_softmax(s) - log_softmax(s + ds)))),
+        kl=float(np.sum(a_row * (log_softmax(np.r_[s, extra]) - log_softmax(np.r_[s + ds, extra])))),
     )

@@ -108,13 +108,14 @@ def _logits(qs, kk, qpos, t0, t1, T, window=0):
     return s, ds
 
 
-def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out, window=0):
+def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out, window=0, sink=None):
     """The engine on one row chunk ``qs [B, m, D]``; returns raw per-row results.
 
     ``rhs`` is ``[B, T, 3·Dv]`` = [V, E_V, V̂]: one matmul per weight matrix gives every
     output quantity. Under a ``window`` the blocks no row of the chunk sees are skipped, and a
     row that has seen no key yet keeps zero weight on the block (its running maximum is still
-    the hidden sentinel, so e^{s−m} would be 1 there).
+    the hidden sentinel, so e^{s−m} would be 1 there). A ``sink [B, m]`` logit starts the
+    online softmax as a column of weight e^{sink−m}, no value and no error (δs = 0).
     """
     B, m, D = qs.shape
     T = kk.shape[1] // 2
@@ -125,8 +126,8 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out, windo
     single = len(bounds) == 1
 
     # ---- pass 1: online softmax statistics -------------------------------------------------
-    mx = torch.full((B, m), -math.inf, dtype=dt, device=dev)
-    Z = torch.zeros((B, m), dtype=dt, device=dev)
+    mx = torch.full((B, m), -math.inf, dtype=dt, device=dev) if sink is None else sink.to(dt).clone()
+    Z = torch.zeros((B, m), dtype=dt, device=dev) if sink is None else torch.ones((B, m), dtype=dt, device=dev)
     W = torch.zeros_like(Z)  # Σ p expm1(δs)
     PD = torch.zeros_like(Z)  # Σ p δs
     PS = torch.zeros_like(Z)  # Σ p (s − m)
@@ -213,6 +214,9 @@ def _chunk(qs, kk, rhs, qpos, block, keep_rows, topk, Dv, first_order_out, windo
         fo_num += torch.linalg.vector_norm(torch.sub(lin, dp), 2, dim=-1) ** 2
         del p, ds, e1, dp, lin, buf
 
+    if sink is not None:
+        # the sink's own weight change, Z·δa = e^{sink−m}·expm1(−δlse) (δs = 0): TV is the row's
+        tv += (torch.exp(sink.to(dt) - mx) * torch.expm1(-dlse)).abs()
     inv = (1.0 / Z).unsqueeze(-1)
     t = _terms.output_terms(R * inv, R2 * inv)
 
@@ -244,6 +248,7 @@ def run_engine(
     rows_per_chunk: int | None = None,
     first_order_out: bool = True,
     window: int = 0,
+    sink: torch.Tensor | None = None,
 ) -> EngineOut:
     """Decompose attention-output error for canonical tensors.
 
@@ -274,6 +279,10 @@ def run_engine(
     window : int
         Sliding window: a row at position p sees keys ``p − window < t ≤ p`` (needs ``qpos``);
         0 for plain causal attention.
+    sink : torch.Tensor, optional
+        ``[B, M]`` learned sink logits (in the units of the scaled logits): a softmax column per
+        row that no key error changes and that carries no value. Its weight counts in every
+        quantity defined on the whole softmax row (KL, TV, entropy); the top-k metrics rank keys.
 
     Returns
     -------
@@ -294,7 +303,7 @@ def run_engine(
         if qp is not None and int(qp.min()) >= T - 1 and not window:
             qp = None
         parts.append(_chunk(qs[:, m0:m1], kk, rhs, qp, block, keep_rows, topk, Dv, first_order_out,
-                            window))
+                            window, None if sink is None else sink[:, m0:m1]))
 
     def cat(name):
         return torch.cat([p[name] for p in parts], dim=1)

@@ -122,11 +122,13 @@ def key_term_from_growth(u: torch.Tensor, u_sum: torch.Tensor, z: torch.Tensor, 
     return (torch.matmul(u, v) - out * u_sum) / z
 
 
-def weight_change(a: torch.Tensor, delta_logits: torch.Tensor) -> torch.Tensor:
+def weight_change(a: torch.Tensor, delta_logits: torch.Tensor, rest: torch.Tensor | None = None) -> torch.Tensor:
     """Exact weight change ``δa = a·expm1(δs − δlse)``, ``δlse = logsumexp(log a + δs)``.
 
     Cannot overflow: ``a·e^{δs} ≤ e^{δlse}`` for every key, whatever the size of δs. Keys with
-    ``a = 0`` (hidden by causality) get δa = 0 whatever their δs.
+    ``a = 0`` (hidden by causality) get δa = 0 whatever their δs. ``rest [..., 1]``: weight of
+    the row outside the keys, which no error changes (a learned sink's), so that
+    ``δlse = log(rest + Σ a·e^{δs})``.
 
     Parameters
     ----------
@@ -140,7 +142,10 @@ def weight_change(a: torch.Tensor, delta_logits: torch.Tensor) -> torch.Tensor:
     torch.Tensor
         ``[..., T]`` δa = a′ − a.
     """
-    lz = torch.logsumexp(torch.log(a) + delta_logits, -1, keepdim=True)
+    la = torch.log(a) + delta_logits
+    if rest is not None:
+        la = torch.cat([la, torch.log(rest).expand(*la.shape[:-1], 1)], -1)
+    lz = torch.logsumexp(la, -1, keepdim=True)
     return torch.where(a > 0, a * torch.expm1(delta_logits - lz), 0.0)
 
 

@@ -9,7 +9,8 @@ and measures tensor-level reconstruction error for contrast.
 
 The cache state is the one after all T captured tokens (sinks at the start, the full-precision
 window at the end of the T tokens); every query attends to it causally, and in a sliding-window
-layer of width W a query at position p sees the keys ``p − W < t ≤ p`` only. This is a snapshot
+layer of width W a query at position p sees the keys ``p − W < t ≤ p`` only. A model's learned
+sink logits (``attn_sink``) join each softmax row as a column without a value. This is a snapshot
 of the cache at the end of the capture, not a replay of the cache as it grew. The reconstruction
 of a sliding layer is that of all T tokens: a cache that frees the blocks behind the window keeps
 the same codes for the keys it still holds, since no format's groups span more than one block.
@@ -47,7 +48,7 @@ SUMMARY_VARS: tuple[str, ...] = (
 )
 
 
-def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, *, config, kv_map, positions, rope,
+def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, config, kv_map, positions, rope,
                  topk, block_size):
     """Decompose the layers of one chunk; called by dask with numpy arrays.
 
@@ -59,6 +60,8 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, *, config, kv_map,
         ``[L, kv_head, token, channel]`` (``k_pre`` may be a dummy when not needed).
     layer_vals, scales, windows : numpy.ndarray
         ``[L]`` model layer indices, logit scales and sliding windows (0: full attention).
+    sinks : numpy.ndarray
+        ``[L, q_head]`` learned sink logits (NaN: the model has none).
 
     Returns
     -------
@@ -88,7 +91,8 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, *, config, kv_map,
         v_hat = reconstruct(vi, config, layer=layer, which="v")
         d = decompose_stream(qi, ki, vi, k_hat.to(torch.float32), v_hat.to(torch.float32),
                              causal=True, scale=float(scales[i]), kv_head_of_q=kv_map,
-                             topk=topk, block_size=block_size, window=int(windows[i]))
+                             topk=topk, block_size=block_size, window=int(windows[i]),
+                             sink=None if np.isnan(sinks[i]).all() else torch.from_numpy(sinks[i].astype(np.float32)))
         for j, name in enumerate(QUERY_METRICS):
             qm[i, ..., j] = d.metrics[name].to(torch.float64).numpy()
         k_mse, k_snr = reconstruction_error(ki, k_hat)
@@ -225,12 +229,13 @@ def decompose_capture(
     layer_idx = layer_idx.chunk({LAYER: 1})
     scales = scales.chunk({LAYER: 1})
     windows = capture.kv.sliding_windows().chunk({LAYER: 1})
+    sinks = capture.kv.attn_sinks().chunk({LAYER: 1, Q_HEAD: -1})
 
     qm, rc = xr.apply_ufunc(
         _layer_block,
-        q, k, v, k_pre, layer_idx, scales, windows,
+        q, k, v, k_pre, layer_idx, scales, windows, sinks,
         input_core_dims=[[Q_HEAD, QUERY, CHANNEL], [KV_HEAD, TOKEN, CHANNEL],
-                         [KV_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL], [], [], []],
+                         [KV_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL], [], [], [], [Q_HEAD]],
         output_core_dims=[[Q_HEAD, QUERY, "metric"], [KV_HEAD, "recon_metric"]],
         dask="parallelized",
         output_dtypes=[np.float64, np.float64],

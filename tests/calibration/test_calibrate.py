@@ -157,20 +157,23 @@ def _layer(seed=0, Hq=4, H=2, T=96, D=16):
 
 @pytest.mark.parametrize("opt", [OuterOption(), OuterOption(sinks=5), OuterOption(sinks=3, window=7)])
 @pytest.mark.parametrize("errors", ["small", "huge", "huge-on-sinks"])
-@pytest.mark.parametrize("decode, sliding", [(None, 0), (5, 0), (None, 9), (5, 9)])
-def test_objective_terms_equal_kverr_error_decompose(opt, errors, decode, sliding):
+@pytest.mark.parametrize("decode, sliding, sinks", [(None, 0, False), (5, 0, False), (None, 9, False), (5, 9, False),
+                                                    (None, 0, True), (5, 9, True)])
+def test_objective_terms_equal_kverr_error_decompose(opt, errors, decode, sliding, sinks):
     """The objective's key and value terms are kverr.error.decompose's, also for key errors so
     large that exp(δs) overflows fp32 (|δs| up to ~300: catastrophic 2-bit formats on outlier
     layers), and for huge errors on the sink tokens only, which the masked sums must not feel.
     With ``decode`` the queries are decode steps after a wholly quantized prompt: the window of
     step d holds its min(window, d + 1) newest tokens. In a sliding-window layer a query sees
-    its last ``sliding`` keys only, as the decomposition's window does."""
+    its last ``sliding`` keys only, as the decomposition's window does; learned sink logits join
+    the softmax in both (the fast growth form and the float64 fallback of huge errors)."""
     from kverr.error import decompose
 
     q, k, v, kv_map = _layer()
     T, D = k.shape[1], k.shape[2]
+    sink = torch.tensor([2.0, -1.0, 4.0, 0.5]) if sinks else None
     prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=1 / np.sqrt(D), queries=12, decode=decode,
-                         sliding_window=sliding)
+                         sliding_window=sliding, sinks=sink)
     big = {"small": 0.05, "huge": 60.0, "huge-on-sinks": 0.05}[errors]
     e_k = torch.randn(k.shape, generator=torch.Generator().manual_seed(1)) * big
     e_v = torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) * big
@@ -187,9 +190,9 @@ def test_objective_terms_equal_kverr_error_decompose(opt, errors, decode, slidin
         m = torch.zeros(T, 1)
         m[opt.sinks : max(opt.sinks, p - w + 1)] = 1.0
         d2 = decompose(q[:, p : p + 1].double(), k.double(), v.double(), k.double(),
-                       (v + m * e_v).double(), kv_head_of_q=kv_map, q_positions=[p], window=sliding)
+                       (v + m * e_v).double(), kv_head_of_q=kv_map, q_positions=[p], window=sliding, sink=sink)
         d1 = decompose(q[:, p : p + 1].double(), k.double(), v.double(), (k + m * e_k).double(),
-                       v.double(), kv_head_of_q=kv_map, q_positions=[p], window=sliding)
+                       v.double(), kv_head_of_q=kv_map, q_positions=[p], window=sliding, sink=sink)
         kk = (d1.total ** 2).sum(-1)[:, 0].numpy()
         vv = (d2.value_term ** 2).sum(-1)[:, 0].numpy()
         np.add.at(want_k, kv_map, kk / len(pos))
@@ -642,28 +645,36 @@ def test_batched_scoring_equals_one_candidate_at_a_time_and_the_oracle():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sliding_capture(tmp_path_factory):
-    """A tiny Mistral (sliding window 40 in both layers), 160 tokens captured."""
+@pytest.fixture(scope="module", params=["mistral", "gpt_oss"])
+def sliding_capture(tmp_path_factory, request):
+    """A tiny Mistral (sliding window 40 in both layers) or gpt-oss (window 32, then a full layer;
+    learned sinks), 160 tokens captured."""
     from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
     from kverr.capturing.tiny import make_tiny_model
     from kverr.io import open_capture
 
     d = tmp_path_factory.mktemp("cal-sliding")
-    loaded = load_model(str(make_tiny_model(d / "m", "mistral")))
+    loaded = load_model(str(make_tiny_model(d / "m", request.param)))
     text = load_text("pydoc")
     path = capture_to_zarr(loaded, tokenize(loaded.tokenizer, text, 160, 0), d / "cap.zarr", text=text)
     return open_capture(path), path, loaded
 
 
-@pytest.mark.parametrize("which", ["tiny_capture", "sliding_capture"])
-def test_sensitivity_runner_reproduces_the_model(which, request):
+def test_sensitivity_runner_reproduces_the_model(tiny_capture):
     """The layer-by-layer runner (clean pass, then layers l.. on the suffix over a cache of the
-    prefix) gives the model's own logits; a run from any layer restores the cache. Also with
-    sliding-window layers whose window (40) is shorter than the prefix (70)."""
+    prefix) gives the model's own logits; a run from any layer restores the cache."""
+    _check_runner(*tiny_capture[::2])
+
+
+def test_sensitivity_runner_reproduces_a_sliding_window_model(sliding_capture):
+    """The same with sliding-window layers whose window (40, 32) is shorter than the prefix
+    (70), and gpt-oss's sinks and alternating layer types."""
+    _check_runner(*sliding_capture[::2])
+
+
+def _check_runner(cap, loaded):
     from kverr.calibration.sensitivity import _Runner
 
-    cap, _, loaded = request.getfixturevalue(which)
     ids = torch.as_tensor(np.asarray(cap["token_id"].values[:100], dtype=np.int64))
     P = 70
     with torch.no_grad():
@@ -681,12 +692,12 @@ def test_sensitivity_runner_reproduces_the_model(which, request):
 
 
 def test_calibration_of_a_sliding_window_model(sliding_capture):
-    """Sliding layers hold 40 of 160 tokens: the budget counts what they hold (the written
-    bytes are memory's with the windows, not without), the damage is the one the windows let
-    queries see, and the prediction of the written config is the search's."""
+    """Sliding layers hold their window of the 160 tokens: the budget counts what they hold (the
+    written bytes are memory's with the windows, not without), the damage is the one the windows
+    (and sinks) let queries see, and the prediction of the written config is the search's."""
     cap, _, loaded = sliding_capture
     shape = cap.kv.shape
-    assert shape.sliding_windows == (40,) * loaded.n_layers
+    assert shape.sliding_windows in ((40,) * loaded.n_layers, (32, 0))
     cal = cal_at(cap, 4.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=16)
     cfg, pv = cal.config, cal.config.provenance
     rep = account(cfg, shape, 160)

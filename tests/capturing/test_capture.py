@@ -119,6 +119,7 @@ def test_attention_recomputed_from_capture_equals_module_output(captured, varian
             scale=float(ds.attn_scale.values[i]),
             kv_head_of_q=ds[KV_HEAD_OF_Q].values,
             sliding_window=int(ds.sliding_window.values[i]),
+            sinks=ds.attn_sink.values[i] if "attn_sink" in ds else None,
         )
         bound = attention_rounding_bound(ds.q.values[i], ds.k.values[i], ds.v.values[i],
                                          scale=float(ds.attn_scale.values[i]),
@@ -137,6 +138,14 @@ def test_the_proofs_are_not_vacuous(captured):
     assert np.abs(windowed - full).max() > 1e-2 * np.abs(full).max()
     # q and k_pre differ from k: RoPE really rotated them.
     assert np.abs(ds.k_pre.values - ds.k.values).max() > 0.1
+    # gpt-oss's sinks take real weight: without them the attention is another one
+    loaded, ids, ds = captured["gpt_oss"]
+    q, k, v = ds.q.values[1], ds.k.values[1], ds.v.values[1]
+    kvh, scale = ds[KV_HEAD_OF_Q].values, float(ds.attn_scale.values[1])
+    with_sinks = causal_attention(q, k, v, scale=scale, kv_head_of_q=kvh, sinks=ds.attn_sink.values[1])
+    full = causal_attention(q, k, v, scale=scale, kv_head_of_q=kvh)
+    assert np.abs(with_sinks - full).max() > 1e-2 * np.abs(full).max()
+    assert list(ds.sliding_window.values) == [32, 0] and ds.attrs["model_sliding_windows"] == [32, 0]
 
 
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))

@@ -29,11 +29,11 @@ def _mask(Q, T, causal, window=0):
     return seen & (np.arange(T)[None, :] > pos - window) if window else seen
 
 
-def naive(q, k, v, kh, vh, causal=True, scale=None, window=0):
+def naive(q, k, v, kh, vh, causal=True, scale=None, window=0, sink=None):
     """:func:`kverr.error.naive.decompose_query` over ``q [..., Q, D]`` and ``k, v [..., T, ·]``
     (batch dims broadcast; causal: the queries are the last Q positions, each seeing its last
-    ``window`` keys when a window is given). Rows ``[..., Q, T]`` are 0 (weights) or −inf
-    (logits) at hidden keys."""
+    ``window`` keys when a window is given; ``sink`` logits broadcast against the batch dims).
+    Rows ``[..., Q, T]`` are 0 (weights) or −inf (logits) at hidden keys."""
     q, k, v, kh, vh = (np.asarray(x, np.float64) for x in (q, k, v, kh, vh))
     D = q.shape[-1]
     Q, T, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
@@ -43,18 +43,21 @@ def naive(q, k, v, kh, vh, causal=True, scale=None, window=0):
     k, kh = (np.broadcast_to(x, batch + (T, D)) for x in (k, kh))
     v, vh = (np.broadcast_to(x, batch + (T, Dv)) for x in (v, vh))
     msk = _mask(Q, T, causal, window)
+    sinks = None if sink is None else np.broadcast_to(np.asarray(sink, np.float64), batch)
     rows = {n: np.zeros(batch + (Q, T)) for n in ("attn", "attn_hat")}
     rows.update({n: np.full(batch + (Q, T), -np.inf) for n in ("s", "s2")})
     outs = {n: np.zeros(batch + (Q, Dv)) for n in ("key_term", "value_term", "cross_term", "total", "out")}
+    outs["kl"] = np.zeros(batch + (Q,))
     for b in np.ndindex(batch):
         for i in range(Q):
             seen = np.flatnonzero(msk[i])  # the visible keys are contiguous
             r = decompose_query(q[b][i], k[b], v[b], kh[b], vh[b], scale, n_visible=seen[-1] + 1,
-                                window=window if causal else 0)
+                                window=window if causal else 0, sink=None if sinks is None else sinks[b])
+            outs["kl"][b + (i,)] = r.kl
             for name, x in (("attn", r.attn), ("attn_hat", r.attn_hat), ("s", r.logits),
                             ("s2", r.logits + r.delta_logits)):
                 rows[name][b + (i, slice(seen[0], seen[-1] + 1))] = x
-            for name in outs:
+            for name in ("key_term", "value_term", "cross_term", "total", "out"):
                 outs[name][b + (i,)] = getattr(r, name)
     return {**rows, **outs, "mask": msk}
 
@@ -422,6 +425,40 @@ def test_sliding_window_matches_definitions(window, Q, dT, block, seed):
     full = decompose(q, k, v, kh, vh, window=Q + dT)
     plain = decompose(q, k, v, kh, vh)
     np.testing.assert_array_equal(full.total, plain.total)
+
+
+@given(st.integers(0, 6), st.integers(1, 5), st.integers(0, 20), st.sampled_from([2, 5, None]),
+       st.integers(0, 2**31 - 1))
+def test_sinks_match_definitions(window, Q, dT, block, seed):
+    """A learned sink logit per query head (gpt-oss): one more softmax column without a value
+    and without error, under GQA, windows and small blocks; every field and the whole-row KL
+    and TV as defined, the identity exact, and a sink far below every logit changes nothing."""
+    rng = np.random.default_rng(seed)
+    T = Q + dT
+    q = rng.normal(size=(4, Q, 8))
+    k, v = 1.5 * rng.normal(size=(2, T, 8)), rng.normal(size=(2, T, 8))
+    kh, vh = k + 0.3 * rng.normal(size=k.shape), v + 0.1 * rng.normal(size=v.shape)
+    sink = rng.normal(scale=3.0, size=4)
+    kvh = [0, 0, 1, 1]
+    d = decompose(q, k, v, kh, vh, kv_head_of_q=kvh, sink=sink, window=window, block_size=block, topk=3)
+    ref = naive(q, k[kvh], v[kvh], kh[kvh], vh[kvh], sink=sink, window=window)
+    scale = np.abs(ref["out"]).max() + np.abs(vh).max()
+    for name in ("attn", "attn_hat", "key_term", "value_term", "cross_term", "total", "out"):
+        np.testing.assert_allclose(getattr(d, name), ref[name], rtol=0,
+                                   atol=256 * np.finfo(np.float64).eps * scale, err_msg=name)
+    np.testing.assert_allclose(d.key_term + d.value_term + d.cross_term, d.total, rtol=0,
+                               atol=64 * np.finfo(np.float64).eps * scale)
+    np.testing.assert_allclose(d.metrics["kl"], ref["kl"], rtol=1e-6, atol=1e-13)
+    # TV of the whole row: the sink's weight changes too (by −Σ δa over the keys)
+    da = ref["attn_hat"] - ref["attn"]
+    np.testing.assert_allclose(d.metrics["tv"], 0.5 * (np.abs(da).sum(-1) + np.abs(da.sum(-1))), rtol=1e-9,
+                               atol=1e-15)
+    assert np.all(d.attn.sum(-1) < 1)
+    far = decompose(q, k, v, kh, vh, kv_head_of_q=kvh, sink=np.full(4, -1e4), window=window)
+    plain = decompose(q, k, v, kh, vh, kv_head_of_q=kvh, window=window)
+    np.testing.assert_array_equal(far.total, plain.total)
+    with pytest.raises(ShapeError, match="sink has shape"):
+        decompose(q, k, v, kh, vh, kv_head_of_q=kvh, sink=np.zeros(3))
 
 
 def test_window_needs_causal_attention_and_a_count():

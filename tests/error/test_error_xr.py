@@ -29,7 +29,7 @@ def synthetic_capture(n_layers=2, hq=4, hkv=2, T=160, D=64, seed=0):
     return shared_capture(n_layers, hq, hkv, T, D, seed, outlier_channel=3)
 
 
-def _direct(cap, config, layer_pos, queries, pre_rope=False, window=0):
+def _direct(cap, config, layer_pos, queries, pre_rope=False, window=0, sink=None):
     """The array core on one layer, with K̂/V̂ from the oracle."""
     q = torch.from_numpy(cap.q.values[layer_pos, :, -queries:])
     k = torch.from_numpy(cap.k.values[layer_pos])
@@ -42,7 +42,7 @@ def _direct(cap, config, layer_pos, queries, pre_rope=False, window=0):
     else:
         k_hat = reconstruct(k, config, layer=layer, which="k")
     v_hat = reconstruct(v, config, layer=layer, which="v")
-    d = decompose_stream(q, k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values, window=window)
+    d = decompose_stream(q, k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values, window=window, sink=sink)
     return d, k_hat, v_hat
 
 
@@ -82,6 +82,22 @@ def test_sliding_window_layers_see_their_window():
     full, _, _ = _direct(cap, cfg, 0, 40)
     assert not np.allclose(ds["kl"].values[0], full.metrics["kl"].double().numpy(), rtol=1e-2)
     assert "sliding_window" not in ds.coords and cap.kv.shape.sliding_windows == (24, 0)
+
+
+def test_learned_sinks_join_each_layers_softmax():
+    """A capture with ``attn_sink`` (gpt-oss) is decomposed with each layer's sink logits."""
+    cap = shared_capture(2, 4, 2, 96, 64, 1, sliding_windows=[16, 0])
+    sinks = np.random.default_rng(0).normal(scale=3.0, size=(2, 4))
+    cap["attn_sink"] = (("layer", "q_head"), sinks)
+    cfg = resolve("q4_0")
+    ds = decompose_capture(cap, cfg, queries=24).compute(scheduler="synchronous")
+    for li, w in enumerate([16, 0]):
+        d, _, _ = _direct(cap, cfg, li, 24, window=w, sink=torch.from_numpy(sinks[li].astype(np.float32)))
+        for name in QUERY_METRICS:
+            np.testing.assert_allclose(ds[name].values[li], d.metrics[name].double().numpy(),
+                                       rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=name)
+    plain, _, _ = _direct(cap, cfg, 1, 24)
+    assert not np.allclose(ds["out_norm"].values[1], plain.metrics["out_norm"].double().numpy(), rtol=1e-3)
 
 
 def test_pre_rope_keys_are_quantized_then_rotated():
