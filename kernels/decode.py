@@ -9,7 +9,13 @@ tile, so K/V bytes are read once per kv head) and writes a partial ``(max, sum, 
 launch (``TAIL``) covers the tokens held in full precision -- sinks and the window -- plus the
 tokens that are quantized for one of K/V but not yet for the other (their token blocks differ),
 choosing per row between the paged codes and the full-precision buffer. :func:`merge_kernel`
-combines the ``NS + 1`` partials of each query head.
+combines the ``NS + 1`` partials of each query head, and a learned sink logit per query head
+(gpt-oss) where the model has them: one more softmax term without a value.
+
+Sliding-window layers (``SLIDE``, window ``LWIN``): a query at position ``p`` sees the tokens
+``p − LWIN < t ≤ p`` (transformers' rule). The main launch starts each split at the first token
+its queries can see; the masks handle the rest, and a row that has seen no token yet keeps a
+finite running maximum, as in the causal prefill.
 
 Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
 ``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float; ``BITS``; ``BD`` channels
@@ -163,7 +169,7 @@ def paged_decode_kernel(
     PO, PM, PL,  # partials [B, Hq, NSP, D], [B, Hq, NSP], [B, Hq, NSP] fp32
     COS, SIN,  # [max_tokens, D/2] fp32 RoPE tables of the positions (used when K_PRE)
     qk_scale,  # softmax scale * log2(e)
-    SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0,
+    SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0, LWIN,
     HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, P: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_BD: tl.constexpr, K_BTS: tl.constexpr,
@@ -172,7 +178,7 @@ def paged_decode_kernel(
     V_STATIC: tl.constexpr, V_CB: tl.constexpr,
     K_ROT: tl.constexpr, V_ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, K_PRE: tl.constexpr,
     TAIL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
-    QM: tl.constexpr, QB: tl.constexpr, FP_Q: tl.constexpr,
+    QM: tl.constexpr, QB: tl.constexpr, FP_Q: tl.constexpr, SLIDE: tl.constexpr,
 ):
     """Grid ``(B * QB, n, NS)`` (main: quantized tokens, split ``pid2``) or ``(B * QB, n, 1)`` (``TAIL``).
 
@@ -226,6 +232,8 @@ def paged_decode_kernel(
         hi_ = tl.minimum(lo + CHUNK, e0)
         if QM > 1:  # no query of this block sees past its last position
             hi_ = tl.minimum(hi_, T - nq + tl.minimum(qblk * QM + QM, nq))
+        if SLIDE:  # nor before its first query's window
+            lo = tl.maximum(lo, T - nq + qblk * QM - LWIN + 1)
     for v0 in range(lo, hi_, BLOCK_N):
         vi = v0 + tl.arange(0, BLOCK_N)
         nmask = vi < hi_
@@ -251,8 +259,13 @@ def paged_decode_kernel(
         if K_PRE:
             k = _rope_rows(k, t, nmask, COS, SIN, BLOCK_N, D)
         s = _scores(q, k, USE_DOT, DOT_FP16)
-        if QM > 1:
-            s = tl.where(nmask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+        if QM > 1 or SLIDE:
+            seen = nmask[None, :]
+            if QM > 1:
+                seen = seen & (t[None, :] <= pos[:, None])
+            if SLIDE:
+                seen = seen & (t[None, :] > pos[:, None] - LWIN)
+            s = tl.where(seen, s, float("-inf"))
             # a row may have seen no token yet: keep its running max finite for the exponentials
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -287,9 +300,12 @@ def paged_decode_kernel(
 
 
 @triton.jit
-def merge_kernel(PO, PM, PL, OUT, so_b, so_h, NSP, HQ: tl.constexpr, D: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
-    """Combine the ``NSP`` partials of query head ``pid1`` of query row ``pid0``. Grid ``(rows, Hq)``."""
+def merge_kernel(PO, PM, PL, OUT, so_b, so_h, NSP, SINK, sink_scale, HQ: tl.constexpr, D: tl.constexpr,
+                 BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Combine the ``NSP`` partials of query head ``pid1`` of query row ``pid0``. Grid ``(rows, Hq)``.
+
+    ``HAS_SINK``: ``SINK [Hq]`` fp32 sink logits, times ``sink_scale`` (log2 e) into the partials'
+    base-2 units, join the normaliser as a term of weight ``e^sink`` and no value."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sidx = tl.arange(0, BLOCK_S)
@@ -299,8 +315,13 @@ def merge_kernel(PO, PM, PL, OUT, so_b, so_h, NSP, HQ: tl.constexpr, D: tl.const
     m = tl.load(PM + base + sidx, mask=smask, other=float("-inf"))
     l = tl.load(PL + base + sidx, mask=smask, other=0.0)
     M = tl.max(m, axis=0)
+    if HAS_SINK:
+        ms = tl.load(SINK + h) * sink_scale
+        M = tl.maximum(M, ms)
     w = tl.where(m > float("-inf"), tl.exp2(m - M), 0.0)
     acc = tl.load(PO + (base + sidx)[:, None] * D + c[None, :], mask=smask[:, None], other=0.0)
     num = tl.sum(w[:, None] * acc, axis=0)
     den = tl.sum(w * l, axis=0)
+    if HAS_SINK:
+        den += tl.exp2(ms - M)
     tl.store(OUT + b * so_b + h * so_h + c, (num / den).to(OUT.dtype.element_ty))

@@ -44,7 +44,7 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor,
-                     kv_head_of_q, scale: float | None = None):
+                     kv_head_of_q, scale: float | None = None, window: int = 0, sink=None):
     """Reference attention of the last position over reconstructed keys/values, via the decomposition.
 
     Parameters
@@ -52,6 +52,8 @@ def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: t
     q : ``[q_head, D]`` the query of the last token.
     k, v, k_hat, v_hat : ``[kv_head, T, D]`` clean and reconstructed keys/values.
     kv_head_of_q : ``[q_head]`` kv head each query head reads.
+    window : the layer's sliding window (0: full attention).
+    sink : ``[q_head]`` learned sink logits, or None.
 
     Returns
     -------
@@ -63,7 +65,8 @@ def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: t
 
     T = k.shape[-2]
     d = decompose(q[:, None, :].double(), k.double(), v.double(), k_hat.double(), v_hat.double(), causal=True,
-                  scale=scale, kv_head_of_q=list(map(int, kv_head_of_q)), q_positions=[T - 1])
+                  scale=scale, kv_head_of_q=list(map(int, kv_head_of_q)), q_positions=[T - 1], window=window,
+                  sink=None if sink is None else torch.as_tensor(sink).double())
     return (d.out + d.total)[:, 0], d.out[:, 0], d
 
 
@@ -124,7 +127,8 @@ def _labels(config, layer: int, H: int, which: str) -> str:
 def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_head_of_q, *, layers=None,
                     steps: int = 2, tol: float = 1e-3, device=None, dot_fp16: bool = False,
                     num_splits: int | None = None, block_n: int | None = None,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> ValidationReport:
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None, sliding_windows=None,
+                    sinks: torch.Tensor | None = None) -> ValidationReport:
     """Validate on arrays: ``q`` ``[L, B, q_head, T, D]``, ``k``/``v`` ``[L, B, kv_head, T, D]``.
 
     Every sequence has ``T`` tokens: ``T - steps`` arrive in one prefill, then one per step; the
@@ -134,6 +138,10 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     ``[T, D]`` tables of positions ``0..T-1`` in each sequence: the kernel path stores pre-RoPE
     keys and rotates them in the decode kernel; the reference rotates the clean keys and what
     the oracle reconstructs of them with the same tables.
+
+    ``sliding_windows`` (one per layer, 0: full attention) and ``sinks`` (``[L, q_head]`` learned
+    sink logits) reach both paths: the kernels mask and merge with them, the reference
+    decomposes with them.
     """
     from kverr.gpu import PagedKVCache, calibrate_static_scales
     from kverr.gpu.cache import interpreting
@@ -165,7 +173,9 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     static = calibrate_static_scales(config, [k[l] for l in range(L)], [v[l] for l in range(L)]) if has_static else None
     cache = PagedKVCache(config, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
                          device=dev, static_scales=static, dot_fp16=dot_fp16, block_n=block_n,
-                         rope=None if rope is None else (rope[0].to(dev), rope[1].to(dev)))
+                         rope=None if rope is None else (rope[0].to(dev), rope[1].to(dev)),
+                         sliding_windows=sliding_windows, sinks=sinks)
+    windows = cache.windows
     if rope is not None:
         from kverr.rope import rotate
 
@@ -202,7 +212,7 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                     got = cache.read(l, which, b)
                     w["mis"] += int((got != hat[b]).sum())
                 ref, clean, _ = reference_decode(q[l, b, :, t - 1], post(k[l, b, :, :t]), v[l, b, :, :t], k_hat[b], v_hat[b],
-                                                 kv_map)
+                                                 kv_map, window=windows[l], sink=None if sinks is None else sinks[l])
                 r = rel_rms(out[b], ref)
                 diff = (out[b].double() - ref).abs()
                 if r >= w["rel"]:
@@ -261,6 +271,7 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
     kverr.exceptions.CaptureError
         The capture is too short for ``batch`` sequences of ``tokens``.
     """
+    import kverr.accessor  # noqa: F401  (ds.kv)
     from kverr.config import check_model_matches, resolve
     from kverr.dims import layer_positions
 
@@ -299,8 +310,10 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
         q, rope = _local_positions(ds, q, tokens, batch)
     # A capture may hold a subset of the model's layers: index the config by the model's layers.
     model_layers = [int(x) for x in ds["layer"].values]
+    sinks = torch.from_numpy(ds.kv.attn_sinks().values).float() if ds.kv.has_sinks else None
     rep = validate_arrays(cfg.select_layers(model_layers), q, split(k), split(v), kv_map, layers=positions,
-                          steps=steps, tol=tol, device=device, dot_fp16=dot_fp16, rope=rope)
+                          steps=steps, tol=tol, device=device, dot_fp16=dot_fp16, rope=rope,
+                          sliding_windows=[ds.kv.sliding_window(layer) for layer in model_layers], sinks=sinks)
     for r in rep.layers:
         r.layer = model_layers[r.layer]
     return rep

@@ -162,7 +162,7 @@ def decode_signature(ks: KernelSpec, vs: KernelSpec, fp_q: bool = False) -> dict
         low = p.lower()
         sig.update({f"{p}FS": "*fp16", f"s{low}fs_b": "i32", f"s{low}fs_h": "i32"})
     sig.update({"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "COS": "*fp32", "SIN": "*fp32", "qk_scale": "fp32"})
-    for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0"):
+    for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0", "LWIN"):
         sig[n] = "i32"
     return sig
 
@@ -204,7 +204,7 @@ def resource_usage(compiled) -> dict:
 def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int = 4) -> list[tuple]:
     """The kernel specialisations to compile: the store kernel for every format, the decode
     kernel (main and tail) for every format as both K and V, mixed K/V pairs, pre-RoPE keys,
-    chunked prefill and int8 windows. Each is ``(kernel, label, jit function, signature,
+    chunked prefill, sliding-window layers and int8 windows. Each is ``(kernel, label, jit function, signature,
     constexprs)``."""
     from kverr_kernels import decode, quant_store
 
@@ -252,6 +252,17 @@ def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int =
                          decode.paged_decode_kernel, decode_signature(ks, vs),
                          decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P, tail=tail,
                                             dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1)))
+    # sliding-window layers: decode and chunked prefill, a kivi-like pair and a rotated pre-RoPE one
+    for ks, vs, kpre, m in ((by["int2a/ch32/fp16"], by["int2a/tg32/fp16"], False, 1),
+                            (by["int4a/tok/fp16/mse/had"], by["int4a/tok/fp16"], True, 1),
+                            (by["int4a/tok/fp16/mse/had"], by["int4a/tok/fp16"], True, qm)):
+        for tail in (False, True):
+            jobs.append((("decode" if m == 1 else "prefill") + ("_tail" if tail else ""),
+                         f"K {ks.fmt.label()}{' pre-RoPE' if kpre else ''} V {vs.fmt.label()} sliding window",
+                         decode.paged_decode_kernel, decode_signature(ks, vs),
+                         decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P,
+                                           tail=tail, dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1,
+                                           slide=True)))
     for ks, vs, kpre, m in ((by["int2a/ch32/fp16"], by["int4a/tok/fp16/mse/had"], True, 1),
                             (by["int2a/ch32/fp16"], by["int4a/tok/fp16/mse/had"], True, qm)):
         name = "decode_tail" if m == 1 else "prefill_tail"

@@ -209,13 +209,21 @@ class PagedKVCache:
     block_n : int, optional
         Tokens per decode tile (default 32 at head dim <= 64, else 16: with 8 warps no
         specialisation spills, see bench/results/aot-*.txt).
+    sliding_windows : sequence of int, optional
+        Per layer, the sliding window (0: full attention): decode and prefill of that layer see
+        the tokens ``p − W < t ≤ p`` of a query at ``p``. Every token stays stored (no page is
+        freed behind the window; :mod:`kverr.memory` counts what an engine that frees them holds).
+    sinks : torch.Tensor, optional
+        ``[n_layers, n_q_heads]`` learned sink logits (gpt-oss): one more softmax term per query
+        head, without a value.
     """
 
     def __init__(self, config, *, n_layers: int, n_kv_heads: int, n_q_heads: int, head_dim: int,
                  max_batch: int, max_tokens: int, device: str | torch.device | None = None,
                  static_scales: dict | None = None, num_pages: int | None = None,
                  dot_fp16: bool = False, block_n: int | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 sliding_windows=None, sinks: torch.Tensor | None = None) -> None:
         from kverr.config import CacheConfig
 
         if not isinstance(config, CacheConfig):
@@ -238,6 +246,15 @@ class PagedKVCache:
         config.check_model(n_layers, n_kv_heads, head_dim)
         self.config = config
         self.L, self.H, self.Hq, self.D = n_layers, n_kv_heads, n_q_heads, head_dim
+        self.windows = [0] * n_layers if sliding_windows is None else [int(w) for w in sliding_windows]
+        if len(self.windows) != n_layers or min(self.windows) < 0:
+            raise ShapeError(f"sliding_windows={sliding_windows!r}: give one non-negative window per layer ({n_layers})")
+        self.sinks = None
+        if sinks is not None:
+            if tuple(sinks.shape) != (n_layers, n_q_heads):
+                raise ShapeError(f"sinks of shape {tuple(sinks.shape)}: give [n_layers, n_q_heads] = "
+                                 f"[{n_layers}, {n_q_heads}] sink logits")
+            self.sinks = sinks.detach().to(device=self.device, dtype=torch.float32).contiguous()
         self.rep = n_q_heads // n_kv_heads
         self.B = max_batch
         self.P = config.page_size
@@ -635,11 +652,12 @@ class PagedKVCache:
         if out is None:
             out = torch.empty_like(q)
         scale = (1.0 / math.sqrt(self.D)) if sm_scale is None else float(sm_scale)
+        w = self.windows[layer]
         for ln in self.launches[layer]:
             if step.num_splits:
-                launch_decode(self, step, ln, q, scale, tail=False)
-            launch_decode(self, step, ln, q, scale, tail=True)
-        launch_merge(step, out, self.Hq, self.D)
+                launch_decode(self, step, ln, q, scale, tail=False, window=w)
+            launch_decode(self, step, ln, q, scale, tail=True, window=w)
+        launch_merge(step, out, self.Hq, self.D, sinks=None if self.sinks is None else self.sinks[layer])
         return out
 
     def prefill(self, step: StepPlan, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
@@ -701,11 +719,13 @@ class PagedKVCache:
                  torch.empty((rows, self.Hq, nsp), dtype=torch.float32, device=dev)),
                 qm, qb)
         spec = step.extras["prefill"]
+        w = self.windows[layer]
         for ln in self.launches[layer]:
             if step.num_splits:
-                launch_decode(self, step, ln, q, scale, tail=False, rows=spec)
-            launch_decode(self, step, ln, q, scale, tail=True, rows=spec)
-        launch_merge(step, res, self.Hq, self.D, partials=spec.partials)
+                launch_decode(self, step, ln, q, scale, tail=False, rows=spec, window=w)
+            launch_decode(self, step, ln, q, scale, tail=True, rows=spec, window=w)
+        launch_merge(step, res, self.Hq, self.D, partials=spec.partials,
+                     sinks=None if self.sinks is None else self.sinks[layer])
         if four_d:
             return res.reshape(self.B, -1, self.Hq, self.D).permute(0, 2, 1, 3)
         return res

@@ -103,13 +103,13 @@ def _fmt_args(pool):
 
 def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, rep: int, block_n: int,
                       P: int, tail: bool, dot_fp16: bool, key_pre_rope: bool = False, qm: int = 1,
-                      qb: int = 1, fp_q: bool = False) -> dict:
+                      qb: int = 1, fp_q: bool = False, slide: bool = False) -> dict:
     return dict(
         HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep * qm)), BLOCK_N=block_n, P=P,
         K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb,
         V_KIND=vspec.kind, V_BITS=vspec.bits, V_BD=vspec.bd, V_BTS=vspec.bts, V_STATIC=vspec.static, V_CB=vspec.cb,
         K_ROT=kspec.rot, V_ROT=vspec.rot, **rotation_constexprs(D), K_PRE=key_pre_rope,
-        TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16, QM=qm, QB=qb, FP_Q=fp_q,
+        TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16, QM=qm, QB=qb, FP_Q=fp_q, SLIDE=slide,
     )
 
 
@@ -135,9 +135,10 @@ class QueryRows(NamedTuple):
 
 
 def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bool,
-                  rows: QueryRows | None = None) -> None:
+                  rows: QueryRows | None = None, window: int = 0) -> None:
     """Decode (``rows=None``: one query per sequence, ``q [B, Hq, D]``) or a prefill chunk
-    (``q [rows, Hq, D]`` packed per sequence, as ``rows`` says)."""
+    (``q [rows, Hq, D]`` packed per sequence, as ``rows`` says); ``window`` > 0: the layer's
+    sliding window."""
     _, dk = _kernels()
     kp, vp = ln.kpool, ln.vpool
     ns = step.num_splits
@@ -159,18 +160,20 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         cache.rope_sin if cache.key_pre_rope else po,
         sm_scale * 1.4426950408889634,
         cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
-        ns if tail else 0,
+        ns if tail else 0, int(window),
         **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=decode_block_n(kp.spec, vp.spec, cache.block_n),
                             P=cache.P, tail=tail, dot_fp16=cache.dot_fp16, key_pre_rope=cache.key_pre_rope, qm=qm, qb=qb,
-                            fp_q=kp.fp_scale is not None),
+                            fp_q=kp.fp_scale is not None, slide=window > 0),
         num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
     )
 
 
-def launch_merge(step, out: torch.Tensor, Hq: int, D: int, partials=None) -> None:
+def launch_merge(step, out: torch.Tensor, Hq: int, D: int, partials=None, sinks: torch.Tensor | None = None) -> None:
+    """Combine the partials into ``out``; ``sinks [Hq]`` fp32: the layer's learned sink logits."""
     _, dk = _kernels()
     nsp = step.num_splits + 1
     po, pm, pl = partials if partials is not None else (step.partial_o, step.partial_m, step.partial_l)
     rows = out.shape[0]
     dk.merge_kernel[(rows, Hq)](po, pm, pl, out, out.stride(0), out.stride(1),
-                                nsp, HQ=Hq, D=D, BLOCK_S=_next_pow2(nsp))
+                                nsp, pm if sinks is None else sinks, 1.4426950408889634,
+                                HQ=Hq, D=D, BLOCK_S=_next_pow2(nsp), HAS_SINK=sinks is not None)
