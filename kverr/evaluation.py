@@ -40,7 +40,7 @@ import torch
 
 from kverr.config import CacheConfig, named_presets, resolve
 from kverr.exceptions import ConfigError, NonFiniteError, ShapeError, TextError
-from kverr.memory import ModelShape, account
+from kverr.memory import account
 from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format, is_static
 
 log = logging.getLogger(__name__)
@@ -442,7 +442,7 @@ def evaluate(
     if decode < 1 or segments < 1 or any(p < 1 for p in prefill):
         raise ConfigError("prefill, decode and segments must be at least 1")
     model = loaded.model
-    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim, loaded.model_id, loaded.max_context)
+    shape = loaded.shape
     given: dict[str, dict | None] = {}
     for s in schemes:
         if s.config is not None:

@@ -274,11 +274,11 @@ def evaluate_passkey(
     import pandas as pd
 
     from kverr.evaluation import Scheme, compare, make_cache, teacher_forced
-    from kverr.memory import ModelShape, account
+    from kverr.memory import account
     from kverr.progress import progress as progress_bar
 
     model = loaded.model
-    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim, loaded.model_id, loaded.max_context)
+    shape = loaded.shape
     for s in schemes:
         if s.config is not None:
             s.config.check_model(shape.n_layers, shape.n_kv_heads, shape.head_dim)

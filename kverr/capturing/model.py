@@ -141,9 +141,14 @@ class LoadedModel:
         """Per-layer sliding windows of the model's config (empty: full attention everywhere)."""
         from kverr.memory import sliding_windows_of
 
-        cfg = self.model.config
-        cfg = getattr(cfg, "text_config", None) or cfg
-        return sliding_windows_of(cfg.to_dict(), self.n_layers, self.model_id)
+        return sliding_windows_of(_text_config(self.model.config).to_dict(), self.n_layers, self.model_id)
+
+    @property
+    def shape(self) -> ModelShape:
+        """:class:`kverr.memory.ModelShape` of the model (for byte accounting), sliding windows included."""
+        return ModelShape(self.n_layers, self.n_kv_heads, self.head_dim, name=self.model_id,
+                          max_context=self.max_context or None, n_q_heads=self.n_q_heads,
+                          sliding_windows=self.sliding_windows)
 
 
 def cache_dir() -> Path:
@@ -235,8 +240,11 @@ def model_dims(config: Any) -> tuple[int, int, int, int, int]:
 
 
 def _as_shape(config: Any, name: str) -> ModelShape:
+    from kverr.memory import sliding_windows_of
+
     n_layers, n_q, n_kv, head_dim, max_context = model_dims(config)
-    return ModelShape(n_layers, n_kv, head_dim, name=name, max_context=max_context or None, n_q_heads=n_q)
+    return ModelShape(n_layers, n_kv, head_dim, name=name, max_context=max_context or None, n_q_heads=n_q,
+                      sliding_windows=sliding_windows_of(_text_config(config).to_dict(), n_layers, name))
 
 
 def _check_model_type(config: Any, where: str) -> None:

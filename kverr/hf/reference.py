@@ -74,17 +74,26 @@ Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def model_rotary(model: Any) -> Rotary:
-    """``positions [T] -> (cos, sin) [T, D]`` from a transformers model's own rotary embedding."""
+    """``positions [T] -> (cos, sin) [T, D]`` from a transformers model's own rotary embedding
+    (models whose tables cover half the head dim, as gpt-oss's, get them repeated over both)."""
     base = getattr(model, "model", model)
     rotary = getattr(base, "rotary_emb", None)
     if rotary is None:
         raise ConfigError("key_pre_rope needs the model's rotary embedding (model.model.rotary_emb); none found")
     param = next(model.parameters())
 
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
     def fn(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dummy = torch.zeros(1, device=param.device, dtype=torch.float32)
         cos, sin = rotary(dummy, positions.reshape(1, -1).to(param.device))
-        return cos[0].float(), sin[0].float()
+        cos, sin = cos[0].float(), sin[0].float()
+        if 2 * cos.shape[-1] == head_dim:
+            # half-width tables (gpt-oss rotates [x1, x2] to [x1 cos - x2 sin, x2 cos + x1 sin]):
+            # the same rotation as rotate_half with each table repeated over both halves
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        return cos, sin
 
     return fn
 
