@@ -87,6 +87,14 @@ class CaptureAccessor:
             return None
         return dict(json.loads(rope)) if isinstance(rope, str) else dict(rope)
 
+    def rope_of(self, layer: int) -> dict[str, Any] | None:
+        """The RoPE parameters of model layer ``layer`` (:func:`kverr.rope.layer_rope`; models with
+        a RoPE per layer type have one per type), or None when not recorded."""
+        from kverr.rope import layer_rope
+
+        rope = self.rope
+        return None if rope is None else layer_rope(rope, layer)
+
     def attn_scale(self, layer: int) -> float:
         """Softmax scale of model layer ``layer`` (``attn_scale``; else ``head_dim ** -0.5``)."""
         if "attn_scale" in self._ds.coords:

@@ -46,6 +46,18 @@ def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta**exponents)
 
 
+def layer_rope(rope: Mapping[str, Any] | str, layer: int) -> dict[str, Any]:
+    """The RoPE parameters of model layer ``layer``: ``rope`` itself, or for models with a RoPE
+    per layer type (``{"layer_types": [...], "types": {...}}``, Gemma 3) that of its type."""
+    params = json.loads(rope) if isinstance(rope, str) else dict(rope)
+    if "types" not in params:
+        return params
+    types = params["layer_types"]
+    if not 0 <= int(layer) < len(types):
+        raise ShapeError(f"layer {layer} is not one of the {len(types)} layers the RoPE parameters describe")
+    return dict(params["types"][types[int(layer)]])
+
+
 def parse_rope(rope: Mapping[str, Any] | str) -> tuple[torch.Tensor, float]:
     """Read ``inv_freq`` and ``attention_scaling`` from a capture's ``rope`` attribute.
 
@@ -62,6 +74,8 @@ def parse_rope(rope: Mapping[str, Any] | str) -> tuple[torch.Tensor, float]:
         Factor applied to cos and sin (1.0 except for some scaled RoPE variants).
     """
     params = json.loads(rope) if isinstance(rope, str) else dict(rope)
+    if "types" in params:
+        raise ShapeError("the model has a RoPE per layer type; take one layer's with kverr.rope.layer_rope(rope, layer)")
     if "inv_freq" not in params:
         raise ShapeError(
             "RoPE parameters have no 'inv_freq'; they must come from a kverr capture "

@@ -135,9 +135,10 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     decode output of each step is compared (the query is that step's token).
 
     With ``config.key_pre_rope``, ``k`` holds pre-RoPE keys and ``rope = (cos, sin)`` the
-    ``[T, D]`` tables of positions ``0..T-1`` in each sequence: the kernel path stores pre-RoPE
-    keys and rotates them in the decode kernel; the reference rotates the clean keys and what
-    the oracle reconstructs of them with the same tables.
+    ``[T, D]`` tables of positions ``0..T-1`` in each sequence (or a list of such pairs, one per
+    layer, for a RoPE per layer type): the kernel path stores pre-RoPE keys and rotates them in
+    the decode kernel; the reference rotates the clean keys and what the oracle reconstructs of
+    them with the same tables.
 
     ``sliding_windows`` (one per layer, 0: full attention) and ``sinks`` (``[L, q_head]`` learned
     sink logits) reach both paths: the kernels mask and merge with them, the reference
@@ -173,18 +174,20 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     static = calibrate_static_scales(config, [k[l] for l in range(L)], [v[l] for l in range(L)]) if has_static else None
     cache = PagedKVCache(config, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
                          device=dev, static_scales=static, dot_fp16=dot_fp16, block_n=block_n,
-                         rope=None if rope is None else (rope[0].to(dev), rope[1].to(dev)),
+                         rope=None if rope is None else ([(c.to(dev), s.to(dev)) for c, s in rope] if isinstance(rope, list)
+                                                         else (rope[0].to(dev), rope[1].to(dev))),
                          sliding_windows=sliding_windows, sinks=sinks)
     windows = cache.windows
     if rope is not None:
         from kverr.rope import rotate
 
-        cos, sin = (t.float().cpu() for t in rope)
+        pairs = [tuple(t.float().cpu() for t in p) for p in (rope if isinstance(rope, list) else [rope] * L)]
 
-        def post(x):  # [..., t, D] pre-RoPE -> post-RoPE at positions 0..t-1
+        def post(x, l):  # [..., t, D] pre-RoPE -> post-RoPE at positions 0..t-1, with layer l's tables
+            cos, sin = pairs[l]
             return rotate(x.float(), cos[: x.shape[-2]], sin[: x.shape[-2]])
     else:
-        def post(x):
+        def post(x, l):
             return x
     report = ValidationReport(config.name or "config", T, B, steps, tol, str(dev), interpreting())
     worst = {l: dict(mis=0, rel=0.0, mx=0.0, where="", qerr=0.0) for l in layers}
@@ -204,14 +207,14 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         for l in layers:
             out = cache.decode(step, l, q[l, :, :, t - 1].to(dev)).float().cpu()
             k_stored = reconstruct(k[l, :, :, :t], config, layer=l, which="k")
-            k_hat = post(k_stored)
+            k_hat = post(k_stored, l)
             v_hat = reconstruct(v[l, :, :, :t], config, layer=l, which="v")
             w = worst[l]
             for b in range(B):
                 for which, hat in (("k", k_stored), ("v", v_hat)):
                     got = cache.read(l, which, b)
                     w["mis"] += int((got != hat[b]).sum())
-                ref, clean, _ = reference_decode(q[l, b, :, t - 1], post(k[l, b, :, :t]), v[l, b, :, :t], k_hat[b], v_hat[b],
+                ref, clean, _ = reference_decode(q[l, b, :, t - 1], post(k[l, b, :, :t], l), v[l, b, :, :t], k_hat[b], v_hat[b],
                                                  kv_map, window=windows[l], sink=None if sinks is None else sinks[l])
                 r = rel_rms(out[b], ref)
                 diff = (out[b].double() - ref).abs()
@@ -308,6 +311,8 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
     q, rope = split(q), None
     if cfg.key_pre_rope:
         q, rope = _local_positions(ds, q, tokens, batch)
+        if len({id(r) for r in rope}) == 1:
+            rope = rope[0]
     # A capture may hold a subset of the model's layers: index the config by the model's layers.
     model_layers = [int(x) for x in ds["layer"].values]
     sinks = torch.from_numpy(ds.kv.attn_sinks().values).float() if ds.kv.has_sinks else None
@@ -320,30 +325,41 @@ def validate(config, capture, *, tokens: int = 128, batch: int = 2, steps: int =
 
 
 def _local_positions(ds, q: torch.Tensor, tokens: int, batch: int):
-    """RoPE tables of positions ``0..tokens-1`` and the captured queries moved to them.
+    """RoPE tables of positions ``0..tokens-1`` (one (cos, sin) pair per captured layer, shared by
+    layers of one RoPE) and the captured queries ``[L, B, q_head, T, D]`` moved to them.
 
     The kernel path rotates the pre-RoPE keys of each sequence to positions ``0, 1, ...``; the
     captured queries were rotated to their absolute positions ``p0_b + t``. Attention scores
     depend on position differences only, so each sequence's queries are turned back by ``p0_b``
     (a pure rotation, without ``attention_scaling``) and keys and queries stay consistent.
     """
+    import json
+
     from kverr.rope import parse_rope, rope_cos_sin, rotate
 
     import kverr.accessor  # noqa: F401  (ds.kv)
 
     if ds.kv.rope is None:
         raise CaptureError("a key_pre_rope config needs the capture's RoPE parameters (attrs['rope'])")
-    inv_freq, scaling = parse_rope(ds.kv.rope)
     D = q.shape[-1]
-    if 2 * inv_freq.numel() != D:
-        raise KernelError(f"partial rotary embeddings ({2 * inv_freq.numel()} of {D} channels) are not fused into the "
-                          "decode kernel; validate this config on the reference path")
     n = tokens * batch
     pos = ds.kv.positions[:n]
     p0 = pos.reshape(batch, tokens)[:, :1]
     if not (pos.reshape(batch, tokens) - p0 == np.arange(tokens)).all():
         raise CaptureError("the captured positions are not consecutive within each validation sequence")
-    cos, sin = rope_cos_sin(np.arange(tokens), inv_freq, scaling)
-    back_cos, back_sin = rope_cos_sin(-p0[:, 0], inv_freq, 1.0)  # [batch, D]
-    q = torch.stack([rotate(q[:, b], back_cos[b], back_sin[b]) for b in range(batch)], dim=1)
-    return q.contiguous(), (cos, sin)
+    tables: dict[str, tuple] = {}
+    out, pairs = [], []
+    for i, layer in enumerate(ds.kv.layers):
+        params = ds.kv.rope_of(layer)
+        key = json.dumps(params, sort_keys=True)
+        if key not in tables:
+            inv_freq, scaling = parse_rope(params)
+            if 2 * inv_freq.numel() != D:
+                raise KernelError(f"partial rotary embeddings ({2 * inv_freq.numel()} of {D} channels) are not fused "
+                                  "into the decode kernel; validate this config on the reference path")
+            back = rope_cos_sin(-p0[:, 0], inv_freq, 1.0)  # [batch, D]
+            tables[key] = (rope_cos_sin(np.arange(tokens), inv_freq, scaling), back)
+        pair, (back_cos, back_sin) = tables[key]
+        pairs.append(pair)
+        out.append(torch.stack([rotate(q[i, b], back_cos[b], back_sin[b]) for b in range(batch)]))
+    return torch.stack(out).contiguous(), pairs

@@ -1,6 +1,7 @@
 """Sliding-window and hybrid attention end to end, through the command line: random Mistral-like
-(every layer sliding) and gpt-oss-like (sliding and full layers alternating, learned sinks)
-models pass capture -> decompose -> calibrate -> memory -> evaluate -> validate.
+(every layer sliding), gpt-oss-like (sliding and full layers alternating, learned sinks) and
+Gemma-3-like (two sliding layers to one full, a RoPE per layer type) models pass capture ->
+decompose -> calibrate -> memory -> evaluate -> validate.
 
 The numbers each stage produces are tested where the stage is (the window and sink rules in
 tests/error, the byte counts in test_memory, the objective in tests/calibration, the kernels in
@@ -22,7 +23,7 @@ from kverr.cli import main
 pytestmark = pytest.mark.float_order
 
 
-@pytest.fixture(scope="module", params=["mistral", "gpt_oss"])
+@pytest.fixture(scope="module", params=["mistral", "gpt_oss", "gemma3"])
 def pipeline(request, tmp_path_factory):
     """The tiny model, and what each stage wrote for it (the stages run once per model)."""
     from kverr.capturing.tiny import make_tiny_model
@@ -92,3 +93,33 @@ def test_evaluate_and_validate_the_calibrated_config(pipeline, capsys):
                  "--steps", "2", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["ok"], report
+
+
+def test_validation_moves_each_layer_with_its_own_rope(pipeline):
+    """The kernel path rotates pre-RoPE keys to local positions with each layer's tables and turns
+    the captured queries back to match: the attention scores are the captured ones, layer by layer
+    (Gemma 3: local and global layers rotate differently; a single table would fail here)."""
+    import torch
+
+    from kverr.io import open_capture
+    from kverr.rope import rotate
+    from kverr.validation import _local_positions
+
+    cap = open_capture(pipeline["dir"] / "cap.zarr")
+    tokens, batch = 48, 2
+    sel = dict(token=slice(0, tokens * batch))
+
+    def split(x):  # [L, heads, B*T, D] -> [L, B, heads, T, D]
+        x = torch.from_numpy(np.asarray(x, dtype=np.float32))
+        return x.reshape(x.shape[0], x.shape[1], batch, tokens, x.shape[-1]).permute(0, 2, 1, 3, 4)
+
+    q, kp, k = (split(cap[n].isel(sel).values) for n in ("q", "k_pre", "k"))
+    q_local, tables = _local_positions(cap, q, tokens, batch)
+    rep = q.shape[2] // k.shape[2]
+    for layer, (cos, sin) in enumerate(tables):
+        k_local = rotate(kp[layer], cos, sin)
+        got = q_local[layer] @ k_local.repeat_interleave(rep, dim=1).transpose(-1, -2)
+        want = q[layer] @ k[layer].repeat_interleave(rep, dim=1).transpose(-1, -2)
+        # float32: two rotations and a D-term dot product round at ~1e-6 of the largest score
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert (len({id(t) for t in tables}) == 2) == (pipeline["variant"] == "gemma3")

@@ -449,14 +449,14 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
     from kverr.progress import progress as progress_bar
 
     layers = capture.kv.layers if layers is None else list(layers)
-    positions, rope = capture.kv.positions, capture.kv.rope
+    positions = capture.kv.positions
     out = np.zeros((len(configs), len(layers), 2))
     need_pre = any(c.key_pre_rope for c in configs)
     with progress_bar(total=len(layers), desc="predict", unit="layer", enabled=progress) as bar:
         for li, layer in enumerate(layers):
             q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
             prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
-                                 positions=positions, rope=rope, decode=decode,
+                                 positions=positions, rope=capture.kv.rope_of(layer) if need_pre else None, decode=decode,
                                  sliding_window=capture.kv.sliding_window(layer), sinks=capture.kv.attn_sink(layer))
             for ci, config in enumerate(configs):
                 opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)

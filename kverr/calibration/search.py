@@ -313,6 +313,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
 
     import torch
 
+    from kverr.rope import layer_rope
+
     # One torch thread per task, whichever worker runs it: a reduction split over more threads
     # rounds differently, and the tables must not depend on the engine or the worker count.
     torch.set_num_threads(1)
@@ -325,7 +327,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
         t0 = time.thread_time()  # this thread's CPU: other tasks share the process
         prep = prepare_layer(q[i], k[i], v[i], k_pre[i] if need_pre else None, layer=int(layer_vals[i]),
                              kv_map=kv_map, scale=float(scales[i]), queries=queries, positions=positions,
-                             rope=rope, decode=decode, sliding_window=int(windows[i]),
+                             rope=None if rope is None else layer_rope(rope, int(layer_vals[i])), decode=decode,
+                             sliding_window=int(windows[i]),
                              sinks=None if np.isnan(sinks[i]).all() else sinks[i])
         dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
         cpu[i] = time.thread_time() - t0

@@ -157,8 +157,16 @@ class _Recorder:
         i = self.index.get(layer)
         if i is None:
             return
-        # [batch, token, kv_head * channel] (k_proj) or [batch, token, kv_head, channel] (k_norm)
-        t = out.reshape(1, self.n_tokens, self.n_kv, self.head_dim).transpose(1, 2)
+        # [batch, token, kv_head * channel] (k_proj), [batch, token, kv_head, channel] (k_norm
+        # before the heads move forward: Qwen3) or [batch, kv_head, token, channel] (after: Gemma 3)
+        heads_first = out.ndim == 4 and tuple(out.shape[1:3]) == (self.n_kv, self.n_tokens)
+        if heads_first and self.n_kv == self.n_tokens:
+            raise CaptureError(f"layer {layer}: cannot tell the normed keys' layout when the capture has as many "
+                               f"tokens as kv heads ({self.n_kv}); capture another number of tokens")
+        if heads_first:
+            t = out.reshape(1, self.n_kv, self.n_tokens, self.head_dim)
+        else:
+            t = out.reshape(1, self.n_tokens, self.n_kv, self.head_dim).transpose(1, 2)
         torch.from_numpy(self.k_pre[i]).copy_(t[0])
         self.seen_pre.add(layer)
 

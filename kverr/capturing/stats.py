@@ -153,7 +153,7 @@ def pair_norm_absmax(ds: Any, var: str = "k_pre") -> Any:
     """
     import kverr.accessor  # noqa: F401  (ds.kv)
 
-    half = len(ds.kv.rope["inv_freq"])
+    half = len(ds.kv.rope_of(ds.kv.layers[0])["inv_freq"])  # every layer type rotates the same channels
     x = ds[var].astype(np.float32)
     first = x.isel({CHANNEL: slice(0, half)})
     second = x.isel({CHANNEL: slice(half, 2 * half)}).assign_coords({CHANNEL: first[CHANNEL].values})

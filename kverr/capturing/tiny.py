@@ -60,6 +60,16 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                               "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256}),
     ),
+    # Gemma 3: two sliding-window layers to one full, a RoPE per layer type (local theta 1e4,
+    # global 1e6 with linear scaling), RMS norms on queries and keys, a query scale of its own.
+    "gemma3": (
+        "gemma3_text",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=32,
+             query_pre_attn_scalar=48,
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}),
+    ),
     # Qwen3: RMS norm on keys before RoPE (k_pre is the normed key).
     "qwen3": (
         "qwen3",

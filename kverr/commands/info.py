@@ -20,7 +20,12 @@ def describe(path: str | Path) -> dict[str, Any]:
     src = Path(path)
     ds = open_capture(src)
     rope = ds.kv.rope
-    rope_short = {k: v for k, v in rope.items() if k != "inv_freq"}
+
+    def short(params):
+        return {k: v for k, v in params.items() if k != "inv_freq"}
+
+    rope_short = ({"layer_types": rope["layer_types"], "types": {t: short(p) for t, p in rope["types"].items()}}
+                  if "types" in rope else short(rope))
     return {
         "path": str(src),
         "model_id": ds.attrs["model_id"],

@@ -82,10 +82,10 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, config, 
         ki = torch.from_numpy(np.ascontiguousarray(k[i], dtype=np.float32))
         vi = torch.from_numpy(np.ascontiguousarray(v[i], dtype=np.float32))
         if config.key_pre_rope:
-            from kverr.rope import apply_rope
+            from kverr.rope import apply_rope, layer_rope
 
             kp = torch.from_numpy(np.ascontiguousarray(k_pre[i], dtype=np.float32))
-            k_hat = apply_rope(reconstruct(kp, config, layer=layer, which="k"), positions, rope)
+            k_hat = apply_rope(reconstruct(kp, config, layer=layer, which="k"), positions, layer_rope(rope, layer))
         else:
             k_hat = reconstruct(ki, config, layer=layer, which="k")
         v_hat = reconstruct(vi, config, layer=layer, which="v")

@@ -28,7 +28,8 @@ the same, reference, codes.
 With ``config.key_pre_rope`` the cache stores the keys it is given -- pre-RoPE keys -- and the
 decode kernel rotates every key row to its position (``t`` = the token's index in its sequence)
 with the ``rope=(cos, sin)`` tables, ``[max_tokens, D]``, given at construction (the cache keeps
-one half of each: in transformers' half-rotation convention both halves of a row are the same).
+one half of each: in transformers' half-rotation convention both halves of a row are the same);
+models with a RoPE per layer type (Gemma 3) give a list of such pairs, one per layer.
 
 Usage::
 
@@ -275,24 +276,17 @@ class PagedKVCache:
         self.unset_static: set[tuple[int, str, int]] = set()
         dev = self.device
         self.key_pre_rope = bool(config.key_pre_rope)
-        self.rope_cos = self.rope_sin = None
+        # per layer, the (cos, sin) half tables the decode kernel reads; layers sharing a pair share it
+        self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.key_pre_rope:
             if rope is None:
                 raise KernelError("config.key_pre_rope: pass rope=(cos, sin), the [max_tokens, head_dim] RoPE tables "
                                   "of positions 0..max_tokens-1 (the decode kernel rotates keys to their positions)")
-            cos, sin = (torch.as_tensor(t) for t in rope)
-            if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < max_tokens or cos.shape[1] != head_dim:
-                raise ShapeError(f"rope tables must both be [>= max_tokens={max_tokens}, head_dim={head_dim}] "
-                                 f"(full rotary dimension), got {tuple(cos.shape)} and {tuple(sin.shape)}")
-            # The half-rotation convention repeats each frequency in both halves of a row: the
-            # kernel reads one half (half the bytes of a pre-RoPE key's rotation, same numbers).
-            half = head_dim // 2
-            for name, t in (("cos", cos), ("sin", sin)):
-                if not torch.equal(t[:, :half], t[:, half:]):
-                    raise ShapeError(f"rope {name} table: its two halves differ; the decode kernel rotates keys in "
-                                     "transformers' half-rotation convention, whose tables repeat each frequency")
-            self.rope_cos = cos[:, :half].float().to(dev).contiguous()
-            self.rope_sin = sin[:, :half].float().to(dev).contiguous()
+            pairs = list(rope) if isinstance(rope, list) else [rope] * n_layers
+            if len(pairs) != n_layers:
+                raise ShapeError(f"rope: {len(pairs)} (cos, sin) pairs for {n_layers} layers; give one pair, or one per layer")
+            halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            self.rope_tables = [halves.setdefault(id(p), self._rope_half(p, max_tokens, head_dim, dev)) for p in pairs]
         elif rope is not None:
             raise ConfigError("rope tables were given but config.key_pre_rope is false (keys are post-RoPE)")
 
@@ -350,6 +344,26 @@ class PagedKVCache:
         self.token_blocks = sorted({p.spec.tb for per in self.pools for ps in per.values() for p in ps})
 
     # ---- construction helpers ----------------------------------------------------------------
+
+    @property
+    def rope_cos(self) -> torch.Tensor | None:
+        """Layer 0's ``[max_tokens, D/2]`` cos table (pre-RoPE keys), as the kernel reads it."""
+        return None if self.rope_tables is None else self.rope_tables[0][0]
+
+    @staticmethod
+    def _rope_half(pair, max_tokens: int, head_dim: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = (torch.as_tensor(t) for t in pair)
+        if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < max_tokens or cos.shape[1] != head_dim:
+            raise ShapeError(f"rope tables must both be [>= max_tokens={max_tokens}, head_dim={head_dim}] "
+                             f"(full rotary dimension), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        # The half-rotation convention repeats each frequency in both halves of a row: the
+        # kernel reads one half (half the bytes of a pre-RoPE key's rotation, same numbers).
+        half = head_dim // 2
+        for name, t in (("cos", cos), ("sin", sin)):
+            if not torch.equal(t[:, :half], t[:, half:]):
+                raise ShapeError(f"rope {name} table: its two halves differ; the decode kernel rotates keys in "
+                                 "transformers' half-rotation convention, whose tables repeat each frequency")
+        return cos[:, :half].float().to(dev).contiguous(), sin[:, :half].float().to(dev).contiguous()
 
     def _static_pair(self, sz, h, ncol, spec: KernelSpec, key, fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
         s, z = sz
@@ -655,8 +669,8 @@ class PagedKVCache:
         w = self.windows[layer]
         for ln in self.launches[layer]:
             if step.num_splits:
-                launch_decode(self, step, ln, q, scale, tail=False, window=w)
-            launch_decode(self, step, ln, q, scale, tail=True, window=w)
+                launch_decode(self, step, ln, q, scale, tail=False, window=w, rope=self._rope(layer))
+            launch_decode(self, step, ln, q, scale, tail=True, window=w, rope=self._rope(layer))
         launch_merge(step, out, self.Hq, self.D, sinks=None if self.sinks is None else self.sinks[layer])
         return out
 
@@ -722,13 +736,16 @@ class PagedKVCache:
         w = self.windows[layer]
         for ln in self.launches[layer]:
             if step.num_splits:
-                launch_decode(self, step, ln, q, scale, tail=False, rows=spec, window=w)
-            launch_decode(self, step, ln, q, scale, tail=True, rows=spec, window=w)
+                launch_decode(self, step, ln, q, scale, tail=False, rows=spec, window=w, rope=self._rope(layer))
+            launch_decode(self, step, ln, q, scale, tail=True, rows=spec, window=w, rope=self._rope(layer))
         launch_merge(step, res, self.Hq, self.D, partials=spec.partials,
                      sinks=None if self.sinks is None else self.sinks[layer])
         if four_d:
             return res.reshape(self.B, -1, self.Hq, self.D).permute(0, 2, 1, 3)
         return res
+
+    def _rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.rope_tables is None else self.rope_tables[layer]
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.L:

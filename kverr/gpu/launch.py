@@ -135,10 +135,11 @@ class QueryRows(NamedTuple):
 
 
 def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bool,
-                  rows: QueryRows | None = None, window: int = 0) -> None:
+                  rows: QueryRows | None = None, window: int = 0,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Decode (``rows=None``: one query per sequence, ``q [B, Hq, D]``) or a prefill chunk
     (``q [rows, Hq, D]`` packed per sequence, as ``rows`` says); ``window`` > 0: the layer's
-    sliding window."""
+    sliding window; ``rope``: the layer's ``[T, D/2]`` (cos, sin) tables of pre-RoPE keys."""
     _, dk = _kernels()
     kp, vp = ln.kpool, ln.vpool
     ns = step.num_splits
@@ -156,8 +157,8 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         vf, vf.stride(0), vf.stride(1), vf.stride(2),
         *_fp_scale_args(kp), *_fp_scale_args(vp),
         po, pm, pl,
-        cache.rope_cos if cache.key_pre_rope else po,
-        cache.rope_sin if cache.key_pre_rope else po,
+        rope[0] if rope is not None else po,
+        rope[1] if rope is not None else po,
         sm_scale * 1.4426950408889634,
         cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
         ns if tail else 0, int(window),

@@ -138,12 +138,18 @@ class KernelKVCache(Cache):
         n_layers, n_heads, n_kv, head_dim, _ = model_dims(model.config)
         device = next(model.parameters()).device
         self.config = config
-        self._cos = self._sin = None
+        self._rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if config.key_pre_rope:
             # the cache stores keys before RoPE, as KverrCache does: undo the model's rotation on the
-            # way in; the decode kernel applies it again per key row from the same tables
-            self._cos, self._sin = model_rotary(model)(torch.arange(max_tokens, device=device))
-            kwargs["rope"] = (self._cos, self._sin)
+            # way in; the decode kernel applies it again per key row from the same tables (a pair
+            # per layer: models with a RoPE per layer type have two)
+            pos = torch.arange(max_tokens, device=device)
+            self._rope = []
+            for i in range(n_layers):
+                cos, sin = model_rotary(model, i)(pos)
+                same = next((p for p in self._rope if torch.equal(p[0], cos) and torch.equal(p[1], sin)), None)
+                self._rope.append(same or (cos, sin))
+            kwargs["rope"] = self._rope
         # static scales not given: the prefill sets them, as in KverrCache
         kwargs.setdefault("static_scales", "first")
         self.paged = PagedKVCache(
@@ -178,9 +184,10 @@ class KernelKVCache(Cache):
             self.step = self.paged.plan([n] * B)
             self.length += n
         k_in = k
-        if self._cos is not None:
+        if self._rope is not None:
             t0 = self.length - n
-            k_in = unrotate(k.float(), self._cos[t0:self.length], self._sin[t0:self.length])
+            cos, sin = self._rope[layer]
+            k_in = unrotate(k.float(), cos[t0:self.length], sin[t0:self.length])
         if self.paged.static_pending(layer):
             # the first chunk quantized sets the static scales, jointly over the batch, from the
             # same tokens KverrCache quantizes first: the prefill's, sinks and window left out

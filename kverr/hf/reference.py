@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,9 +73,12 @@ except ImportError as exc:  # pragma: no cover - transformers is a dependency of
 Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def model_rotary(model: Any) -> Rotary:
+def model_rotary(model: Any, layer: int | None = None) -> Rotary:
     """``positions [T] -> (cos, sin) [T, D]`` from a transformers model's own rotary embedding
-    (models whose tables cover half the head dim, as gpt-oss's, get them repeated over both)."""
+    (models whose tables cover half the head dim, as gpt-oss's, get them repeated over both);
+    models with a RoPE per layer type (Gemma 3) give the one of ``layer``'s type."""
+    import inspect
+
     base = getattr(model, "model", model)
     rotary = getattr(base, "rotary_emb", None)
     if rotary is None:
@@ -84,10 +87,16 @@ def model_rotary(model: Any) -> Rotary:
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kw: dict[str, Any] = {}
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        types = getattr(cfg, "layer_types", None)
+        if layer is None or types is None:
+            raise ConfigError("the model has a RoPE per layer type: model_rotary needs the layer")
+        kw["layer_type"] = types[layer]
 
     def fn(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dummy = torch.zeros(1, device=param.device, dtype=torch.float32)
-        cos, sin = rotary(dummy, positions.reshape(1, -1).to(param.device))
+        cos, sin = rotary(dummy, positions.reshape(1, -1).to(param.device), **kw)
         cos, sin = cos[0].float(), sin[0].float()
         if 2 * cos.shape[-1] == head_dim:
             # half-width tables (gpt-oss rotates [x1, x2] to [x1 cos - x2 sin, x2 cos + x1 sin]):
@@ -529,7 +538,7 @@ class KverrCache(Cache):
         n_kv_heads: int,
         head_dim: int,
         *,
-        rotary: Rotary | None = None,
+        rotary: Rotary | Sequence[Rotary] | None = None,
         static_scales: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] | None = None,
     ) -> None:
         config.check_model(n_layers, n_kv_heads, head_dim)
@@ -537,7 +546,8 @@ class KverrCache(Cache):
             raise ConfigError("config.key_pre_rope needs the model's rotary embedding: use KverrCache.for_model")
         self.config = config
         static_scales = static_scales or {}
-        layers = [KverrLayer(config, i, n_kv_heads, rotary, static_scales.get(i)) for i in range(n_layers)]
+        per_layer = list(rotary) if isinstance(rotary, (list, tuple)) else [rotary] * n_layers
+        layers = [KverrLayer(config, i, n_kv_heads, per_layer[i], static_scales.get(i)) for i in range(n_layers)]
         super().__init__(layers=layers)
 
     @classmethod
@@ -546,7 +556,7 @@ class KverrCache(Cache):
         from kverr.capturing.model import model_dims
 
         n_layers, _, n_kv, head_dim, _ = model_dims(model.config)
-        rotary = model_rotary(model) if config.key_pre_rope else None
+        rotary = [model_rotary(model, i) for i in range(n_layers)] if config.key_pre_rope else None
         return cls(config, n_layers, n_kv, head_dim, rotary=rotary, **kwargs)
 
     def flush(self) -> None:

@@ -645,10 +645,11 @@ def test_batched_scoring_equals_one_candidate_at_a_time_and_the_oracle():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["mistral", "gpt_oss"])
+@pytest.fixture(scope="module", params=["mistral", "gpt_oss", "gemma3"])
 def sliding_capture(tmp_path_factory, request):
-    """A tiny Mistral (sliding window 40 in both layers) or gpt-oss (window 32, then a full layer;
-    learned sinks), 160 tokens captured."""
+    """A tiny Mistral (sliding window 40 in both layers), gpt-oss (window 32, then a full layer;
+    learned sinks) or Gemma 3 (two layers of window 32, one full; a RoPE per layer type), 160
+    tokens captured."""
     from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
     from kverr.capturing.tiny import make_tiny_model
     from kverr.io import open_capture
@@ -697,7 +698,7 @@ def test_calibration_of_a_sliding_window_model(sliding_capture):
     (and sinks) let queries see, and the prediction of the written config is the search's."""
     cap, _, loaded = sliding_capture
     shape = cap.kv.shape
-    assert shape.sliding_windows in ((40,) * loaded.n_layers, (32, 0))
+    assert shape.sliding_windows in ((40,) * loaded.n_layers, (32, 0), (32, 32, 0))
     cal = cal_at(cap, 4.0, context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=16)
     cfg, pv = cal.config, cal.config.provenance
     rep = account(cfg, shape, 160)

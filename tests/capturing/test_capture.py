@@ -91,13 +91,13 @@ def test_k_and_v_equal_the_models_kv_cache_bit_for_bit(captured, variant):
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_rope_of_captured_k_pre_gives_captured_k(captured, variant):
     _, _, ds = captured[variant]
-    rope = ds.attrs["rope"]
     for i in range(ds.sizes["layer"]):
         k = ds.k.values[i]
+        rope = ds.kv.rope_of(int(ds.layer.values[i]))  # Gemma 3: its layer type's RoPE
         rotated = apply_rope(ds.k_pre.values[i], ds.position.values, rope).numpy()
         np.testing.assert_allclose(rotated, k, rtol=1e-6, atol=1e-6 * np.abs(k).max())
         # And back again (exact only without RoPE attention scaling, e.g. YaRN).
-        if json.loads(rope)["attention_scaling"] == 1.0:
+        if rope["attention_scaling"] == 1.0:
             back = apply_rope(k, ds.position.values, rope, inverse=True).numpy()
             k_pre = ds.k_pre.values[i]
             np.testing.assert_allclose(back, k_pre, rtol=1e-5, atol=1e-5 * np.abs(k_pre).max())
@@ -162,20 +162,29 @@ def test_schema_coords_and_attrs(captured, tiny_dirs, pydoc, variant):
     group = loaded.n_q_heads // loaded.n_kv_heads
     assert list(ds[KV_HEAD_OF_Q].values) == [h // group for h in range(loaded.n_q_heads)]
     assert np.array_equal(ds.token_id.values, ids) and np.array_equal(ds.position.values, np.arange(N_TOKENS))
-    np.testing.assert_allclose(ds.attn_scale.values, loaded.head_dim**-0.5)
+    # Gemma 3 scales by query_pre_attn_scalar ** -0.5, the others by head_dim ** -0.5
+    want_scale = TINY_VARIANTS[variant][1].get("query_pre_attn_scalar", loaded.head_dim) ** -0.5
+    np.testing.assert_allclose(ds.attn_scale.values, want_scale)
     a = ds.attrs
     assert a["schema_version"] == SCHEMA_VERSION and a["dtype"] == "float32"
     assert a["text_source"] == "pydoc" and a["text_sha256"] == pydoc.sha256 and a["token_offset"] == 1000
     weights = tiny_dirs[variant] / "model.safetensors"
     assert a["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert a["model_id"] == str(tiny_dirs[variant].resolve())
-    rope = json.loads(a["rope"])
-    expected_type = TINY_VARIANTS[variant][1]["rope_parameters"]["rope_type"]
-    assert rope["rope_type"] == expected_type and len(rope["inv_freq"]) == loaded.head_dim // 2
-    if expected_type == "default":
-        assert np.array_equal(
-            np.float32(rope["inv_freq"]), default_inv_freq(loaded.head_dim, rope["rope_theta"]).numpy()
-        )
+    recorded = json.loads(a["rope"])
+    given = TINY_VARIANTS[variant][1]["rope_parameters"]
+    by_type = given if "rope_type" not in given else None  # Gemma 3: a RoPE per layer type
+    for layer in range(loaded.n_layers):
+        rope = ds.kv.rope_of(layer)
+        expected_type = (by_type[recorded["layer_types"][layer]] if by_type else given)["rope_type"]
+        assert rope["rope_type"] == expected_type and len(rope["inv_freq"]) == loaded.head_dim // 2
+        if expected_type == "default":
+            assert np.array_equal(
+                np.float32(rope["inv_freq"]), default_inv_freq(loaded.head_dim, rope["rope_theta"]).numpy()
+            )
+    if by_type:
+        assert recorded["layer_types"] == TINY_VARIANTS[variant][1]["layer_types"]
+        assert ds.kv.rope_of(0)["inv_freq"] != ds.kv.rope_of(2)["inv_freq"]
     for var in ("q", "k_pre", "k", "v"):
         assert np.isfinite(ds[var].values).all()
 
