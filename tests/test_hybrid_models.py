@@ -20,9 +20,6 @@ import pytest
 
 from kverr.cli import main
 
-pytestmark = pytest.mark.float_order
-
-
 @pytest.fixture(scope="module", params=["mistral", "gpt_oss", "gemma3"])
 def pipeline(request, tmp_path_factory):
     """The tiny model, and what each stage wrote for it (the stages run once per model)."""
