@@ -50,7 +50,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.memory import ModelShape, group_bytes, window_row_sections
 from kverr.quant.formats import QuantFormat, window_format
-from kverr.quant.store import token_block, token_regions
+from kverr.quant.store import live_start, token_block, token_regions
 
 
 @dataclass(frozen=True)
@@ -346,14 +346,19 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
     blocks: set[int] = set()
     for layer in range(shape.n_layers):
         launches: list[Launch] = []
+        # a sliding-window layer reads the tokens of its window only (the kernel starts each split
+        # at the first token its query sees; the grid is that of the whole sequence)
+        W = shape.sliding_window(layer)
+        live = live_start(T, W)
         for kf, vf, heads in config.launch_groups(layer, H):
             h = len(heads)
             main = Launch("main", 1.0 if splits else 0.0, tuple(heads), dict.fromkeys(BYTE_KINDS, 0.0))
             tail = Launch("tail", 1.0, tuple(heads), dict.fromkeys(BYTE_KINDS, 0.0))
             for fmt, is_key in ((kf, True), (vf, False)):
-                b, _ = group_bytes(config, fmt, h, T, D, B)
+                b, _ = group_bytes(config, fmt, h, T, D, B, sliding_window=W)
                 start, end = token_regions(T, config, fmt)
-                n_q, n_fp = end - start, T - (end - start)
+                n_q = max(0, end - max(start, live))
+                n_fp = (start - min(live, start)) + (T - max(end, live))
                 main.bytes["codes"] += b.payload
                 main.bytes["scales"] += b.scales
                 main.bytes["zeros"] += b.zeros
@@ -371,8 +376,10 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                     main.alu += B * h * n_q * D * ROPE_OPS
                     tail.alu += B * h * n_fp * D * ROPE_OPS
             # the main launch holds the tokens quantized for both K and V; the tail the rest
-            n_main = min(token_regions(T, config, f)[1] for f in (kf, vf)) - min(config.sinks, T)
-            for ln, n, progs in ((main, n_main, splits), (tail, T - n_main, 1)):
+            e0 = min(token_regions(T, config, f)[1] for f in (kf, vf))
+            n_main = max(0, e0 - max(min(config.sinks, T), live))
+            n_tail = (min(config.sinks, T) - min(live, min(config.sinks, T))) + (T - max(e0, live))
+            for ln, n, progs in ((main, n_main, splits), (tail, n_tail, 1)):
                 if ln.count:
                     ln.alu += B * h * block_h * n * SOFTMAX_OPS
                     ln.dot += 4 * B * h * block_h * n * D
@@ -415,16 +422,17 @@ def fp16_step(shape: ModelShape, tokens: int, batch: int = 1, gpu: str | Gpu = "
     _check(tokens, batch)
     g = _gpu(gpu)
     Hq, H, D = _q_heads(shape), shape.n_kv_heads, shape.head_dim
-    T, B = tokens, batch
+    B = batch
     layers = []
     for layer in range(shape.n_layers):
+        T = tokens - live_start(tokens, shape.sliding_window(layer))  # a sliding layer's window
         attn = Launch("attention", 1.0, tuple(range(H)),
                       {"codes": 2.0 * B * H * T * D * 2, "query": B * Hq * D * ACT_BYTES,
                        "partials": B * Hq * D * ACT_BYTES},
                       alu=B * Hq * T * SOFTMAX_OPS, dot=4.0 * B * Hq * T * D)
         write = Launch("host", 2.0, (), {"store": 2.0 * B * H * D * 2 * 2}, triton=False)
         layers.append(LayerCost(layer, 1, 0, [attn, write]))
-    return StepCost("fp16 (torch SDPA)", shape, T, B, g, overheads, layers, 0)
+    return StepCost("fp16 (torch SDPA)", shape, tokens, B, g, overheads, layers, 0)
 
 
 #: Contexts and batches of the speedup grid ``kverr plan`` prints.

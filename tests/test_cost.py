@@ -88,6 +88,25 @@ def test_plan_bytes_are_the_cache_bytes_less_what_is_never_read():
             assert by["window"] == mem.sinks + mem.window, cfg.name
 
 
+def test_a_sliding_layer_reads_its_window_only():
+    """Layer 0 slides with a window of 256 tokens: at 4096 tokens its codes and window rows are
+    those of a 256-token full layer (int8 per token, a 16-token window: 240 quantized, 16 fp16),
+    and its fp16 reference reads 256 tokens; layer 1, full, reads all 4096; the totals are still
+    memory's (a sliding layer's memory is its window too)."""
+    cfg = PRESETS["int8-token"].with_(window=16)
+    sliding = ModelShape(2, 2, 64, n_q_heads=4, sliding_windows=(256, 0))
+    plan, short = step_cost(cfg, sliding, 4096, B), step_cost(cfg, SHAPE, 256, B)
+    long = step_cost(cfg, SHAPE, 4096, B)
+    for kind in ("codes", "scales", "window"):
+        assert _per_layer(plan, kind)[0] == _per_layer(short, kind)[0] and _per_layer(plan, kind)[1] == _per_layer(long, kind)[1]
+    assert _per_layer(plan, "codes")[0] == 2 * B * 2 * 240 * 64 and _per_layer(plan, "window")[0] == 2 * B * 2 * 16 * 64 * 2
+    mem = account(cfg, sliding, 4096, batch=B).totals
+    by = plan.bytes_by_kind()
+    assert by["codes"] == mem.payload and by["window"] == mem.sinks + mem.window
+    ref = _per_layer(fp16_step(sliding, 4096, B), "codes")
+    assert ref == {0: 2 * B * 2 * 256 * 64 * 2, 1: 2 * B * 2 * 4096 * 64 * 2}
+
+
 def test_launch_groups_are_the_distinct_pairs_and_cost_launches():
     i8, i4 = int_format(8, PerToken()), int_format(4, PerTokenGroup(32))
     one = CacheConfig(k=i4, v=i4, window=16)
