@@ -230,14 +230,23 @@ class MemoryReport:
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         s = self.shape
+        formula = (f"2*L*H_kv*D*T*b = 2*{s.n_layers}*{s.n_kv_heads}*{s.head_dim}*{self.tokens}*b" if not s.sliding_windows
+                   else f"2*H_kv*D*b per token each layer holds (a sliding layer its last W: {_windows(s)})")
         lines.append(
-            f"seed formula 2*L*H_kv*D*T*b = 2*{s.n_layers}*{s.n_kv_heads}*{s.head_dim}*"
-            f"{self.tokens}*b (x batch {self.batch}) at nominal b: {self.seed_bytes:,} bytes; "
+            f"seed formula {formula} (x batch {self.batch}) at nominal b: {self.seed_bytes:,} bytes; "
             f"counted: {t.total:,} bytes ({t.total / self.seed_bytes:.3f}x)"
             if self.seed_bytes
             else "seed formula: 0 bytes"
         )
         return "\n".join(lines)
+
+
+def _windows(shape: ModelShape) -> str:
+    """``W=512 in 22 of 26 layers``-style summary of a shape's sliding windows."""
+    from collections import Counter
+
+    counts = Counter(w for w in shape.sliding_windows if w)
+    return ", ".join(f"W={w} in {n} of {shape.n_layers} layers" for w, n in sorted(counts.items()))
 
 
 def window_row_sections(window_dtype: str, D: int) -> list[int]:
