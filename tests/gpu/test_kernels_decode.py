@@ -204,6 +204,22 @@ def test_decode_pre_rope_keys(kf, wdt):
             assert rel_rms(ref, clean) > 1e-3
 
 
+def _two_chunks(cfg, q, k, v, first, second, **kwargs):
+    """A one-layer cache (3 splits) filled with chunks of ``first`` then ``second`` tokens per
+    sequence, and the chunked prefill of the second chunk's queries (output pre-filled with NaN)."""
+    H, Hq, B, T = k.shape[2], q.shape[2], len(first), k.shape[3]
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                         device="cpu", **kwargs)
+    for counts, off in ((first, [0] * B), (second, first)):
+        step = cache.plan(counts, num_splits=3)
+        cache.store(step, 0, torch.cat([k[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]),
+                    torch.cat([v[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]))
+    qr = torch.cat([q[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(second, first))])
+    out = torch.full_like(qr, float("nan"))
+    cache.prefill(step, 0, qr, out=out)
+    return cache, step, out
+
+
 @pytest.mark.parametrize("cfg", [
     KIVI2,
     CacheConfig(k=int_format(4, PerToken(), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6)),
@@ -218,16 +234,8 @@ def test_chunked_prefill_over_the_quantized_cache(cfg):
     first, second = [20, 9, 33, 5], [30, 0, 7, 1]
     B = len(first)
     lens = [a + b for a, b in zip(first, second)]
-    T = max(lens)
-    q, k, v = _data(1, B, Hq, H, T, 11)
-    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T, device="cpu")
-    for counts, off in ((first, [0] * B), (second, first)):
-        step = cache.plan(counts, num_splits=3)
-        cache.store(step, 0, torch.cat([k[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]),
-                    torch.cat([v[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]))
-    qr = torch.cat([q[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(second, first))])
-    out = torch.full_like(qr, float("nan"))
-    cache.prefill(step, 0, qr, out=out)
+    q, k, v = _data(1, B, Hq, H, max(lens), 11)
+    cache, step, out = _two_chunks(cfg, q, k, v, first, second)
     assert not torch.isnan(out).any()
     kv_map = [h // (Hq // H) for h in range(Hq)]
     row, worst = 0, 0.0
@@ -257,18 +265,9 @@ def test_sliding_window_and_learned_sinks(window, with_sinks):
     first, second = [20, 9, 33, 5], [6, 0, 7, 1]
     B = len(first)
     lens = [a + b for a, b in zip(first, second)]
-    T = max(lens)
-    q, k, v = _data(1, B, Hq, H, T, 12)
+    q, k, v = _data(1, B, Hq, H, max(lens), 12)
     sinks = torch.linspace(-1.0, 3.0, Hq)[None] if with_sinks else None
-    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T, device="cpu",
-                         sliding_windows=[window], sinks=sinks)
-    for counts, off in ((first, [0] * B), (second, first)):
-        step = cache.plan(counts, num_splits=3)
-        cache.store(step, 0, torch.cat([k[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]),
-                    torch.cat([v[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]))
-    qr = torch.cat([q[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(second, first))])
-    out = torch.full_like(qr, float("nan"))
-    cache.prefill(step, 0, qr, out=out)
+    cache, step, out = _two_chunks(cfg, q, k, v, first, second, sliding_windows=[window], sinks=sinks)
     dec = torch.full((B, Hq, D), float("nan"))
     cache.decode(step, 0, torch.stack([q[0, b, :, n - 1] for b, n in enumerate(lens)]), out=dec)
     assert not torch.isnan(out).any() and not torch.isnan(dec).any()
