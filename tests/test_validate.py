@@ -35,11 +35,12 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
 
 
 @needs_capture
-@pytest.mark.parametrize("name", ["calibrated-4b", "calibrated-prerope-3b", "calibrated-3b"])
+@pytest.mark.parametrize("name", ["calibrated-3b"])
 def test_validate_calibrated_configs_agree(capsys, name):
     """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
-    keys stored before RoPE, static per-channel scales (calibrated-3b), int8 windows
-    (calibrated-3b and -4b) -- run on the kernel path and agree with the reference."""
+    keys stored before RoPE, static per-channel scales, an int8 window -- run on the kernel path
+    and agree with the reference. (notebooks/04_kernel_validation.ipynb, run by the tests,
+    asserts the same of calibrated-4b and calibrated-prerope-3b on every captured layer.)"""
     pytest.importorskip("zarr")
     path = CAPTURE.parent / "configs" / f"{name}.json"
     if name == "calibrated-prerope-3b":  # an earlier calibration's config, kept beside its experiment
