@@ -16,7 +16,11 @@ per-segment rows, with machine and date) and ``bench/results/heldout-predicted.c
 the long table are summarised from those two files (:func:`summarise`), so
 ``python -m bench.run heldout --from-results`` remakes them without measuring again.
 
-The full run takes one to two hours on two cores (18 schemes x 8 segments), so ``--quick`` skips it.
+The full run takes one to two hours on two cores (22 schemes x 8 segments), so ``--quick`` skips it.
+The serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8,
+transformers' fp8 and HQQ int8 backends) joined the table later: measured by the same command with
+only their ``--scheme`` options and merged into the committed files (``evaluate(only=...)``,
+``predicted(only=...)``), which replace the rows of the schemes measured and keep the others.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ BUDGETS = ("2.5", "3", "4", "4.3", "4.5", "5", "5.65", "6.1", "8", "8.5")
 CONFIGS = [ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
 #: The presets and peers at the calibrated configs' effective bits (at 1280 tokens).
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
+#: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.
+ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8", "hf-hqq-int8")
+ALL_SCHEMES = SCHEMES + ENGINE_SCHEMES
 SEGMENTS_CSV = RESULTS / "heldout.segments.csv"
 PREDICTED_CSV = RESULTS / "heldout-predicted.csv"
 SEGMENTS, PREFILL, DECODE = 8, 1024, 256
@@ -44,51 +51,71 @@ def typing_py() -> Path:
     return Path(typing.__file__)
 
 
-def evaluate() -> None:
-    """Run ``kverr evaluate`` and keep its per-segment rows, stamped, in :data:`SEGMENTS_CSV`."""
+def _merged(path: Path, new, only) -> str:
+    """``new`` rows replacing those of the schemes ``only`` in the CSV at ``path`` (all of it when
+    ``only`` is None), as CSV text."""
     import pandas as pd
 
+    if only is None or not path.exists():
+        return new.to_csv(index=False)
+    old = pd.read_csv(path)
+    return pd.concat([old[~old.scheme.isin(list(only))], new], ignore_index=True).to_csv(index=False)
+
+
+def evaluate(only=None) -> None:
+    """Run ``kverr evaluate`` and keep its per-segment rows, stamped, in :data:`SEGMENTS_CSV`
+    (``only``: just these schemes, merged into the committed rows)."""
     from kverr.cli import main
-    from kverr.config import atomic_write_text
 
     out = WORK / "heldout.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = ["evaluate", "--threads", "1", "--greedy", "0", "--text", str(typing_py()), "--offset", "0",
             "--prefill", str(PREFILL), "--decode", str(DECODE), "--segments", str(SEGMENTS), "--overwrite",
             "--out", str(out)]
-    for c in CONFIGS:
+    for c in CONFIGS if only is None else ():
         argv += ["--config", str(c)]
-    for s in SCHEMES:
+    for s in ALL_SCHEMES if only is None else only:
         argv += ["--scheme", s]
     if main(argv) != 0:
         raise RuntimeError("kverr evaluate failed")
-    df = pd.read_csv(out.with_name(out.stem + ".segments.csv"))
+    merge_segments(out.with_name(out.stem + ".segments.csv"), only)
+
+
+def merge_segments(segments_csv, only=None) -> None:
+    """Stamp the per-segment rows of a ``kverr evaluate`` run with this machine and date and write
+    them into :data:`SEGMENTS_CSV` (``only``: replacing just those schemes' rows)."""
+    import pandas as pd
+
+    from kverr.config import atomic_write_text
+
+    df = pd.read_csv(segments_csv)
     df["machine"], df["date"] = machine(), now()
-    atomic_write_text(SEGMENTS_CSV, df.to_csv(index=False))
+    atomic_write_text(SEGMENTS_CSV, _merged(SEGMENTS_CSV, df, only))
 
 
-def predicted() -> None:
-    """Each scheme's predicted KL on the calibration capture, into :data:`PREDICTED_CSV`."""
+def predicted(only=None) -> None:
+    """Each scheme's predicted KL on the calibration capture, into :data:`PREDICTED_CSV` (``only``:
+    just these schemes, merged)."""
     import pandas as pd
     import torch
 
     from kverr.calibration import Sensitivity, predict
-    from kverr.config import PRESETS, CacheConfig, atomic_write_text
+    from kverr.config import CacheConfig, atomic_write_text, resolve
     from kverr.evaluation import PEERS, Scheme
     from kverr.io import open_capture
 
     torch.set_num_threads(1)
     cap = open_capture(pydoc_capture(4096))
     sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
-    cfgs = {c.name: c for c in map(CacheConfig.load, CONFIGS)}
-    for s in SCHEMES:
-        cfgs[s] = PRESETS[s] if s in PRESETS else Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32)
+    cfgs = {c.name: c for c in map(CacheConfig.load, CONFIGS)} if only is None else {}
+    for s in ALL_SCHEMES if only is None else only:
+        cfgs[s] = Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32) if s in PEERS else resolve(s)
     rows = []
     for name, cfg in cfgs.items():
         p = predict(cap, cfg, queries=32, weights=sens.weights_k, weights_v=sens.weights_v)
         rows.append(dict(scheme=name, predicted=p["total"], predicted_k=float(p["k"].sum()),
                          predicted_v=float(p["v"].sum()), machine=machine(), date=now()))
-    atomic_write_text(PREDICTED_CSV, pd.DataFrame(rows).to_csv(index=False))
+    atomic_write_text(PREDICTED_CSV, _merged(PREDICTED_CSV, pd.DataFrame(rows), only))
 
 
 def summarise() -> list[Row]:
@@ -103,7 +130,7 @@ def summarise() -> list[Row]:
     configs = {json.loads(c.read_text())["name"]: json.loads(c.read_text()) for c in CONFIGS}
     rows: list[Row] = []
     for name, g in seg.groupby("scheme", sort=False):
-        if name not in configs and name not in SCHEMES:
+        if name not in configs and name not in ALL_SCHEMES:
             continue
         m, d = g["machine"].iloc[0], g["date"].max()
         kind = "calibrated" if name in configs else ("peer" if name.startswith("quanto") else "preset")
