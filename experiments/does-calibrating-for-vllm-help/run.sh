@@ -39,3 +39,7 @@ TYPING=$(.venv/bin/python -c 'import typing; print(typing.__file__)')
 
 # 5. tables
 .venv/bin/python $E/summarize.py
+
+# 6. segments 4-7 (2026-12-02): the two evaluate runs of step 4 with --offset 5124 --segments 4
+#    (the first runs had stopped after four segments), their per-segment rows appended to
+#    fp8.segments.csv and skip.segments.csv with segment = offset // 1281, then summarize.py again

@@ -18,13 +18,14 @@ HERE = Path(__file__).parent
 parts = []
 for f in ("fp8.segments.csv", "skip.segments.csv"):
     d = pd.read_csv(HERE / f)
+    # the first run named the calibrated export's scheme "vllm-8.05b@vllm-8" (a directory name
+    # with a dot, cut at it; fixed since in kverr.evaluation.scales_label, and segments 4-7 were
+    # measured after the fix)
+    d["scheme"] = d["scheme"].replace({"vllm-8.05b@vllm-8": "vllm-8.05b@vllm-8.05b"})
     # only the segments every scheme of the run finished (the runs were stopped at a deadline)
     n = d.groupby("segment")["scheme"].nunique()
     parts.append(d[d.segment.isin(n[n == d.scheme.nunique()].index)])
 seg = pd.concat(parts)
-# the run named the calibrated export's scheme "vllm-8.05b@vllm-8" (a directory name with a dot,
-# cut at it; fixed since in kverr.evaluation.scales_label)
-seg["scheme"] = seg["scheme"].replace({"vllm-8.05b@vllm-8": "vllm-8.05b@vllm-8.05b"})
 # the skip run's scales column said "prefill" for per-token formats, which have no static scales
 seg["scales"] = seg["scheme"].map(lambda n: n.partition("@")[2])
 pred = pd.read_csv(HERE / "predicted.csv").set_index("config")["predicted"]
