@@ -50,7 +50,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.memory import ModelShape, group_bytes, window_row_sections
 from kverr.quant.formats import QuantFormat, window_format
-from kverr.quant.store import live_start, token_block, token_regions
+from kverr.quant.store import held_tokens, live_start, token_block, token_regions
 
 
 @dataclass(frozen=True)
@@ -356,9 +356,8 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
             tail = Launch("tail", 1.0, tuple(heads), dict.fromkeys(BYTE_KINDS, 0.0))
             for fmt, is_key in ((kf, True), (vf, False)):
                 b, _ = group_bytes(config, fmt, h, T, D, B, sliding_window=W)
-                start, end = token_regions(T, config, fmt)
-                n_q = max(0, end - max(start, live))
-                n_fp = (start - min(live, start)) + (T - max(end, live))
+                n_sink, n_q, n_win = held_tokens(T, *token_regions(T, config, fmt), live)
+                n_fp = n_sink + n_win
                 main.bytes["codes"] += b.payload
                 main.bytes["scales"] += b.scales
                 main.bytes["zeros"] += b.zeros
@@ -377,8 +376,8 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                     tail.alu += B * h * n_fp * D * ROPE_OPS
             # the main launch holds the tokens quantized for both K and V; the tail the rest
             e0 = min(token_regions(T, config, f)[1] for f in (kf, vf))
-            n_main = max(0, e0 - max(min(config.sinks, T), live))
-            n_tail = (min(config.sinks, T) - min(live, min(config.sinks, T))) + (T - max(e0, live))
+            n_sink, n_main, n_win = held_tokens(T, min(config.sinks, T), e0, live)
+            n_tail = n_sink + n_win
             for ln, n, progs in ((main, n_main, splits), (tail, n_tail, 1)):
                 if ln.count:
                     ln.alu += B * h * block_h * n * SOFTMAX_OPS

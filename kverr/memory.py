@@ -20,7 +20,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ModelError, ShapeError
 from kverr.quant.formats import QuantFormat, is_static, window_format
 from kverr.quant.reference import block_shape, codes_nbytes, scale_shape
-from kverr.quant.store import align_up, live_start, token_regions
+from kverr.quant.store import align_up, held_tokens, live_start, token_regions
 
 #: Shape of the bundled default model, SmolLM2-135M-Instruct (Llama: 30 layers, 9 query heads,
 #: 3 kv heads, head dim 64, 8k context).
@@ -279,12 +279,11 @@ def group_bytes(
     n_q = end - start
     first_page = max(0, live - start) // P if live < end else -(-n_q // P)
     q0 = start + first_page * P  # first token of the first held page
-    n_held = max(0, end - max(live, start))  # quantized tokens still read
+    n_sink, n_held, n_win = held_tokens(T, start, end, live)
     rows = batch * h
     pages = -(-n_q // P) - first_page
     # Full-precision tokens, one aligned row per (sequence, head); int8: a row of codes and a
     # row of scales (one per token), each aligned.
-    n_sink, n_win = start - min(live, start), T - max(live, end)
     n_fp = n_sink + n_win
     sections = window_row_sections(config.window_dtype, D)
     per_token = sum(sections)

@@ -157,6 +157,13 @@ def live_start(T: int, sliding_window: int) -> int:
     return max(0, T - sliding_window) if sliding_window else 0
 
 
+def held_tokens(T: int, start: int, end: int, live: int) -> tuple[int, int, int]:
+    """How many of the sinks ``[0, start)``, the quantized tokens ``[start, end)`` and the window
+    ``[end, T)`` a cache still holds when it keeps the tokens from ``live`` on
+    (:func:`live_start`)."""
+    return start - min(live, start), max(0, end - max(start, live)), T - max(end, live)
+
+
 def _static_metadata(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> dict:
     """Static scales (and zeros) taken jointly over the ``B`` sequences of ``x [B, h, n, D]``."""
     B, h, n, D = x.shape
