@@ -144,11 +144,13 @@ class KernelKVCache(Cache):
             # way in; the decode kernel applies it again per key row from the same tables (a pair
             # per layer: models with a RoPE per layer type have two)
             pos = torch.arange(max_tokens, device=device)
+            tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
             self._rope = []
             for i in range(n_layers):
-                cos, sin = model_rotary(model, i)(pos)
-                same = next((p for p in self._rope if torch.equal(p[0], cos) and torch.equal(p[1], sin)), None)
-                self._rope.append(same or (cos, sin))
+                rotary = model_rotary(model, i)
+                if rotary.layer_type not in tables:  # one pair per layer type, computed once
+                    tables[rotary.layer_type] = rotary(pos)
+                self._rope.append(tables[rotary.layer_type])
             kwargs["rope"] = self._rope
         # static scales not given: the prefill sets them, as in KverrCache
         kwargs.setdefault("static_scales", "first")

@@ -104,6 +104,7 @@ def model_rotary(model: Any, layer: int | None = None) -> Rotary:
             cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         return cos, sin
 
+    fn.layer_type = kw.get("layer_type")  # layers of one type share their tables
     return fn
 
 
