@@ -312,7 +312,7 @@ def group_bytes(
             b.zeros = b.scales if fmt.has_zero else 0
             b.page_rounding += rows * (pages * per_page - used) * sb * n_meta
             b.padding += rows * pages * (align_up(per_page * sb, A) - per_page * sb) * n_meta
-    seed = rows * (T - live) * D * fmt.bits // 8
+    seed = rows * (T - live) * round(D * fmt.element_bits) // 8
     return b, seed
 
 

@@ -72,14 +72,17 @@ class OuterOption:
 STATIC_BELOW_BITS = 3.5
 
 
-#: Candidate sets by name: ``all`` (with static per-channel scales), ``dynamic`` (without), and
-#: ``auto``, which picks one of them per budget (:func:`candidate_set`).
-CANDIDATE_SETS = ("auto", "all", "dynamic")
+#: Candidate sets by name: ``all`` (with static per-channel scales), ``dynamic`` (without),
+#: ``fitted`` (``all`` and the templates of per-channel widths fitted to each head,
+#: :mod:`.channel_bits`), and ``auto``, which picks ``all`` or ``dynamic`` per budget
+#: (:func:`candidate_set`).
+CANDIDATE_SETS = ("auto", "all", "dynamic", "fitted")
 
 
 def candidate_set(budget_bits: float, which: str = "auto") -> str:
-    """``"all"`` or ``"dynamic"``: the set ``which`` means at a budget (``auto``: with static
-    per-channel scales below :data:`STATIC_BELOW_BITS` effective bits, without from there on)."""
+    """The set ``which`` means at a budget: ``which`` itself, or for ``auto`` ``"all"`` (with
+    static per-channel scales) below :data:`STATIC_BELOW_BITS` effective bits, ``"dynamic"``
+    (without) from there on."""
     if which not in CANDIDATE_SETS:
         raise ConfigError(f"candidates={which!r} is not known; use one of {', '.join(CANDIDATE_SETS)}")
     if which != "auto":
@@ -120,7 +123,24 @@ def window_dtype_for_budget(budget_bits: float, which: str = "auto") -> str:
 
 def candidates_for_budget(budget_bits: float, head_dim: int = 64, which: str = "auto") -> tuple[QuantFormat, ...]:
     """The default candidates of :func:`candidate_set` ``(budget_bits, which)``."""
-    return default_candidates(head_dim, static=candidate_set(budget_bits, which) == "all")
+    return named_candidates(candidate_set(budget_bits, which), head_dim)
+
+
+#: The named sets, each a superset of those after it (a search of a later set can reuse the
+#: damage tables of an earlier one).
+NESTED_SETS = ("fitted", "all", "dynamic")
+
+
+def named_candidates(name: str, head_dim: int = 64) -> tuple[QuantFormat, ...]:
+    """The candidates of a named set of :data:`NESTED_SETS`."""
+    if name not in NESTED_SETS:
+        raise ConfigError(f"candidate set {name!r} is not known; use one of {', '.join(NESTED_SETS)}")
+    out = default_candidates(head_dim, static=name in ("all", "fitted"))
+    if name == "fitted":
+        from .channel_bits import templates
+
+        out += templates(head_dim)
+    return out
 
 
 def check_candidates(cands: Sequence[QuantFormat], head_dim: int, page_size: int, which: str) -> None:

@@ -81,9 +81,9 @@ class CalibrationConfig:
     options : tuple of OuterOption or None
         The outer options to try, given one by one instead of ``key_rope``, ``sinks`` and
         ``windows`` (which must then be None).
-    candidates : {"auto", "all", "dynamic"}
+    candidates : {"auto", "all", "dynamic", "fitted"}
         The named candidate set (:func:`~.candidates.candidate_set`): with static per-channel
-        scales, without, or ``auto``, per budget.
+        scales, without, with them and fitted per-channel widths, or ``auto``, per budget.
     cands_k, cands_v : tuple of QuantFormat or None
         Explicit candidates for keys and values, replacing the named set for that side.
     window_dtype : str

@@ -354,19 +354,79 @@ def value_damage(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOpti
     return value_damage_batch(prep, e_v[None], options)[0]
 
 
+def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, page_size: int,
+                     window_dtype: str, dk: np.ndarray, dv: np.ndarray) -> dict:
+    """Fit and score the template candidates (``channel_bits``) of :func:`score_layer` in place;
+    returns the fitted widths."""
+    from kverr.quant import channel_reconstructions
+    from kverr.quant.store import receive
+
+    from . import channel_bits as cb
+
+    tk = [j for j, f in enumerate(cands_k) if f.channel_bits is not None]
+    tv = [j for j, f in enumerate(cands_v) if f.channel_bits is not None]
+    out: dict = {}
+    if not tk and not tv:
+        return out
+    skip = max(o.sinks for o in options)
+    n_kv, _, D = prep.k.shape
+    heads = _head_groups(prep)
+    sides = [(pre, "k", tk, cands_k) for pre in pres if tk] + ([(None, "v", tv, cands_v)] if tv else [])
+    for pre, which, js, cands in sides:
+        clean = prep.v if which == "v" else (prep.k_pre if pre else prep.k)
+        if clean is None:
+            raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
+        got = receive(clean[None], window_dtype)[0]
+        errs = torch.zeros((len(js), n_kv, *clean.shape[1:]))
+        recon: dict = {}
+        for h, qi in heads:
+            a = _grouped(prep, qi, prep.a)
+            if which == "k":
+                w = cb.key_weights(_grouped(prep, qi, prep.q), a, prep.v[h], _grouped(prep, qi, prep.o),
+                                   pre_rope=bool(pre), skip=skip)
+            else:
+                w = cb.value_weights(a, D, skip=skip)
+            for c, j in enumerate(js):
+                tmpl = cands[j]
+                probe = tmpl.with_bits(2)
+                if (probe, h) not in recon:
+                    recon[(probe, h)] = channel_reconstructions(got[h:h + 1], probe, page_size=page_size)[:, 0]
+                fmt = cb.fit(tmpl, recon[(probe, h)], clean[h], w)
+                out[(which, pre, j, h)] = fmt.channel_bits
+                cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
+                hat = reconstruct(clean[h:h + 1], cfg, layer=prep.layer, which=which)[0]
+                if pre:
+                    from kverr.rope import apply_rope
+
+                    hat = apply_rope(hat[None], prep.positions, prep.rope)[0].to(torch.float32)
+                errs[c, h] = hat - (prep.k[h] if which == "k" else clean[h])
+        if which == "k":
+            idx = groups[pre]
+            dk[np.ix_(idx, js)] = key_damage_batch(prep, errs, [options[i] for i in idx]).transpose(1, 0, 2)
+        else:
+            dv[:, js] = value_damage_batch(prep, errs, options).transpose(1, 0, 2)
+    return out
+
+
 #: Candidates whose damage is formed in one batch (bounds memory: ~C * q_head * n * T floats).
 BATCH = 8
 
 
 def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
                 options: Sequence[OuterOption], *, page_size: int = 64,
-                window_dtype: str = "fp16", batch: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
+                window_dtype: str = "fp16", batch: int = BATCH,
+                widths: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Damage tables of one layer: ``K [option, cand_k, kv_head]``, ``V [option, cand_v, kv_head]``.
 
     The keys of every RoPE side and the values are stacked on the head axis and reconstructed
     under every distinct format by :class:`~.fastrecon.SharedReconstruct` (the oracle's
     ``reconstruct``, bit for bit, with the format-independent work done once), then the key and
     value damage of ``batch`` candidates at a time for every outer option at once.
+
+    Candidates with ``channel_bits`` are templates (:mod:`.channel_bits`): each (kv head, K|V,
+    RoPE side) is scored with its own fitted widths, which are put into ``widths`` (when given)
+    as ``{(which, pre, cand, kv_head): channel_bits}`` (``which`` ``"k"`` or ``"v"``; ``pre``
+    True/False for keys, None for values).
     """
     from .fastrecon import SharedReconstruct
 
@@ -375,9 +435,12 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     dv = np.empty((len(options), len(cands_v), n_kv))
     pres = sorted({o.key_pre_rope for o in options})
     groups = {pre: [i for i, o in enumerate(options) if o.key_pre_rope == pre] for pre in pres}
-    k_index = {f: j for j, f in enumerate(cands_k)}
-    v_index = {f: j for j, f in enumerate(cands_v)}
-    fmts = list(dict.fromkeys([*cands_k, *cands_v]))
+    fitted = _score_templates(prep, cands_k, cands_v, options, pres, groups, page_size, window_dtype, dk, dv)
+    if widths is not None:
+        widths.update(fitted)
+    k_index = {f: j for j, f in enumerate(cands_k) if f.channel_bits is None}
+    v_index = {f: j for j, f in enumerate(cands_v) if f.channel_bits is None}
+    fmts = list(dict.fromkeys([*k_index, *v_index]))
     parts: list[tuple[Any, torch.Tensor]] = []
     for pre in pres:
         kin = prep.k_pre if pre else prep.k

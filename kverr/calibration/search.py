@@ -16,6 +16,7 @@ window included. They depend on the context length, which is recorded in the pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import Counter
@@ -34,9 +35,10 @@ from .candidates import (
     OuterOption,
     candidate_set,
     candidates_for_budget,
+    NESTED_SETS,
     check_candidates,
-    default_candidates,
     head_bytes,
+    named_candidates,
     window_dtype_for_budget,
 )
 from .config import CalibrationConfig
@@ -103,6 +105,22 @@ class Scores:
     window_dtype: str  # the dtype the cache received the candidates' input in
     cpu_seconds: float = 0.0
     decode: int | None = DEFAULT_DECODE
+    #: fitted widths of the template candidates (``channel_bits``): ``widths_k [side, layer, cand_k,
+    #: kv_head, channel]`` (side 0 post-RoPE keys, 1 pre-RoPE), ``widths_v [layer, cand_v, kv_head,
+    #: channel]``; None when no candidate is a template
+    widths_k: np.ndarray | None = None
+    widths_v: np.ndarray | None = None
+
+    def format_of(self, which: str, option: OuterOption, layer: int, cand: int, kv_head: int) -> QuantFormat:
+        """The format candidate ``cand`` stands for at (``layer``, ``kv_head``, ``which``) under
+        ``option``: the candidate, or for a template its fitted widths."""
+        f = (self.cands_k if which == "k" else self.cands_v)[cand]
+        if f.channel_bits is None:
+            return f
+        li = self.layers.index(layer)
+        bits = (self.widths_k[int(option.key_pre_rope), li, cand, kv_head] if which == "k"
+                else self.widths_v[li, cand, kv_head])
+        return dataclasses.replace(f, bits=int(bits.max()), channel_bits=tuple(int(b) for b in bits))
 
     def subset(self, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat]) -> Scores:
         """The tables of a subset of the candidates (in the order given)."""
@@ -112,7 +130,9 @@ class Scores:
         except ValueError:
             raise ConfigError("a subset's candidates must all have been scored") from None
         return Scores(self.k[:, :, ik], self.v[:, :, iv], self.layers, tuple(cands_k), tuple(cands_v),
-                      self.options, self.queries, self.window_dtype, self.cpu_seconds, self.decode)
+                      self.options, self.queries, self.window_dtype, self.cpu_seconds, self.decode,
+                      None if self.widths_k is None else self.widths_k[:, :, ik],
+                      None if self.widths_v is None else self.widths_v[:, iv])
 
 
 @dataclass(frozen=True)
@@ -306,8 +326,10 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
     Returns
     -------
     tuple of numpy.ndarray
-        ``K [L, option, cand_k, kv_head]``, ``V [L, option, cand_v, kv_head]`` (float64) and the
-        CPU seconds of each layer ``[L]``.
+        ``K [L, option, cand_k, kv_head]``, ``V [L, option, cand_v, kv_head]`` (float64), the
+        CPU seconds of each layer ``[L]``, and the fitted widths of template candidates,
+        ``[L, side, cand_k, kv_head, channel]`` (side 0 post-RoPE, 1 pre-RoPE keys) and
+        ``[L, cand_v, kv_head, channel]`` (int8; 0 for other candidates).
     """
     import time
 
@@ -322,6 +344,9 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
     n_l, n_kv = q.shape[0], k.shape[1]
     dk = np.empty((n_l, len(options), len(cands_k), n_kv))
     dv = np.empty((n_l, len(options), len(cands_v), n_kv))
+    D = k.shape[-1]
+    wk = np.zeros((n_l, 2, len(cands_k), n_kv, D), dtype=np.int8)
+    wv = np.zeros((n_l, len(cands_v), n_kv, D), dtype=np.int8)
     cpu = np.empty(n_l)
     for i in range(n_l):
         t0 = time.thread_time()  # this thread's CPU: other tasks share the process
@@ -330,10 +355,17 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
                              rope=None if rope is None else layer_rope(rope, int(layer_vals[i])), decode=decode,
                              sliding_window=int(windows[i]),
                              sinks=None if np.isnan(sinks[i]).all() else sinks[i])
-        dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype)
+        fitted: dict = {}
+        dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype,
+                                   widths=fitted)
+        for (which, pre, j, h), bits in fitted.items():
+            if which == "k":
+                wk[i, int(pre), j, h] = bits
+            else:
+                wv[i, j, h] = bits
         cpu[i] = time.thread_time() - t0
         log.debug("layer %d scored", int(layer_vals[i]))
-    return dk, dv, cpu
+    return dk, dv, cpu, wk, wv
 
 
 def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
@@ -368,20 +400,22 @@ def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequen
     windows = capture.kv.sliding_windows().chunk({LAYER: 1})
     sinks = capture.kv.attn_sinks().chunk({LAYER: 1, Q_HEAD: -1})
     core = [Q_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL]
-    dk, dv, cpu = xr.apply_ufunc(
+    dk, dv, cpu, wk, wv = xr.apply_ufunc(
         _score_block, q, k, v, k_pre, layer_idx, scales, windows, sinks,
         input_core_dims=[core[0], core[1], core[1], core[1], [], [], [], [Q_HEAD]],
-        output_core_dims=[["option", "cand_k", KV_HEAD], ["option", "cand_v", KV_HEAD], []],
+        output_core_dims=[["option", "cand_k", KV_HEAD], ["option", "cand_v", KV_HEAD], [],
+                          ["side", "cand_k", KV_HEAD, "width_channel"], ["cand_v", KV_HEAD, "width_channel"]],
         dask="parallelized",
-        output_dtypes=[np.float64, np.float64, np.float64],
+        output_dtypes=[np.float64, np.float64, np.float64, np.int8, np.int8],
         dask_gufunc_kwargs={"output_sizes": {"option": len(options), "cand_k": len(cands_k),
-                                             "cand_v": len(cands_v)}},
+                                             "cand_v": len(cands_v), "side": 2,
+                                             "width_channel": capture.sizes[CHANNEL]}},
         kwargs=dict(kv_map=capture.kv.kv_head_of_q, positions=capture.kv.positions, rope=capture.kv.rope,
                     cands_k=tuple(cands_k), cands_v=tuple(cands_v), options=tuple(options), queries=int(queries),
                     page_size=int(page_size), window_dtype=window_dtype, decode=decode),
     )
     keep = (LAYER, KV_HEAD)
-    return xr.Dataset({"k": dk, "v": dv, "cpu_seconds": cpu}).drop_vars(
+    return xr.Dataset({"k": dk, "v": dv, "cpu_seconds": cpu, "widths_k": wk, "widths_v": wv}).drop_vars(
         [c for c in dk.coords if c not in keep])
 
 
@@ -468,10 +502,13 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     dk = np.asarray(done["k"].transpose("option", "layer", "cand_k", "kv_head").values, dtype=np.float64)
     dv = np.asarray(done["v"].transpose("option", "layer", "cand_v", "kv_head").values, dtype=np.float64)
     cpu = float(done["cpu_seconds"].sum())
+    templated = any(f.channel_bits is not None for f in (*cands_k, *cands_v))
+    wk = np.asarray(done["widths_k"].transpose("side", "layer", "cand_k", "kv_head", "width_channel").values) if templated else None
+    wv = np.asarray(done["widths_v"].transpose("layer", "cand_v", "kv_head", "width_channel").values) if templated else None
     log.info("scored %d layers in %.1f s: %.1f s CPU in the scoring tasks", done.sizes["layer"],
              time.perf_counter() - t0, cpu)
     return Scores(dk, dv, capture.kv.layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries),
-                  window_dtype, cpu, decode)
+                  window_dtype, cpu, decode, wk, wv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -602,7 +639,7 @@ def _search_key(settings: CalibrationConfig, budget_bits: float) -> tuple[str, s
 
 
 def _search_candidates(settings: CalibrationConfig, cand_set: str, head_dim: int):
-    named = None if cand_set == "custom" else default_candidates(head_dim, static=cand_set == "all")
+    named = None if cand_set == "custom" else named_candidates(cand_set, head_dim)
     return tuple(settings.cands_k or named), tuple(settings.cands_v or named)
 
 
@@ -691,10 +728,11 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
     if cfg.objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
-    # searches in a fixed order: int8 windows first, and within a window dtype "all" (the
-    # superset) before "dynamic", whose search then reuses its damage tables
+    # searches in a fixed order: int8 windows first, and within a window dtype the larger
+    # candidate sets (NESTED_SETS) first, so that the later searches reuse their damage tables
     keys = {b: _search_key(cfg, b) for b in cfg.budgets}
-    order = sorted(set(keys.values()), key=lambda g: (g[0] != "int8", g[0], g[1]))
+    rank = {name: i for i, name in enumerate(NESTED_SETS)}
+    order = sorted(set(keys.values()), key=lambda g: (g[0] != "int8", g[0], rank.get(g[1], -1)))
     # Every budget is checked before any work, so a bad one wastes no scoring.
     for key in order:
         cands_k, cands_v = _search_candidates(cfg, key[1], head_dim)
@@ -910,15 +948,14 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
     chosen: dict[tuple[int, int, str], QuantFormat] = {}
     recs = []
     for (layer, h, w), j in zip(keys, pick):
-        cands = sc.cands_k if w == "k" else sc.cands_v
-        f = cands[int(j)]
+        f = sc.format_of(w, opt, layer, int(j), h)
         chosen[(layer, h, w)] = f
         li = sc.layers.index(layer)
         rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
         b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
                        search.shape.sliding_window(layer))
-        recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.bits,
+        recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.element_bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
                          bytes=b, predicted=float(d), relative=rel))
     choices = pd.DataFrame(recs)
@@ -933,13 +970,15 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
             ov = Override(k=None if fk == dk else fk, v=None if fv == dv else fv)
             if ov.k is not None or ov.v is not None:
                 heads[(layer, h)] = ov
-    bits = bits_of(int(row["bytes"]), n_layers, n_kv, D, context)
+    # the frontier counts a template at its own bytes; its fitted widths may take fewer
+    nbytes = int(choices["bytes"].sum())
+    bits = bits_of(nbytes, n_layers, n_kv, D, context)
     prov = {
         "tool": "kverr calibrate",
         "capture": search.capture,
         "budget_bits": float(budget_bits),
         "effective_bits": bits,
-        "bytes": int(row["bytes"]),
+        "bytes": nbytes,
         "context_tokens": context,
         "batch": 1,
         "objective": OBJECTIVES[search.objective],

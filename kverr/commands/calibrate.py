@@ -79,10 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "fp16 scale per token and kv head: D + 2 bytes instead of fp16's 2 D) or a float; "
                         "auto (default): int8 below 4.75 effective bits, where it beat fp16 held out, fp16 "
                         "from there on")
-    p.add_argument("--candidates", choices=("auto", "all", "dynamic"), default="auto",
+    p.add_argument("--candidates", choices=("auto", "all", "dynamic", "fitted"), default="auto",
                    help="candidate formats: 'all' 78, 'dynamic' the 60 without static per-channel "
                         "scales, 'auto' (default) all below 3.5 bits and dynamic from there on "
-                        "(held out, static scales won below and lost above; see the README)")
+                        "(held out, static scales won below and lost above; see the README); 'fitted' "
+                        "all and static per-channel widths fitted to each head's queries and attention "
+                        "at 1.5 to 3.5 mean bits (reference path only: the kernels do not run them)")
     p.add_argument("--decode", type=non_negative_int, default=0,
                    help="model this many decode steps after a prompt quantized whole, as kverr "
                         "evaluate does (default 0: every query's window holds its most recent tokens)")

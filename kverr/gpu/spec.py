@@ -117,6 +117,11 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
             "kernels (they round scales outward, divide, and round codes half to even); use the reference "
             "path (kverr.quant)"
         )
+    if fmt.channel_bits is not None:
+        raise KernelError(
+            f"{fmt.label()}: per-channel bit widths (channel_bits) are not implemented by the kernels; "
+            "use the reference path (kverr.quant, kverr.hf.KverrCache)"
+        )
     g = fmt.granularity
     ratios: tuple[float, ...] = ()
     if isinstance(fmt.clip, MSEClip):

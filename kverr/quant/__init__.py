@@ -4,6 +4,7 @@ Everything here needs only numpy and torch.
 """
 
 from kverr.quant.formats import (
+    CHANNEL_BITS,
     AbsMax,
     Clip,
     Granularity,
@@ -27,6 +28,7 @@ from kverr.quant.reference import (
     Blocks,
     QTensor,
     block_shape,
+    channel_reconstructions,
     clip_range,
     codes_nbytes,
     decode_blocks,
@@ -50,7 +52,7 @@ __all__ = [
     "PerTensor", "PerToken", "PerTokenGroup", "QuantFormat", "QTensor", "block_shape",
     "codes_nbytes", "dequantize", "fake_quantize", "float_format", "fp8_format", "hadamard", "hadamard_rotate", "hadamard_scale",
     "int_format", "is_static", "pack", "packed_nbytes", "quantize", "scale_shape", "token_block",
-    "unpack",
+    "unpack", "channel_reconstructions", "CHANNEL_BITS",
 ]
 # the oracle's stages, for callers that share statistics across many formats
 __all__ += ["Blocks", "clip_range", "decode_blocks", "encode_blocks", "fake_quantize_blocks", "fit_params",

@@ -66,6 +66,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 
+#: Widths a channel may have in a format with per-channel bit widths (``channel_bits``): the
+#: integer widths, and 0 (no codes: the channel reads back its block mean).
+CHANNEL_BITS = (0, 2, 3, 4, 8)
+
 #: Significand bits (implicit bit included) of each scale dtype.
 SIGNIFICAND_BITS = {"fp32": 24, "fp16": 11, "bf16": 8}
 
@@ -330,8 +334,15 @@ class QuantFormat:
         has a zero scale (``0``, the default: no floor; a zero scale then stores ``s = 0``).
     reciprocal
         Encode by multiplying by the fp32 reciprocal ``1 / s`` instead of dividing by ``s``.
+    channel_bits
+        Asymmetric integers with per-channel scales only: the width of every channel of the
+        (rotated) head dimension, each in :data:`CHANNEL_BITS`; ``bits`` is their largest. A
+        channel of width ``b >= 2`` is stored exactly as the same format with ``bits=b`` would
+        store it (its scale blocks hold that channel only); a channel of width 0 stores no codes,
+        a zero scale and, as its zero point, the mean of its block rounded to nearest in
+        ``scale_dtype``, which it reads back. None (default): every channel has ``bits``.
 
-    The last four default to kverr's own arithmetic and are written to JSON only when they
+    The last five default to kverr's own arithmetic and are written to JSON only when they
     differ from it, so configs written before they existed read (and hash) the same.
     """
 
@@ -346,10 +357,13 @@ class QuantFormat:
     scale_rounding: str = "outward"
     scale_floor: float = 0.0
     reciprocal: bool = False
+    channel_bits: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BITS:
             raise _fail("dtype", self.dtype, f"one of {', '.join(ELEMENT_BITS)}")
+        if self.channel_bits is not None:
+            self._check_channel_bits()
         allowed_bits = ELEMENT_BITS[self.dtype]
         if self.dtype != "int":
             # bits are implied; normalise so that equal formats compare equal.
@@ -411,7 +425,43 @@ class QuantFormat:
                     f"of {levels} levels within a quarter step; use 'fp16' or 'fp32'"
                 )
 
+    def _check_channel_bits(self) -> None:
+        cb = self.channel_bits
+        if isinstance(cb, (str, bytes)) or not hasattr(cb, "__iter__"):
+            raise _fail("channel_bits", cb, "a list with one width per channel")
+        cb = tuple(cb)
+        if not cb or any(isinstance(b, bool) or not isinstance(b, int) or b not in CHANNEL_BITS for b in cb):
+            raise _fail("channel_bits", list(cb), f"one width per channel, each one of {', '.join(map(str, CHANNEL_BITS))}")
+        if max(cb) < 2:
+            raise _fail("channel_bits", list(cb), "at least one channel with codes (a width of 2 or more)")
+        if self.dtype != "int" or self.symmetric:
+            raise _fail("channel_bits", list(cb), "only for asymmetric integers (dtype int, symmetric false)")
+        if not isinstance(self.granularity, PerChannel):
+            raise _fail("channel_bits", list(cb), "only with per-channel scales (granularity channel)")
+        object.__setattr__(self, "channel_bits", cb)
+        object.__setattr__(self, "bits", max(cb))
+
     # ---- derived properties -----------------------------------------------------------------
+
+    @property
+    def element_bits(self) -> float:
+        """Code bits per element: ``bits``, or the mean of ``channel_bits`` (plain floats: their width)."""
+        if self.channel_bits is not None:
+            return sum(self.channel_bits) / len(self.channel_bits)
+        return float(self.bits)
+
+    def channel_widths(self) -> list[tuple[int, list[int]]]:
+        """``(width, channels)`` for each width of ``channel_bits``, ascending; the channels in
+        order. The codes of a row are stored width by width in this order (:mod:`.packing`)."""
+        if self.channel_bits is None:
+            raise ConfigError(f"{self.label()} has one width for every channel")
+        widths = sorted(set(self.channel_bits))
+        return [(b, [i for i, x in enumerate(self.channel_bits) if x == b]) for b in widths]
+
+    def with_bits(self, bits: int) -> QuantFormat:
+        """This format with every channel at ``bits`` (no ``channel_bits``): how a channel of
+        that width is stored."""
+        return dataclasses.replace(self, bits=bits, channel_bits=None)
 
     @property
     def is_float(self) -> bool:
@@ -452,6 +502,10 @@ class QuantFormat:
                 f"{where}.granularity.group={g.group} does not divide the head dimension "
                 f"{head_dim}; allowed groups: {', '.join(map(str, divisors))}"
             )
+        if self.channel_bits is not None and len(self.channel_bits) != head_dim:
+            raise ConfigError(
+                f"{where}.channel_bits has {len(self.channel_bits)} widths for a head dimension of {head_dim}"
+            )
         if self.rotate == "hadamard" and (head_dim & (head_dim - 1)):
             raise ConfigError(
                 f"{where}.rotate='hadamard' needs a power-of-two head dimension, got {head_dim}"
@@ -470,7 +524,7 @@ class QuantFormat:
             "channel": f"ch{getattr(g, 'tokens', None) or 'all'}",
             "page": "page",
         }[g.kind]
-        elem = self.dtype if self.is_fp8 else f"int{self.bits}{'s' if self.symmetric else 'a'}"
+        elem = self.dtype if self.is_fp8 else f"int{self.element_bits:.4g}{'s' if self.symmetric else 'a'}"
         parts = [elem, gname, self.scale_dtype]
         if not isinstance(self.clip, AbsMax):
             parts.append(
@@ -479,6 +533,8 @@ class QuantFormat:
             )
         if self.rotate != "none":
             parts.append("had")
+        if self.channel_bits is not None:
+            parts.append("cb" + "".join(str(b) for b, _ in self.channel_widths()))
         opts = arithmetic_options(self)
         if opts:
             parts.append("".join((
@@ -503,11 +559,13 @@ class QuantFormat:
             "clip": clip_to_dict(self.clip),
             "rotate": self.rotate,
             **arithmetic_options(self),
+            **({} if self.channel_bits is None else {"channel_bits": list(self.channel_bits)}),
         }
 
     @classmethod
     def from_dict(cls, obj: Any, where: str = "format") -> QuantFormat:
-        fields = {"dtype", "bits", "symmetric", "granularity", "scale_dtype", "clip", "rotate", *ARITHMETIC_DEFAULTS}
+        fields = {"dtype", "bits", "symmetric", "granularity", "scale_dtype", "clip", "rotate", "channel_bits",
+                  *ARITHMETIC_DEFAULTS}
         _check_keys(obj, where, {"dtype"}, fields - {"dtype"})
         dtype = obj["dtype"]
         if dtype not in ELEMENT_BITS:
@@ -521,8 +579,18 @@ class QuantFormat:
                 )
             return cls(dtype=dtype)
         kwargs: dict[str, Any] = {"dtype": dtype}
+        if "channel_bits" in obj:
+            cb = obj["channel_bits"]
+            if not isinstance(cb, list):
+                raise ConfigError(f"{where}.channel_bits={cb!r} must be a list with one width per channel")
+            kwargs["channel_bits"] = tuple(cb)
         if "bits" in obj:
             kwargs["bits"] = _int_field(obj, "bits", where)
+            cb = kwargs.get("channel_bits")
+            if cb and all(isinstance(b, int) for b in cb) and kwargs["bits"] != max(cb):
+                raise ConfigError(f"{where}.bits={kwargs['bits']} must be the largest of channel_bits ({max(cb)})")
+        elif "channel_bits" in obj:
+            pass  # implied by channel_bits
         elif dtype == "int":
             raise ConfigError(f"missing field {where}.bits; integer formats need 2, 3, 4 or 8")
         if "symmetric" in obj:

@@ -50,6 +50,7 @@ about 1e-16.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ import torch
 
 from kverr.exceptions import ConfigError, DTypeError, NonFiniteError, ShapeError
 from kverr.quant.formats import (
+    CHANNEL_BITS,
     TORCH_DTYPES,
     AbsMax,
     MSEClip,
@@ -389,6 +391,13 @@ def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.T
 
     The quotient is ``x / s`` in fp32, or with ``reciprocal`` ``x * (1 / s)`` (two fp32
     operations); a zero scale divides by one."""
+    if fmt.channel_bits is not None:
+        # each width's channels as the format with that width encodes them; width 0: no codes
+        u = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
+        for b, idx in fmt.channel_widths():
+            if b:
+                u[:, :, :, idx] = encode_blocks(fmt.with_bits(b), g[:, :, :, idx], s[:, :, :, idx], m[:, :, :, idx])
+        return u
     s32 = s.float().unsqueeze(-1)
     s_div = torch.where(s32 > 0, s32, torch.ones_like(s32))
     if fmt.reciprocal:
@@ -471,10 +480,27 @@ def fit_params(fmt: QuantFormat, blocks: Blocks,
         Scale in the format's scale dtype; zero point likewise, or None for symmetric formats.
     """
     _check_scaled(fmt)
+    if fmt.channel_bits is not None:
+        return _fit_channel_widths(fmt, blocks)
     lo, hi = clip_range(fmt, blocks) if clip is None else clip
     if not isinstance(fmt.clip, MSEClip):
         return range_params(fmt, lo, hi)
     s, m, _ = mse_search(fmt, blocks.values, blocks.mask, lo, hi)
+    return s, m
+
+
+def _fit_channel_widths(fmt: QuantFormat, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fit_params` of a format with ``channel_bits``: each width's channels fitted as the
+    format with that width fits them; width 0: scale 0, zero point the block mean (nearest)."""
+    dt = TORCH_DTYPES[fmt.scale_dtype]
+    s = torch.zeros(blocks.values.shape[:-1], dtype=dt, device=blocks.values.device)
+    m = torch.zeros_like(s)
+    for b, idx in fmt.channel_widths():
+        sub = _channel_blocks(blocks, idx)
+        if b == 0:
+            m[:, :, :, idx] = near_cast(_block_mean(sub), fmt.scale_dtype, "zero point")
+            continue
+        s[:, :, :, idx], m[:, :, :, idx] = fit_params(fmt.with_bits(b), sub)
     return s, m
 
 
@@ -485,6 +511,17 @@ def fake_quantize_blocks(fmt: QuantFormat, blocks: Blocks,
     the chosen ratio are kept from the search instead of decoded again).
     ``blocks.ungroup`` turns them into ``[B, H, T, D]``."""
     _check_scaled(fmt)
+    if fmt.channel_bits is not None:
+        out = torch.empty_like(blocks.values)
+        for b, idx in fmt.channel_widths():
+            sub = _channel_blocks(blocks, idx)
+            if b == 0:
+                m = near_cast(_block_mean(sub), fmt.scale_dtype, "zero point").float()
+                out[:, :, :, idx] = m.unsqueeze(-1).expand(sub.values.shape)
+            else:
+                c = None if clip is None else (clip[0][:, :, :, idx], clip[1][:, :, :, idx])
+                out[:, :, :, idx] = fake_quantize_blocks(fmt.with_bits(b), sub, clip=c)
+        return out
     lo, hi = clip_range(fmt, blocks) if clip is None else clip
     if isinstance(fmt.clip, MSEClip):
         return mse_search(fmt, blocks.values, blocks.mask, lo, hi, values=True)[2]
@@ -564,7 +601,7 @@ class QTensor:
             raise ConfigError(f"plain {self.fmt.dtype} storage has no codes")
         if self.fmt.is_fp8:
             return self.codes
-        return unpack(self.codes, self.fmt.bits, self.shape[-1])
+        return unpack_codes(self.codes, self.fmt, self.shape[-1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32, *, unrotate: bool = True) -> torch.Tensor:
         """Reconstruct ``[..., H, T, D]``, see :func:`dequantize`."""
@@ -620,7 +657,7 @@ def quantize(
         return QTensor(plan.float_values, None, None, fmt, plan.shape, page_size)
     *lead, H, T, D = plan.shape
     u = _from_groups(plan.codes, plan.block, (plan.codes.shape[0], H, T, D))
-    codes = u if fmt.is_fp8 else pack(u, fmt.bits)
+    codes = u if fmt.is_fp8 else pack_codes(u, fmt)
     s, m = plan.scale, plan.zero
     return QTensor(
         codes=codes.reshape(*lead, H, T, codes.shape[-1]),
@@ -666,6 +703,21 @@ def _encode_grouped(x, fmt, page_size, scale, zero) -> _Grouped:
             raise ConfigError("zero was given without scale; pass both or neither")
         s, m = fit_params(fmt, blocks)
     return _Grouped(shape, blocks.block, encode_blocks(fmt, blocks.values, s, m), s, m)
+
+
+def _channel_blocks(blocks: Blocks, idx: list[int]) -> Blocks:
+    """The blocks of the channels ``idx`` of a per-channel layout (``bd = 1``: channel = block column)."""
+    i = torch.as_tensor(idx, device=blocks.values.device)
+    mask = None if blocks.mask is None else blocks.mask[:, :, :, i]
+    return Blocks(blocks.values[:, :, :, i], mask, blocks.block, (*blocks.shape[:3], len(idx)))
+
+
+def _block_mean(blocks: Blocks) -> torch.Tensor:
+    """Mean of every block's real elements, float32 ``[B, nH, nT, nD]``."""
+    if blocks.mask is None:
+        return blocks.values.mean(-1)
+    n = blocks.mask.sum(-1).clamp(min=1)
+    return blocks.values.masked_fill(~blocks.mask, 0.0).sum(-1) / n
 
 
 def _static_params(fmt, scale, zero, group_shape, lead):
@@ -742,10 +794,71 @@ def fake_quantize(
     return out.reshape(plan.shape)
 
 
+def channel_reconstructions(x: ArrayLike, fmt: QuantFormat, widths: tuple[int, ...] = CHANNEL_BITS, *,
+                            page_size: int | None = None) -> torch.Tensor:
+    """What every channel of ``x [..., H, T, D]`` reads back at each of ``widths`` under the
+    per-channel blocks of ``fmt`` (an asymmetric integer format with ``channel`` granularity):
+    float32 ``[len(widths), ..., H, T, D]``, in the rotated space if ``fmt`` rotates.
+
+    Channels are quantized independently, so entry ``[w, ..., i]`` is, bit for bit, what channel
+    ``i`` of :func:`fake_quantize` ``(x, fmt with channel_bits)`` reads back (before any
+    unrotation) when ``channel_bits[i] == widths[w]``: the building block of fitting widths.
+    """
+    probe = dataclasses.replace(fmt, channel_bits=None)
+    if probe.dtype != "int" or probe.symmetric or not isinstance(probe.granularity, PerChannel):
+        raise ConfigError(f"{fmt.label()}: per-channel widths need an asymmetric integer format with channel scales")
+    bad = [b for b in widths if b not in CHANNEL_BITS]
+    if bad:
+        raise ConfigError(f"width {bad[0]} is not one of {', '.join(map(str, CHANNEL_BITS))}")
+    x32 = as_float_tensor(x)
+    if x32.ndim < 3:
+        raise ShapeError(f"x must be [..., kv_head, token, channel], got shape {tuple(x32.shape)}")
+    *lead, H, T, D = x32.shape
+    probe.check_head_dim(D)
+    if probe.rotate == "hadamard":
+        x32 = hadamard_rotate(x32)
+    blocks = to_blocks(x32.reshape(math.prod(lead), H, T, D), block_shape(probe, H, T, D, page_size))
+    clip = clip_range(probe, blocks)
+    out = []
+    for b in widths:
+        if b == 0:
+            m = near_cast(_block_mean(blocks), fmt.scale_dtype, "zero point").float()
+            vals = m.unsqueeze(-1).expand(blocks.values.shape)
+        else:
+            vals = fake_quantize_blocks(probe.with_bits(b), blocks, clip=clip)
+        out.append(blocks.ungroup(vals).reshape(x32.shape))
+    return torch.stack(out)
+
+
 def codes_nbytes(fmt: QuantFormat, D: int) -> int:
     """Bytes of one token's codes for one head (plain floats: the values themselves)."""
     if fmt.is_float:
         return D * torch.finfo(TORCH_DTYPES[fmt.dtype]).bits // 8
     if fmt.is_fp8:
         return D
+    if fmt.channel_bits is not None:
+        return sum(packed_nbytes(len(idx), b) for b, idx in fmt.channel_widths() if b)
     return packed_nbytes(D, fmt.bits)
+
+
+def pack_codes(u: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Integer codes ``u [..., D]`` (uint8) packed as ``fmt`` stores a row: :func:`pack` at
+    ``fmt.bits``, or with ``channel_bits`` each width's channels (ascending widths, channels in
+    order) packed at that width, the widths' bytes one after another (width 0: none)."""
+    if fmt.channel_bits is None:
+        return pack(u, fmt.bits)
+    return torch.cat([pack(u[..., idx].contiguous(), b) for b, idx in fmt.channel_widths() if b], dim=-1)
+
+
+def unpack_codes(codes: torch.Tensor, fmt: QuantFormat, D: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``[..., D]`` uint8 codes (0 on width-0 channels)."""
+    if fmt.channel_bits is None:
+        return unpack(codes, fmt.bits, D)
+    u = torch.zeros((*codes.shape[:-1], D), dtype=torch.uint8, device=codes.device)
+    at = 0
+    for b, idx in fmt.channel_widths():
+        if b:
+            n = packed_nbytes(len(idx), b)
+            u[..., idx] = unpack(codes[..., at:at + n], b, len(idx))
+            at += n
+    return u

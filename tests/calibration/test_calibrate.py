@@ -268,6 +268,28 @@ def tiny_capture(tmp_path_factory):
     return open_capture(path), path, loaded
 
 
+def test_fitted_channel_widths_are_scored_written_and_predicted_alike(tiny_capture):
+    """Templates (``channel_bits``) are refitted per (layer, kv head, K|V, RoPE side); the config
+    holds the fitted widths, its bytes are what memory counts, and predicting the written config
+    from scratch gives the damage the search chose it for."""
+    from kverr.calibration.channel_bits import template
+
+    cap, _, loaded = tiny_capture
+    D = loaded.head_dim
+    tmpls = (template(1.5, D), template(2.5, D))
+    cands = (int_format(2, PerChannel(None)), *tmpls, float_format("fp16"))
+    opts = (OuterOption(sinks=4), OuterOption(sinks=4, key_pre_rope=True))
+    cal = cal_at(cap, 2.5, context=160, options=opts, cands_k=cands, cands_v=cands, queries=16, objective="rel")
+    cfg, pv = cal.config, cal.config.provenance
+    fmts = [cfg.format_for(l, h, w) for l in range(loaded.n_layers) for h in range(loaded.n_kv_heads) for w in "kv"]
+    fitted = [f for f in fmts if f.channel_bits is not None]
+    assert fitted and any(f.channel_bits not in {t.channel_bits for t in tmpls} for f in fitted)
+    rep = account(cfg, ModelShape(loaded.n_layers, loaded.n_kv_heads, D), 160)
+    assert rep.total_bytes == pv["bytes"] and rep.effective_bits <= 2.5
+    p = predict(cap, cfg, queries=16)
+    assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
+
+
 def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tiny_capture):
     cap, _, loaded = tiny_capture
     opts = (OuterOption(), OuterOption(sinks=4))
