@@ -358,8 +358,8 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
                      window_dtype: str, dk: np.ndarray, dv: np.ndarray) -> dict:
     """Fit and score the template candidates (``channel_bits``) of :func:`score_layer` in place;
     returns the fitted widths."""
-    from kverr.quant import channel_reconstructions
-    from kverr.quant.store import receive
+    from kverr.quant import CHANNEL_BITS, channel_reconstructions
+    from kverr.quant.store import receive, token_regions
 
     from . import channel_bits as cb
 
@@ -377,8 +377,9 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
         if clean is None:
             raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
         got = receive(clean[None], window_dtype)[0]
+        T = clean.shape[1]
         errs = torch.zeros((len(js), n_kv, *clean.shape[1:]))
-        recon: dict = {}
+        recon: dict = {}  # per template's plain format: every channel at every width [W, kv_head, T, D]
         for h, qi in heads:
             a = _grouped(prep, qi, prep.a)
             if which == "k":
@@ -389,12 +390,17 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
             for c, j in enumerate(js):
                 tmpl = cands[j]
                 probe = tmpl.with_bits(2)
-                if (probe, h) not in recon:
-                    recon[(probe, h)] = channel_reconstructions(got[h:h + 1], probe, page_size=page_size)[:, 0]
-                fmt = cb.fit(tmpl, recon[(probe, h)], clean[h], w)
+                if probe not in recon:
+                    recon[probe] = channel_reconstructions(got, probe, page_size=page_size)
+                fmt = cb.fit(tmpl, recon[probe][:, h], clean[h], w)
                 out[(which, pre, j, h)] = fmt.channel_bits
                 cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
-                hat = reconstruct(clean[h:h + 1], cfg, layer=prep.layer, which=which)[0]
+                if token_regions(T, cfg, fmt) == (0, T):
+                    # every token quantized: the widths' reconstructions are the oracle's, bit for bit
+                    pick = torch.as_tensor([CHANNEL_BITS.index(b) for b in fmt.channel_bits])
+                    hat = recon[probe][:, h].gather(0, pick[None, None, :].expand(1, T, D))[0]
+                else:
+                    hat = reconstruct(clean[h:h + 1], cfg, layer=prep.layer, which=which)[0]
                 if pre:
                     from kverr.rope import apply_rope
 

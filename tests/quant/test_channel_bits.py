@@ -135,3 +135,16 @@ def test_key_weights_pair_average_before_rope():
     assert torch.allclose(pre, (post + post.roll(4, -1)) / 2)
     w = (a.double() ** 2) * ((v.double()[None] - o.double()[:, None]) ** 2).sum(-1)
     assert torch.allclose(post[5, 3], (w[:, 5] * q.double()[:, 3] ** 2).sum())
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_templates_take_their_mean_bits_and_the_fitted_set_nests(D):
+    from kverr.calibration.candidates import NESTED_SETS, named_candidates
+
+    for t in cb.templates(D):
+        assert codes_nbytes(t, D) * 8 == t.element_bits * D and t.element_bits in cb.TEMPLATE_BITS
+    sets = [set(named_candidates(n, D)) for n in NESTED_SETS]
+    assert all(a > b for a, b in zip(sets, sets[1:]))  # each set strictly contains the next
+    assert sets[0] - sets[1] == set(cb.templates(D))
+    with pytest.raises(ConfigError, match="halfway"):
+        cb.template(2.25, D)
