@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kverr.config import CacheConfig, Override
 from kverr.exceptions import ConfigError
 from kverr.quant import (
+    CHANNEL_BITS,
     AbsMax,
     MSEClip,
     Percentile,
@@ -54,8 +55,10 @@ def formats(
     clip: bool = True,
     rotate: bool = True,
     floats: bool = False,
+    channel_bits: bool = False,
 ) -> QuantFormat:
-    """A valid quantized format (optionally plain floats too) for ``head_dim``."""
+    """A valid quantized format (optionally plain floats too) for ``head_dim``; with
+    ``channel_bits``, asymmetric integers with channel scales may draw per-channel widths."""
     kind = draw(st.sampled_from(kinds + (("fp16", "bf16", "fp32") if floats else ())))
     if kind in ("fp16", "bf16", "fp32"):
         return QuantFormat(dtype=kind)
@@ -66,10 +69,15 @@ def formats(
     if kind == "int":
         bits = draw(st.sampled_from([2, 3, 4, 8]))
         sym = draw(st.booleans())
+        widths = None
+        if channel_bits and draw(st.integers(0, 2)) == 0:  # per-channel widths: channel scales, a zero point
+            sym, gran = False, PerChannel(draw(st.sampled_from([None, page_size])))
+            widths = tuple(draw(st.lists(st.sampled_from(CHANNEL_BITS), min_size=head_dim, max_size=head_dim)
+                                .filter(lambda w: max(w) >= 2)))
         try:
-            return QuantFormat("int", bits, sym, gran, sdt, c, rot)
+            return QuantFormat("int", bits, sym, gran, sdt, c, rot, channel_bits=widths)
         except ConfigError:  # bf16 scales are too coarse for 8-bit codes: fall back to fp16
-            return QuantFormat("int", bits, sym, gran, "fp16", c, rot)
+            return QuantFormat("int", bits, sym, gran, "fp16", c, rot, channel_bits=widths)
     return QuantFormat(kind, 8, True, gran, sdt, c, rot)
 
 
@@ -98,7 +106,7 @@ def data(draw, *, heads=(1, 3), tokens=(1, 70), head_dim=None, batch=(1, 2)) -> 
 def configs(draw, n_layers: int = 2, n_kv_heads: int = 3, head_dim: int = 16) -> CacheConfig:
     """A valid cache config with optional per-layer and per-head overrides."""
     page = draw(st.sampled_from([4, 16, 32, 64]))
-    fmt = formats(head_dim, page, floats=True)
+    fmt = formats(head_dim, page, floats=True, channel_bits=True)
     layers = draw(
         st.dictionaries(st.integers(0, n_layers - 1), st.builds(Override, k=st.none() | fmt, v=fmt), max_size=2)
     )

@@ -37,35 +37,47 @@ from kverr.quant.formats import CHANNEL_BITS, MSEClip, PerChannel, QuantFormat
 from kverr.quant.packing import packed_nbytes
 from kverr.quant.reference import codes_nbytes
 
-#: Mean code bits of the templates :func:`templates` offers.
-TEMPLATE_BITS = (1.5, 2.0, 2.5, 3.0, 3.5)
+#: ``(floor, mean code bits)`` of the templates :func:`templates` offers: any width from 0, or
+#: every channel at least 2 bits.
+TEMPLATES = ((0, 1.5), (0, 2.0), (0, 2.5), (0, 3.0), (0, 3.5), (2, 2.5), (2, 3.0), (2, 3.5))
 
 
-def template(mean_bits: float, head_dim: int, clip=None, tokens: int | None = None) -> QuantFormat:
-    """A template of ``mean_bits`` code bits per element: asymmetric integers with per-channel
-    scales (static for ``tokens=None``) whose ``channel_bits`` give every channel ``mean_bits``, or
-    half the channels each of the closest two widths of :data:`CHANNEL_BITS` halfway around it, so that its
-    codes take ``mean_bits · head_dim / 8`` bytes when ``head_dim`` is a multiple of 16."""
-    if mean_bits in CHANNEL_BITS and mean_bits >= 2:
-        split = (int(mean_bits),) * head_dim
+def template(mean_bits: float, head_dim: int, floor: int = 0, clip=None, tokens: int | None = None) -> QuantFormat:
+    """A template of ``mean_bits`` code bits per element whose channels keep at least ``floor`` bits.
+
+    Asymmetric integers with per-channel scales (static for ``tokens=None``); its ``channel_bits``
+    put a share ``f`` of the channels at the narrowest width ``hi`` of :data:`CHANNEL_BITS` for which
+    ``f = (mean_bits − floor) / (hi − floor)`` is a multiple of 1/8 in (0, 1), the rest at
+    ``floor`` (every channel at ``floor`` when ``mean_bits == floor``). So the template's narrowest
+    width is ``floor`` -- the fit keeps every channel at least that wide -- and its codes take
+    ``mean_bits · head_dim / 8`` bytes when ``head_dim`` is a multiple of 64: the fit's budget.
+    """
+    if floor not in CHANNEL_BITS or not floor <= mean_bits <= max(CHANNEL_BITS):
+        raise ConfigError(f"floor={floor!r}, mean_bits={mean_bits!r}: the floor must be one of "
+                          f"{', '.join(map(str, CHANNEL_BITS))} and at most the mean")
+    if mean_bits == floor:
+        if floor < 2:
+            raise ConfigError(f"mean_bits={mean_bits!r}: a template needs channels with codes")
+        split = (floor,) * head_dim
     else:
-        pairs = sorted((hi - lo, lo, hi) for lo in CHANNEL_BITS for hi in CHANNEL_BITS
-                       if lo < hi and hi >= 2 and (lo + hi) / 2 == mean_bits)
-        if not pairs:
+        for hi in (b for b in CHANNEL_BITS if b > floor):
+            f = (mean_bits - floor) / (hi - floor)
+            if 0 < f < 1 and float(f * 8).is_integer():
+                break
+        else:
             raise ConfigError(
-                f"mean_bits={mean_bits!r}: a template is one width of 2 or more, or halfway between "
-                f"two widths of {', '.join(map(str, CHANNEL_BITS))}"
+                f"mean_bits={mean_bits!r} with floor {floor}: no width of {', '.join(map(str, CHANNEL_BITS))} "
+                "puts a multiple of 1/8 of the channels above the floor for that mean"
             )
-        _, lo, hi = pairs[0]
-        half = head_dim // 2
-        split = (hi,) * half + (lo,) * (head_dim - half)
+        n_hi = round(f * head_dim)
+        split = (hi,) * n_hi + (floor,) * (head_dim - n_hi)
     return QuantFormat(dtype="int", bits=max(split), symmetric=False, granularity=PerChannel(tokens),
                        scale_dtype="fp16", clip=clip or MSEClip(grid=9, min_ratio=0.2), channel_bits=split)
 
 
 def templates(head_dim: int, clip=None) -> tuple[QuantFormat, ...]:
-    """Static templates at every mean of :data:`TEMPLATE_BITS`."""
-    return tuple(template(b, head_dim, clip) for b in TEMPLATE_BITS)
+    """Static templates at every ``(floor, mean)`` of :data:`TEMPLATES`."""
+    return tuple(template(m, head_dim, floor, clip) for floor, m in TEMPLATES)
 
 
 def key_weights(q: torch.Tensor, a: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
@@ -93,9 +105,9 @@ def value_weights(a: torch.Tensor, D: int, *, skip: int = 0) -> torch.Tensor:
 
 def allocate(curves: np.ndarray, budget_bytes: int, widths: tuple[int, ...] = CHANNEL_BITS) -> tuple[int, ...]:
     """Widths per channel from weighted error ``curves [len(widths), D]`` (row ``w``: each
-    channel's error at ``widths[w]``; ``widths`` ascending from 0).
+    channel's error at ``widths[w]``; ``widths`` ascending).
 
-    Greedy: every channel starts at width 0; each step takes the move -- one channel to any wider
+    Greedy: every channel starts at the narrowest width; each step takes the move -- one channel to any wider
     width -- of largest error decrease per added bit among those whose packed codes
     (:func:`kverr.quant.packing.packed_nbytes` per width) stay within ``budget_bytes``, until no
     move lowers the error. Ties go to the lower channel, then the narrower width.
@@ -103,8 +115,8 @@ def allocate(curves: np.ndarray, budget_bytes: int, widths: tuple[int, ...] = CH
     curves = np.asarray(curves, dtype=np.float64)
     W, D = curves.shape
     widths = tuple(widths)
-    if len(widths) != W or widths[0] != 0 or list(widths) != sorted(set(widths)):
-        raise ConfigError(f"widths {widths} must be ascending from 0, one per row of curves")
+    if len(widths) != W or list(widths) != sorted(set(widths)):
+        raise ConfigError(f"widths {widths} must be ascending, one per row of curves")
     at = np.zeros(D, dtype=np.int64)  # index into widths
     counts = np.zeros(W, dtype=np.int64)
     counts[0] = D
@@ -112,7 +124,9 @@ def allocate(curves: np.ndarray, budget_bytes: int, widths: tuple[int, ...] = CH
     def nbytes(w_i: int, n: int) -> int:
         return packed_nbytes(n, widths[w_i]) if widths[w_i] else 0
 
-    used = 0
+    used = nbytes(0, D)
+    if used > budget_bytes:
+        raise ConfigError(f"{D} channels of {widths[0]} bits take {used} bytes, more than the budget {budget_bytes}")
     cols = np.arange(D)
     while True:
         # byte change of moving one channel from width index i to j, for the current counts
@@ -141,17 +155,18 @@ def fit(tmpl: QuantFormat, recon: torch.Tensor, clean: torch.Tensor, weights: to
     ``recon [len(CHANNEL_BITS), T, D]``: every channel's reconstruction at every width
     (:func:`kverr.quant.channel_reconstructions` of the head's tensor as the cache received it);
     ``clean [T, D]``: the values the error is measured against; ``weights [T, D]``
-    (:func:`key_weights`, :func:`value_weights`). The fitted codes take at most the template's
-    bytes.
+    (:func:`key_weights`, :func:`value_weights`). The fitted widths are at least the template's
+    narrowest (its floor) and their codes take at most the template's bytes.
     """
     if tmpl.channel_bits is None:
         raise ConfigError(f"{tmpl.label()} is not a template (no channel_bits)")
     if tmpl.rotate != "none":
         raise ConfigError(f"{tmpl.label()}: fitted widths are defined for unrotated channels")
     D = clean.shape[-1]
-    err = (recon.double() - clean.double()[None]) ** 2  # [W, T, D]
+    rows = [i for i, b in enumerate(CHANNEL_BITS) if b >= min(tmpl.channel_bits)]  # the template's floor up
+    err = (recon[rows].double() - clean.double()[None]) ** 2  # [W, T, D]
     curves = torch.einsum("wtd,td->wd", err, weights.double()).numpy()
-    bits = allocate(curves, codes_nbytes(tmpl, D))
+    bits = allocate(curves, codes_nbytes(tmpl, D), tuple(CHANNEL_BITS[i] for i in rows))
     if max(bits) < 2:  # nothing worth a code anywhere: the template's own split
         return tmpl
     return dataclasses.replace(tmpl, bits=max(bits), channel_bits=bits)

@@ -120,6 +120,9 @@ def test_allocation_keeps_the_byte_budget_and_follows_the_weights():
     w[:, 7] *= 1e6
     bits = cb.allocate(w, 4)
     assert bits[3] == 0 and bits[7] == max(bits)
+    # a floor: every channel keeps at least the narrowest width given
+    floor = cb.allocate(curves[1:], 3 * D // 8, CHANNEL_BITS[1:])
+    assert min(floor) >= 2 and sum(packed_nbytes(floor.count(b), b) for b in set(floor)) <= 3 * D // 8
     # equal channels share the bytes equally
     flat = np.array([np.full(D, 1.0 if b == 0 else 4.0 ** -b) for b in CHANNEL_BITS])
     assert set(cb.allocate(flat, 2 * D // 8)) == {2}
@@ -141,10 +144,10 @@ def test_key_weights_pair_average_before_rope():
 def test_templates_take_their_mean_bits_and_the_fitted_set_nests(D):
     from kverr.calibration.candidates import NESTED_SETS, named_candidates
 
-    for t in cb.templates(D):
-        assert codes_nbytes(t, D) * 8 == t.element_bits * D and t.element_bits in cb.TEMPLATE_BITS
+    for t, (floor, mean) in zip(cb.templates(D), cb.TEMPLATES):
+        assert codes_nbytes(t, D) * 8 == mean * D == t.element_bits * D and min(t.channel_bits) == floor
     sets = [set(named_candidates(n, D)) for n in NESTED_SETS]
     assert all(a > b for a, b in zip(sets, sets[1:]))  # each set strictly contains the next
     assert sets[0] - sets[1] == set(cb.templates(D))
-    with pytest.raises(ConfigError, match="halfway"):
-        cb.template(2.25, D)
+    with pytest.raises(ConfigError, match="multiple of 1/8"):
+        cb.template(2.1, D)
