@@ -17,7 +17,8 @@ the long table are summarised from those two files (:func:`summarise`), so
 ``python -m bench.run heldout --from-results`` remakes them without measuring again.
 
 The full run takes one to two hours on two cores (22 schemes x 8 segments), so ``--quick`` skips it.
-The serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8,
+The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`) joined it the same
+way (their ``--config`` options only). The serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8,
 transformers' fp8 and HQQ int8 backends) joined the table later: measured by the same command with
 only their ``--scheme`` options and merged into the committed files (``evaluate(only=...)``,
 ``predicted(only=...)``), which replace the rows of the schemes measured and keep the others.
@@ -32,7 +33,10 @@ from pathlib import Path
 from bench.common import RESULTS, ROOT, WORK, Row, machine, now, pydoc_capture
 
 BUDGETS = ("2.5", "3", "4", "4.3", "4.5", "5", "5.65", "6.1", "8", "8.5")
-CONFIGS = [ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
+#: Budgets of the configs calibrated with per-channel widths fitted to each head (``--candidates fitted``).
+FITTED_BUDGETS = ("2", "2.5", "3")
+CONFIGS = ([ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
+           + [ROOT / "data" / "configs" / f"fitted-{b}b.json" for b in FITTED_BUDGETS])
 #: The presets and peers at the calibrated configs' effective bits (at 1280 tokens).
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
 #: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.
@@ -72,9 +76,10 @@ def evaluate(only=None) -> None:
     argv = ["evaluate", "--threads", "1", "--greedy", "0", "--text", str(typing_py()), "--offset", "0",
             "--prefill", str(PREFILL), "--decode", str(DECODE), "--segments", str(SEGMENTS), "--overwrite",
             "--out", str(out)]
-    for c in CONFIGS if only is None else ():
+    names = {json.loads(c.read_text())["name"]: c for c in CONFIGS}
+    for c in CONFIGS if only is None else [names[s] for s in only if s in names]:
         argv += ["--config", str(c)]
-    for s in ALL_SCHEMES if only is None else only:
+    for s in ALL_SCHEMES if only is None else [s for s in only if s not in names]:
         argv += ["--scheme", s]
     if main(argv) != 0:
         raise RuntimeError("kverr evaluate failed")
@@ -107,8 +112,9 @@ def predicted(only=None) -> None:
     torch.set_num_threads(1)
     cap = open_capture(pydoc_capture(4096))
     sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
-    cfgs = {c.name: c for c in map(CacheConfig.load, CONFIGS)} if only is None else {}
-    for s in ALL_SCHEMES if only is None else only:
+    configs = {c.name: c for c in map(CacheConfig.load, CONFIGS)}
+    cfgs = dict(configs) if only is None else {s: configs[s] for s in only if s in configs}
+    for s in ALL_SCHEMES if only is None else [s for s in only if s not in configs]:
         cfgs[s] = Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32) if s in PEERS else resolve(s)
     rows = []
     for name, cfg in cfgs.items():
