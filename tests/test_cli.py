@@ -82,7 +82,7 @@ def test_installed_command_has_no_traceback_on_bad_config(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(
-        "unknown field k.colour; allowed fields: bits, clip, dtype, granularity, reciprocal, rotate, rounding, "
+        "unknown field k.colour; allowed fields: bits, channel_bits, clip, dtype, granularity, reciprocal, rotate, rounding, "
         "scale_dtype, scale_floor, scale_rounding, symmetric")
     assert "Traceback" not in proc.stderr
 
