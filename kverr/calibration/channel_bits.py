@@ -170,4 +170,4 @@ def fit(tmpl: QuantFormat, recon: torch.Tensor, clean: torch.Tensor, weights: to
     bits = allocate(curves, codes_nbytes(tmpl, D), tuple(CHANNEL_BITS[i] for i in rows))
     if max(bits) < 2:  # nothing worth a code anywhere: the template's own split
         return tmpl
-    return dataclasses.replace(tmpl, bits=max(bits), channel_bits=bits)
+    return dataclasses.replace(tmpl, channel_bits=bits)  # bits: their largest

@@ -360,6 +360,7 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
     returns the fitted widths."""
     from kverr.quant import CHANNEL_BITS, channel_reconstructions
     from kverr.quant.store import receive, token_regions
+    from kverr.rope import apply_rope
 
     from . import channel_bits as cb
 
@@ -402,8 +403,6 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
                 else:
                     hat = reconstruct(clean[h:h + 1], cfg, layer=prep.layer, which=which)[0]
                 if pre:
-                    from kverr.rope import apply_rope
-
                     hat = apply_rope(hat[None], prep.positions, prep.rope)[0].to(torch.float32)
                 errs[c, h] = hat - (prep.k[h] if which == "k" else clean[h])
         if which == "k":

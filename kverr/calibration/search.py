@@ -120,7 +120,7 @@ class Scores:
         li = self.layers.index(layer)
         bits = (self.widths_k[int(option.key_pre_rope), li, cand, kv_head] if which == "k"
                 else self.widths_v[li, cand, kv_head])
-        return dataclasses.replace(f, bits=int(bits.max()), channel_bits=tuple(int(b) for b in bits))
+        return dataclasses.replace(f, channel_bits=tuple(int(b) for b in bits))  # bits: their largest
 
     def subset(self, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat]) -> Scores:
         """The tables of a subset of the candidates (in the order given)."""

@@ -498,7 +498,7 @@ def _fit_channel_widths(fmt: QuantFormat, blocks: Blocks) -> tuple[torch.Tensor,
     for b, idx in fmt.channel_widths():
         sub = _channel_blocks(blocks, idx)
         if b == 0:
-            m[:, :, :, idx] = near_cast(_block_mean(sub), fmt.scale_dtype, "zero point")
+            m[:, :, :, idx] = _zero_width_point(fmt, sub)
             continue
         s[:, :, :, idx], m[:, :, :, idx] = fit_params(fmt.with_bits(b), sub)
     return s, m
@@ -516,7 +516,7 @@ def fake_quantize_blocks(fmt: QuantFormat, blocks: Blocks,
         for b, idx in fmt.channel_widths():
             sub = _channel_blocks(blocks, idx)
             if b == 0:
-                m = near_cast(_block_mean(sub), fmt.scale_dtype, "zero point").float()
+                m = _zero_width_point(fmt, sub).float()
                 out[:, :, :, idx] = m.unsqueeze(-1).expand(sub.values.shape)
             else:
                 c = None if clip is None else (clip[0][:, :, :, idx], clip[1][:, :, :, idx])
@@ -712,12 +712,14 @@ def _channel_blocks(blocks: Blocks, idx: list[int]) -> Blocks:
     return Blocks(blocks.values[:, :, :, i], mask, blocks.block, (*blocks.shape[:3], len(idx)))
 
 
-def _block_mean(blocks: Blocks) -> torch.Tensor:
-    """Mean of every block's real elements, float32 ``[B, nH, nT, nD]``."""
+def _zero_width_point(fmt: QuantFormat, blocks: Blocks) -> torch.Tensor:
+    """The zero point a width-0 channel stores and reads back: the mean of each block's real
+    elements rounded to nearest in the scale dtype, ``[B, nH, nT, nD]``."""
     if blocks.mask is None:
-        return blocks.values.mean(-1)
-    n = blocks.mask.sum(-1).clamp(min=1)
-    return blocks.values.masked_fill(~blocks.mask, 0.0).sum(-1) / n
+        mean = blocks.values.mean(-1)
+    else:
+        mean = blocks.values.masked_fill(~blocks.mask, 0.0).sum(-1) / blocks.mask.sum(-1).clamp(min=1)
+    return near_cast(mean, fmt.scale_dtype, "zero point")
 
 
 def _static_params(fmt, scale, zero, group_shape, lead):
@@ -822,7 +824,7 @@ def channel_reconstructions(x: ArrayLike, fmt: QuantFormat, widths: tuple[int, .
     out = []
     for b in widths:
         if b == 0:
-            m = near_cast(_block_mean(blocks), fmt.scale_dtype, "zero point").float()
+            m = _zero_width_point(fmt, blocks).float()
             vals = m.unsqueeze(-1).expand(blocks.values.shape)
         else:
             vals = fake_quantize_blocks(probe.with_bits(b), blocks, clip=clip)
