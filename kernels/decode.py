@@ -20,7 +20,9 @@ finite running maximum, as in the causal prefill.
 Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
 ``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float; ``BITS``; ``BD`` channels
 per scale column; ``BTS`` token rows per scale row; ``STATIC`` scales are ``[h, D // BD]``;
-``ROT`` codes of the Hadamard-rotated head dimension.
+``ROT`` codes of the Hadamard-rotated head dimension; ``BITS`` 0 a width per channel, where each
+channel's code sits given by two layout words per channel (``KL``/``VL``, loaded once per program;
+a row's bytes are loaded in a tile of ``D``, which no row of widths up to 8 bits exceeds).
 
 Rotated formats cost no per-row work in the main launch: ``q·k = (qH)·(kH)``, so the query tile
 is rotated once for rotated keys, and ``Σ p (vH) = (Σ p v) H``, so the value accumulator is
@@ -39,11 +41,13 @@ import triton
 import triton.language as tl
 
 from kverr_kernels.hadamard import fwht
+from kverr_kernels.packing import piece
 
 
 @triton.jit
-def _deq_tile(C, row_base, nmask, SC, ZP, srow, c,
-              KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
+def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, wa, wb,
+              KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
+              CB):
     """Dequantized ``[N, D]`` fp32 tile; ``row_base``/``srow`` are per-row element offsets of the
     codes and of the scale row; the planar bytes are gathered per channel (the DRAM traffic is
     the packed bytes; the repeated addresses hit L1)."""
@@ -51,14 +55,25 @@ def _deq_tile(C, row_base, nmask, SC, ZP, srow, c,
     if KIND == 4:
         x = tl.load(C + row_base[:, None] + c[None, :], mask=m2, other=0.0).to(tl.float32)
     else:
-        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, KIND, BITS, BD, D)
+        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, wa, wb, KIND, BITS, BD, D, CB)
     return x
 
 
 @triton.jit
-def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c,
-               KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
-    if BITS == 3:
+def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, wa, wb,
+               KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
+               CB):
+    if BITS == 0:
+        # per-channel widths: the row's bytes are loaded whole (``CB <= D`` of them), and
+        # each channel's pieces A and B (layout words wa, wb) gathered from them in registers;
+        # per-channel byte addresses would cost a 64-bit address per element (and spill). An
+        # absent piece has mask 0, so a width-0 channel reads code 0 (its scale is 0).
+        row = tl.load(C + row_base[:, None] + c[None, :], mask=m2 & (c < CB)[None, :], other=0).to(tl.int32)
+        N: tl.constexpr = row.shape[0]
+        ba = tl.gather(row, tl.broadcast_to((wa & 0xFFFF)[None, :], (N, D)), 1)
+        bb = tl.gather(row, tl.broadcast_to((wb & 0xFFFF)[None, :], (N, D)), 1)
+        u = piece(wa, ba) | piece(wb, bb)
+    elif BITS == 3:
         P2: tl.constexpr = D // 4
         P1: tl.constexpr = D // 8
         b2 = tl.load(C + row_base[:, None] + (c % P2)[None, :], mask=m2, other=0).to(tl.int32)
@@ -94,7 +109,7 @@ def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c,
 
 @triton.jit
 def _offsets(t, start, b, BT, sbt_b, P: tl.constexpr, hloc, s_cp, s_ch, s_sp, s_sh,
-             CB: tl.constexpr, NSD: tl.constexpr, BTS: tl.constexpr, STATIC: tl.constexpr, nmask):
+             CB, NSD: tl.constexpr, BTS: tl.constexpr, STATIC: tl.constexpr, nmask):
     """Element offsets of the code row and of the scale row of quantized tokens ``t``."""
     i = t - start
     lp = i // P
@@ -163,6 +178,8 @@ def paged_decode_kernel(
     HEADS, KMAP, VMAP,  # [n] int32: global kv head, its index in the K group and in the V group
     KC, skc_p, skc_h, KS, KZ, sks_p, sks_h,  # key code pool, scale pool, zero pool
     VC, svc_p, svc_h, VS, VZ, svs_p, svs_h,  # value pools
+    KL, VL, kcb, vcb,  # K_BITS / V_BITS == 0: [2, D] int32 layout words of per-channel widths, and the
+    # bytes of a code row (K_CB / V_CB are 0 then: one specialisation serves every layout of widths)
     KF, skf_b, skf_h, skf_t,  # key full-precision buffer [slots, hK, sinks + cap_k, D]
     VF, svf_b, svf_h, svf_t,
     KFS, skfs_b, skfs_h, VFS, svfs_b, svfs_h,  # FP_Q: their int8 rows' fp16 scales [slots, h, sinks + cap]
@@ -223,6 +240,23 @@ def paged_decode_kernel(
     NSD_K: tl.constexpr = D // K_BD
     NSD_V: tl.constexpr = D // V_BD
     b64 = b.to(tl.int64)
+    # per-channel widths: the layout words, loaded once, and the row bytes given at run time
+    if K_BITS == 0:
+        k_wa = tl.load(KL + c)
+        k_wb = tl.load(KL + D + c)
+        k_cb = kcb
+    else:
+        k_wa = c
+        k_wb = c
+        k_cb = K_CB
+    if V_BITS == 0:
+        v_wa = tl.load(VL + c)
+        v_wb = tl.load(VL + D + c)
+        v_cb = vcb
+    else:
+        v_wa = c
+        v_wb = c
+        v_cb = V_CB
 
     if TAIL:
         lo = 0
@@ -248,8 +282,8 @@ def paged_decode_kernel(
             k_pg = nmask
             v_pg = nmask
         krow, ksrow = _offsets(t, start, b64, BT, sbt_b, P, hk, skc_p, skc_h, sks_p, sks_h,
-                               K_CB, NSD_K, K_BTS, K_STATIC, k_pg)
-        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, K_KIND, K_BITS, K_BD, D)
+                               k_cb, NSD_K, K_BTS, K_STATIC, k_pg)
+        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_wa, k_wb, K_KIND, K_BITS, K_BD, D, k_cb)
         if K_ROT and not ROT_Q:
             k = fwht(k, BLOCK_N, D, LOG2D, RSCALE)
         if TAIL:
@@ -279,8 +313,8 @@ def paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         vrow, vsrow = _offsets(t, start, b64, BT, sbt_b, P, hv, svc_p, svc_h, svs_p, svs_h,
-                               V_CB, NSD_V, V_BTS, V_STATIC, v_pg)
-        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, V_KIND, V_BITS, V_BD, D)
+                               v_cb, NSD_V, V_BTS, V_STATIC, v_pg)
+        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, v_wa, v_wb, V_KIND, V_BITS, V_BD, D, v_cb)
         if TAIL:
             if V_ROT:
                 v = fwht(v, BLOCK_N, D, LOG2D, RSCALE)

@@ -18,7 +18,10 @@ oracle, :mod:`kverr.quant.reference`, bit for bit:
   block as the oracle does -- the clip range ``[-hi r, hi r]`` or ``mid -+ half r``, the outward
   scale, the codes, their decoded values -- and keeps the first ratio of least squared error,
   summed in float64 over the block. The launch turns fp contraction off (``enable_fp_fusion``),
-  so ``u * s + m`` rounds twice, as in the oracle.
+  so ``u * s + m`` rounds twice, as in the oracle;
+* per-channel widths (``BITS`` 0, static channel scales) clamp each channel to its own levels
+  and pack each byte of the row from the pieces its ``PACK`` words name (``tl.gather`` along the
+  channels), the layout the oracle's ``pack_codes`` defines (:func:`kverr.gpu.spec.mixed_layout`).
 
 Constexpr format codes (shared with :mod:`kernels.decode` and :mod:`kverr.gpu.spec`):
 ``KIND`` 0 = int symmetric, 1 = int asymmetric, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = plain float;
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kverr_kernels.hadamard import fwht
+from kverr_kernels.packing import piece, top_code
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, ties to even.
 _RINT_MAGIC = 12582912.0
@@ -245,6 +249,8 @@ def quant_store_kernel(
     CODES, sc_p, sc_h,  # code pool [pages, h, P, CB] (uint8, or the float dtype)
     SCALE, ZERO, ss_p, ss_h,  # scale pools [pages, h, P // BT_S, NSD] or static [h, NSD]
     RATIOS,  # [CLIP_N] fp32 clip ratios of an MSE clip, largest first (unused if CLIP_N == 0)
+    LAY, PACK, cb,  # BITS == 0: the layout words of per-channel widths, [2, D] and [8, D] int32, and
+    # the bytes of a code row (CB is 0 then: one specialisation serves every layout of widths)
     D: tl.constexpr, CB: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
     GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
@@ -306,9 +312,13 @@ def quant_store_kernel(
     else:
         if ROT:
             x = fwht(x, BLOCK_R, D, LOG2D, RSCALE)
-        _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h,
-                    SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS,
-                    D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N)
+        if BITS == 0:
+            _quant_rows_mixed(x, rmask, rows, CODES + page * sc_p + hl * sc_h, c, SCALE + hl * ss_h,
+                              ZERO + hl * ss_h, LAY, PACK, cb, D, BLOCK_R)
+        else:
+            _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h,
+                        SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS,
+                        D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N)
 
 
 @triton.jit
@@ -378,3 +388,26 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
         u3p = tl.reshape(u, (BLOCK_R, K, PB))
         packed = tl.sum(u3p << (tl.arange(0, K) * BITS)[None, :, None], axis=1)
         tl.store(code_base + tl.arange(0, PB)[None, :], packed.to(tl.uint8), mask=rmask[:, None])
+
+
+@triton.jit
+def _quant_rows_mixed(x, rmask, rows, code_rows, c, static_s, static_z, LAY, PACK, cb,
+                      D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Codes and packing of a ``[BLOCK_R, D]`` tile of an asymmetric integer format with a width per
+    channel and static channel scales: each channel clamps to its own ``2**width - 1`` (0 for a
+    width-0 channel, whose scale is 0 and whose zero point is what it reads back), then each byte
+    of the row gathers its pieces of codes from the tile (``PACK``, up to eight per byte)."""
+    wa = tl.load(LAY + c)
+    wb = tl.load(LAY + D + c)
+    top = top_code(wa, wb)
+    s = tl.load(static_s + c).to(tl.float32)[None, :]
+    m = tl.load(static_z + c).to(tl.float32)[None, :]
+    y = tl.math.div_rn(x - m, tl.where(s > 0, s, 1.0))
+    y = tl.minimum(tl.maximum(y, 0.0), top.to(tl.float32)[None, :])
+    u = _rint(y).to(tl.int32)
+    packed = tl.zeros([BLOCK_R, D], dtype=tl.int32)  # byte c of the row in column c (a row has <= D bytes)
+    for t in tl.static_range(8):
+        w = tl.load(PACK + t * D + c)
+        g = tl.gather(u, tl.broadcast_to((w & 0xFFFF)[None, :], (BLOCK_R, D)), 1)
+        packed = packed | piece(w, g)
+    tl.store(code_rows + rows[:, None] * cb + c[None, :], packed.to(tl.uint8), mask=rmask[:, None] & (c < cb)[None, :])

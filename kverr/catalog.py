@@ -6,6 +6,8 @@ here, and the presets (today's formats, :data:`kverr.config.PRESETS`) are read f
 * :data:`CALIBRATION_MSE_CLIP`, :data:`STATIC_MSE_CLIP` -- the clips the calibrator searches;
 * :func:`default_candidates` -- the calibrator's candidate formats for keys and values (their
   reasons are in :mod:`kverr.calibration.candidates`);
+* :func:`fitted_templates` -- the templates of per-channel widths the calibrator refits per head
+  (:mod:`kverr.calibration.channel_bits`);
 * :func:`window_formats` -- what a full-precision window may store its rows in;
 * :func:`preset_formats` -- the formats of the presets;
 * :func:`catalog` -- all of them, each once.
@@ -33,6 +35,7 @@ __all__ = [
     "STATIC_MSE_CLIP",
     "catalog",
     "default_candidates",
+    "fitted_templates",
     "preset_formats",
     "window_formats",
 ]
@@ -77,6 +80,14 @@ def _fits(fmt: QuantFormat, head_dim: int) -> bool:
     return True
 
 
+def fitted_templates(head_dim: int = 64) -> tuple[QuantFormat, ...]:
+    """The templates of per-channel widths (``--candidates fitted``); the calibrator writes
+    formats with the same layout rules and other widths, which the kernels serve alike."""
+    from kverr.calibration.channel_bits import templates
+
+    return templates(head_dim)
+
+
 def window_formats() -> tuple[QuantFormat, ...]:
     """The formats a full-precision window (and sink tokens) may store rows in."""
     return tuple(window_format(d) for d in WINDOW_DTYPES)
@@ -91,8 +102,8 @@ def preset_formats() -> tuple[QuantFormat, ...]:
 
 def catalog(head_dim: int = 64) -> tuple[QuantFormat, ...]:
     """Every format kverr offers for ``head_dim``: presets, calibration candidates (static ones
-    included) and window formats, each once."""
-    return _unique((*preset_formats(), *default_candidates(head_dim), *window_formats()))
+    and the fitted templates included) and window formats, each once."""
+    return _unique((*preset_formats(), *default_candidates(head_dim), *fitted_templates(head_dim), *window_formats()))
 
 
 def _unique(formats) -> tuple[QuantFormat, ...]:

@@ -93,8 +93,12 @@ OVERHEADS = Overheads()
 
 #: CUDA-core operations per element the decode kernel dequantizes, by storage: a plain float
 #: converts; fp8 converts and scales; an integer code is shifted, masked, converted and scaled
-#: (one more with a zero point; 3-bit codes gather two planes: three more). Leads.
+#: (one more with a zero point; 3-bit codes and per-channel widths gather two pieces: three
+#: more). Leads.
 DEQUANT_OPS = {"float": 1, "fp8": 2, "int": 4, "zero": 1, "int3": 3, "int8_row": 3}
+#: Per-channel widths: each program also reads the format's two int32 layout words per channel
+#: (``kverr.gpu.spec.mixed_layout``), counted with the static scales.
+LAYOUT_BYTES_PER_CHANNEL = 8
 #: Per key element of pre-RoPE keys: the rotate-half gather and ``k cos + r sin``.
 ROPE_OPS = 6
 #: Per score: scale, max, subtract, exp2, sum (the online softmax).
@@ -311,7 +315,7 @@ def _dequant_ops(fmt: QuantFormat) -> int:
     if fmt.is_fp8:
         return DEQUANT_OPS["fp8"]
     ops = DEQUANT_OPS["int"] + (DEQUANT_OPS["zero"] if fmt.has_zero else 0)
-    return ops + (DEQUANT_OPS["int3"] if fmt.bits == 3 else 0)
+    return ops + (DEQUANT_OPS["int3"] if fmt.bits == 3 or fmt.channel_bits is not None else 0)
 
 
 def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 1, gpu: str | Gpu = "h200",
@@ -361,8 +365,11 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                 main.bytes["codes"] += b.payload
                 main.bytes["scales"] += b.scales
                 main.bytes["zeros"] += b.zeros
-                main.bytes["static"] += b.static * B * splits
-                tail.bytes["static"] += b.static * B
+                static = b.static
+                if fmt.channel_bits is not None:  # two int32 layout words per channel and kv head
+                    static += LAYOUT_BYTES_PER_CHANNEL * D * h
+                main.bytes["static"] += static * B * splits
+                tail.bytes["static"] += static * B
                 tail.bytes["window"] += b.sinks + b.window
                 main.alu += B * h * n_q * D * _dequant_ops(fmt)
                 tail.alu += B * h * n_fp * D * win_ops

@@ -35,10 +35,11 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
 
 
 @needs_capture
-@pytest.mark.parametrize("name", ["calibrated-3b"])
+@pytest.mark.parametrize("name", ["fitted-3b"])
 def test_validate_calibrated_configs_agree(capsys, name):
     """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
-    keys stored before RoPE, static per-channel scales, an int8 window -- run on the kernel path
+    keys stored before RoPE, static per-channel scales with fitted widths per channel, an int8
+    window -- run on the kernel path
     and agree with the reference. (notebooks/04_kernel_validation.ipynb, run by the tests,
     asserts the same of calibrated-4b and calibrated-prerope-3b on every captured layer.)"""
     pytest.importorskip("zarr")
@@ -47,9 +48,11 @@ def test_validate_calibrated_configs_agree(capsys, name):
         path = CAPTURE.parents[1] / "experiments" / "does-sensitivity-weighting-choose-better-configs" / "configs" / f"{name}.json"
     text = path.read_text()
     assert '"hadamard"' in text and '"mse"' in text  # the branches this test is for
-    if name == "calibrated-3b":
+    if name in ("calibrated-3b", "fitted-3b"):
         assert '"tokens": null' in text  # static per-channel scales
-    if name in ("calibrated-3b", "calibrated-4b"):
+    if name == "fitted-3b":
+        assert '"channel_bits"' in text and '"key_pre_rope": true' in text
+    if name in ("calibrated-3b", "calibrated-4b", "fitted-3b"):
         assert '"window_dtype": "int8"' in text
     code = main(["validate", str(path), "--capture", str(CAPTURE), "--tokens", "120", "--batch", "2",
                  "--layers", "0,29", "--steps", "1", "--json"])

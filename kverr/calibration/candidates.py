@@ -44,7 +44,7 @@ from functools import lru_cache
 
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError
-from kverr.catalog import CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP, default_candidates
+from kverr.catalog import CALIBRATION_MSE_CLIP, STATIC_MSE_CLIP, default_candidates, fitted_templates
 from kverr.quant.formats import PerTensor, WINDOW_DTYPES, QuantFormat
 
 __all__ = [
@@ -137,9 +137,7 @@ def named_candidates(name: str, head_dim: int = 64) -> tuple[QuantFormat, ...]:
         raise ConfigError(f"candidate set {name!r} is not known; use one of {', '.join(NESTED_SETS)}")
     out = default_candidates(head_dim, static=name in ("all", "fitted"))
     if name == "fitted":
-        from .channel_bits import templates
-
-        out += templates(head_dim)
+        out += fitted_templates(head_dim)
     return out
 
 

@@ -51,7 +51,8 @@ def plot_frontier(frontier: Any, path: str | Path, marks: dict[str, float] | Non
 
 
 def bits_heatmaps(choices: Any, title: str = ""):
-    """Chosen bits per layer x kv head, keys and values side by side."""
+    """Chosen bits per layer x kv head, keys and values side by side (the mean over the channels
+    for per-channel widths)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,7 +62,7 @@ def bits_heatmaps(choices: Any, title: str = ""):
     fig, axes = plt.subplots(1, 2, figsize=(7, 8), sharey=True)
     for ax, w in zip(axes, ("k", "v")):
         t = choices[choices.which == w].pivot(index="layer", columns="kv_head", values="bits")
-        sns.heatmap(t, annot=True, fmt="d", cbar=False, ax=ax, cmap="viridis", vmin=2, vmax=16)
+        sns.heatmap(t, annot=True, fmt=".3g", cbar=False, ax=ax, cmap="viridis", vmin=1, vmax=16)
         ax.set_title(f"{'keys' if w == 'k' else 'values'}: bits")
     fig.suptitle(title or "chosen bits per layer and kv head")
     fig.tight_layout()
@@ -105,7 +106,9 @@ def predicted_vs_measured(table: Any, x: str = "predicted", y: str = "mean_kl", 
 
 
 def config_choices(config: Any, n_layers: int, n_kv: int):
-    """One row per (layer, kv_head, which) of a config: format label, bits, granularity, rotate."""
+    """One row per (layer, kv_head, which) of a config: format label, code bits per element (the
+    mean of per-channel widths), family (``uniform``, ``fitted widths`` or ``float``),
+    granularity, rotate."""
     import pandas as pd
 
     rows = []
@@ -113,10 +116,38 @@ def config_choices(config: Any, n_layers: int, n_kv: int):
         for h in range(n_kv):
             for w in ("k", "v"):
                 f = config.format_for(layer, h, w)
-                rows.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), bits=f.bits,
-                                 dtype=f.dtype, granularity=f.granularity.kind, rotate=f.rotate,
+                family = "float" if f.is_float else "uniform" if f.channel_bits is None else "fitted widths"
+                rows.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), bits=f.element_bits,
+                                 family=family, dtype=f.dtype, granularity=f.granularity.kind, rotate=f.rotate,
                                  clip=f.clip.kind))
     return pd.DataFrame(rows)
+
+
+def channel_widths_figure(config: Any, n_layers: int, n_kv: int, head_dim: int, title: str = ""):
+    """Code bits of every channel, one row per (layer, kv head), keys and values side by side:
+    where a config spends its bits inside each head (per-channel widths vary along a row; a
+    uniform format fills its row with one width; plain floats show their width)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 8), sharey=True)
+    for ax, w in zip(axes, ("k", "v")):
+        grid = np.zeros((n_layers * n_kv, head_dim))
+        for layer in range(n_layers):
+            for h in range(n_kv):
+                f = config.format_for(layer, h, w)
+                grid[layer * n_kv + h] = f.channel_bits if f.channel_bits is not None else f.element_bits
+        im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, vmax=8)
+        ax.set_title(f"{'keys' if w == 'k' else 'values'}: bits per channel")
+        ax.set_xlabel("channel")
+        ax.set_yticks(np.arange(0, n_layers * n_kv, n_kv * 5), [str(layer) for layer in range(0, n_layers, 5)])
+    axes[0].set_ylabel(f"layer (rows: its {n_kv} kv heads)")
+    fig.colorbar(im, ax=axes, label="bits (8 and up: 8)", shrink=0.6)
+    fig.suptitle(title or "code bits per channel")
+    return fig
 
 
 def thin_frontier(frontier: Any, step: float = 0.05):

@@ -45,6 +45,7 @@ from kverr.gpu.launch import (
 )
 from kverr.gpu.spec import KernelSpec, kernel_spec
 from kverr.quant.formats import (
+    CHANNEL_BITS,
     PerChannel,
     PerHead,
     PerPage,
@@ -101,6 +102,13 @@ def _rotated_mse(f: QuantFormat) -> QuantFormat:
     return dataclasses.replace(f, rotate="hadamard", clip=CALIBRATION_MSE_CLIP)
 
 
+def _mixed_widths(D: int) -> list[QuantFormat]:
+    """Per-channel widths with every width of :data:`CHANNEL_BITS` in turn, plain and rotated."""
+    widths = tuple(CHANNEL_BITS[i % len(CHANNEL_BITS)] for i in range(D))
+    f = QuantFormat("int", max(widths), False, PerChannel(None), "fp16", channel_bits=widths)
+    return [f, dataclasses.replace(f, rotate="hadamard")]
+
+
 def formats(full: bool, P: int = 64, D: int = 128) -> list[QuantFormat]:
     """With ``full``: every format of the catalog (:func:`kverr.catalog.catalog`: presets,
     calibration candidates, window formats) and every element format x every granularity, each
@@ -113,14 +121,15 @@ def formats(full: bool, P: int = 64, D: int = 128) -> list[QuantFormat]:
     elems = _elements()
     if full:
         plain = [e(g) for e in elems for _, g in grans]
-        fmts += [*catalog(D), *plain, *(_rotated_mse(f) for f in plain)]
+        fmts += [*catalog(D), *plain, *(_rotated_mse(f) for f in plain), *_mixed_widths(D)]
     else:
         fmts += [e(PerToken()) for e in elems]
         fmts += [int_format(4, g) for name, g in grans if name != "tok"]
-        fmts += [int_format(2, PerChannel(32)), fp8_format(PerTensor())]
+        fmts += [int_format(2, PerChannel(32)), int_format(2, PerTokenGroup(32)), fp8_format(PerTensor())]
         fmts += [_rotated_mse(f) for f in (int_format(4, PerToken()), int_format(2, PerChannel(32)),
                                            int_format(3, PerTokenGroup(32), symmetric=True), fp8_format(PerToken()),
                                            int_format(8, PerPage()), int_format(4, PerHead()))]
+        fmts += _mixed_widths(D)
     seen, out = set(), []
     for f in fmts:
         if f not in seen:
@@ -144,7 +153,8 @@ def store_signature(spec: KernelSpec, fp_q: bool = False) -> dict:
            "FPS": "*fp16", "sfs_b": "i32", "sfs_h": "i32", "XS": "*fp16", "sxs_n": "i32", "sxs_h": "i32",
            "HEADS": "*i32", "JOB_PAGE": "*i32", "JOB_ROW0": "*i32", "JOB_NROWS": "*i32", "JOB_B": "*i32",
            "SRC_NEW": "*i32", "SRC_SLOT": "*i32", "CODES": _codes_ptr(spec), "sc_p": "i32", "sc_h": "i32",
-           "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32", "RATIOS": "*fp32"}
+           "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32", "RATIOS": "*fp32",
+           "LAY": "*i32", "PACK": "*i32", "cb": "i32"}
     return sig
 
 
@@ -155,6 +165,7 @@ def decode_signature(ks: KernelSpec, vs: KernelSpec, fp_q: bool = False) -> dict
         low = p.lower()
         sig.update({f"{p}C": _codes_ptr(s), f"s{low}c_p": "i32", f"s{low}c_h": "i32", f"{p}S": _sdt_ptr(s),
                     f"{p}Z": _sdt_ptr(s), f"s{low}s_p": "i32", f"s{low}s_h": "i32"})
+    sig.update({"KL": "*i32", "VL": "*i32", "kcb": "i32", "vcb": "i32"})
     for p in ("K", "V"):
         low = p.lower()
         sig.update({f"{p}F": "*u8" if fp_q else "*fp16", f"s{low}f_b": "i32", f"s{low}f_h": "i32", f"s{low}f_t": "i32"})
@@ -238,6 +249,7 @@ def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int =
     pre = [by[n] for n in ("fp16", "int4a/tok/fp16", "int2a/ch32/fp16", "int4a/tok/fp16/mse/had", "int3a/tok/fp16",
                            "int2a/ch32/fp16/mse/had", "fp8_e4m3/tok/fp32", "int8a/page/fp16/mse/had",
                            "int3s/tg32/fp16/mse/had", "int3a/ch32/fp16/mse/had", "int4a/head/fp16/mse/had") if n in by]
+    pre += [s for s in specs if s.bits == 0][:2]  # per-channel widths
     pairs += [(s, by.get("int4a/tok/fp16", s), True) for s in pre]
     # chunked prefill (QM queries per program, causal): the same key formats, plus a kivi-like pair
     qm = prefill_queries_per_program(rep)

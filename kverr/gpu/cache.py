@@ -54,7 +54,7 @@ import torch
 
 from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
-from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec
+from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec, mixed_layout
 from kverr.quant.formats import TORCH_DTYPES, is_static, window_format
 from kverr.quant.reference import QTensor, dequantize
 from kverr.quant.store import WindowRows, quantize_region, receive
@@ -88,6 +88,10 @@ class Pool:
     fp_scale: torch.Tensor | None  # int8 windows: [max_batch, h, sinks + cap] fp16, else None
     cap: int
     ratios: torch.Tensor  # fp32 MSE clip ratios for the store kernel (one unused 1.0 when absmax)
+    # per-channel widths (spec.bits == 0): the layout words of kverr.gpu.spec.mixed_layout, int32
+    # [2, D] (unpack) and [8, D] (pack); None otherwise
+    layout: torch.Tensor | None = None
+    packing: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -324,9 +328,12 @@ class PagedKVCache:
                     fp_scale = (torch.zeros((max_batch, h, self.S + cap), dtype=torch.float16, device=dev)
                                 if self.fp_q else None)
                     ratios = torch.tensor(spec.clip_ratios or (1.0,), dtype=torch.float32, device=dev)
+                    layout = packing = None
+                    if spec.bits == 0:
+                        layout, packing = (torch.from_numpy(t).to(dev) for t in mixed_layout(fmt, head_dim))
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
                                            torch.tensor(heads, dtype=torch.int64, device=dev),
-                                           codes, scale, zero, fp, fp_scale, cap, ratios))
+                                           codes, scale, zero, fp, fp_scale, cap, ratios, layout, packing))
             self.pools.append(per)
             self.launches.append(self._make_launches(layer, per))
         if self.fp_q:  # the int8 window's format, for receiving new rows on the device

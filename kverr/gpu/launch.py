@@ -25,9 +25,9 @@ DECODE_MAXNREG = 255
 
 
 def decode_block_n(kspec: KernelSpec, vspec: KernelSpec, block_n: int) -> int:
-    """Tokens per decode tile: halved for 3-bit codes (two gathered planes per tile), which
-    otherwise spill at head dim 128."""
-    return max(16, block_n // 2) if 3 in (kspec.bits, vspec.bits) else block_n
+    """Tokens per decode tile: halved for 3-bit codes and per-channel widths (two gathered
+    planes per tile), which otherwise spill at head dim 128."""
+    return max(16, block_n // 2) if {0, 3} & {kspec.bits, vspec.bits} else block_n
 
 
 def store_warps(block_r: int, D: int) -> int:
@@ -45,7 +45,7 @@ def rotation_constexprs(D: int) -> dict:
 
 
 def store_constexprs(spec: KernelSpec, D: int, block_r: int, fp_q: bool = False) -> dict:
-    return dict(D=D, CB=spec.cb, BLOCK_R=block_r, KIND=spec.kind, BITS=spec.bits, SDT=spec.sdt,
+    return dict(D=D, CB=spec.cb_const, BLOCK_R=block_r, KIND=spec.kind, BITS=spec.bits, SDT=spec.sdt,
                 GRAN=spec.gran, BD=spec.bd, BT_S=spec.bts, ROT=spec.rot, CLIP_N=spec.clip_n,
                 **rotation_constexprs(D), FP_Q=fp_q)
 
@@ -82,10 +82,17 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor |
         pool.heads_t,
         jobs.page, jobs.row0, jobs.nrows, jobs.seq, jobs.src_new, jobs.src_slot,
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),
-        scale, zero, ss_p, ss_h, pool.ratios,
+        scale, zero, ss_p, ss_h, pool.ratios, *_layout_args(pool), spec.cb,
         **store_constexprs(spec, D, jobs.block_r, pool.fp_scale is not None),
         num_warps=store_warps(jobs.block_r, D), maxnreg=DECODE_MAXNREG, **STORE_OPTIONS,
     )
+
+
+def _layout_args(pool) -> tuple:
+    """The layout words of per-channel widths (unpack, pack); other formats pass an int32 tensor, unread."""
+    if pool.layout is None:
+        return pool.heads_t, pool.heads_t
+    return pool.layout, pool.packing
 
 
 def _fmt_args(pool):
@@ -106,8 +113,8 @@ def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, 
                       qb: int = 1, fp_q: bool = False, slide: bool = False) -> dict:
     return dict(
         HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep * qm)), BLOCK_N=block_n, P=P,
-        K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb,
-        V_KIND=vspec.kind, V_BITS=vspec.bits, V_BD=vspec.bd, V_BTS=vspec.bts, V_STATIC=vspec.static, V_CB=vspec.cb,
+        K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb_const,
+        V_KIND=vspec.kind, V_BITS=vspec.bits, V_BD=vspec.bd, V_BTS=vspec.bts, V_STATIC=vspec.static, V_CB=vspec.cb_const,
         K_ROT=kspec.rot, V_ROT=vspec.rot, **rotation_constexprs(D), K_PRE=key_pre_rope,
         TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16, QM=qm, QB=qb, FP_Q=fp_q, SLIDE=slide,
     )
@@ -152,7 +159,7 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         q, q.stride(0), q.stride(1), qstart, qn,
         step.seq_lens, cache.block_table_t, cache.block_table_t.stride(0),
         ln.heads_t, ln.kmap, ln.vmap,
-        *_fmt_args(kp), *_fmt_args(vp),
+        *_fmt_args(kp), *_fmt_args(vp), _layout_args(kp)[0], _layout_args(vp)[0], kp.spec.cb, vp.spec.cb,
         kf, kf.stride(0), kf.stride(1), kf.stride(2),
         vf, vf.stride(0), vf.stride(1), vf.stride(2),
         *_fp_scale_args(kp), *_fp_scale_args(vp),

@@ -7,6 +7,7 @@ the pools that hold it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,7 @@ from kverr.quant.formats import (
     is_static,
     token_block,
 )
-from kverr.quant.reference import codes_nbytes
+from kverr.quant.reference import codes_nbytes, pack_codes
 
 KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT = range(5)
 SDT = {"fp32": 0, "fp16": 1, "bf16": 2}
@@ -42,7 +43,8 @@ class KernelSpec:
     Attributes
     ----------
     kind, bits, sdt
-        Element kind (``KIND_*``), bits per code, scale dtype code.
+        Element kind (``KIND_*``), bits per code (0: per-channel widths, where each channel's
+        code sits is in the tables of :func:`mixed_layout`), scale dtype code.
     gran
         Store-kernel granularity: one scale per row, per block of rows, or static.
     bd
@@ -81,6 +83,12 @@ class KernelSpec:
     def clip_n(self) -> int:
         return len(self.clip_ratios)
 
+    @property
+    def cb_const(self) -> int:
+        """``cb`` as a kernel's compile-time constant: 0 for per-channel widths, whose row bytes the
+        kernels take at run time (every layout of widths shares one specialisation)."""
+        return self.cb if self.bits else 0
+
     def scale_cols(self, D: int) -> int:
         return D // self.bd
 
@@ -117,12 +125,13 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
             "kernels (they round scales outward, divide, and round codes half to even); use the reference "
             "path (kverr.quant)"
         )
-    if fmt.channel_bits is not None:
-        raise KernelError(
-            f"{fmt.label()}: per-channel bit widths (channel_bits) are not implemented by the kernels; "
-            "use the reference path (kverr.quant, kverr.hf.KverrCache)"
-        )
     g = fmt.granularity
+    if fmt.channel_bits is not None and not is_static(g):
+        raise KernelError(
+            f"{fmt.label()}: per-channel bit widths (channel_bits) with scales per block of {g.tokens} tokens are "
+            "not implemented by the kernels (a width-0 channel stores its block's mean, and the kernel's sum "
+            "would not follow the oracle's order); use static channel scales (tokens null), or the reference path"
+        )
     ratios: tuple[float, ...] = ()
     if isinstance(fmt.clip, MSEClip):
         if fmt.clip.asymmetric and not is_static(g):
@@ -165,5 +174,75 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
             f"{fmt.label()}: a token block of {tb} tokens is not a power of two; the store kernel "
             "reduces a whole block in one tile"
         )
-    return KernelSpec(kind, fmt.bits, SDT[fmt.scale_dtype], gran, bd, bts, tb, codes_nbytes(fmt, D), static, fmt,
+    bits = 0 if fmt.channel_bits is not None else fmt.bits  # 0: each channel's width in the layout tables
+    return KernelSpec(kind, bits, SDT[fmt.scale_dtype], gran, bd, bts, tb, codes_nbytes(fmt, D), static, fmt,
                       rot=fmt.rotate == "hadamard", clip_ratios=ratios)
+
+
+#: Bit fields of a layout word (:func:`mixed_layout`): byte or channel index, right shift, mask,
+#: left shift; the kernels read them with ``kernels.packing.piece``.
+WORD_SHIFT_AT, WORD_MASK_AT, WORD_LSHIFT_AT = 16, 20, 28
+#: Most pieces of codes one byte holds (eight one-bit pieces).
+PIECES_PER_BYTE = 8
+
+
+def _word(index: int, shift: int, mask: int, lshift: int) -> int:
+    return index | shift << WORD_SHIFT_AT | mask << WORD_MASK_AT | lshift << WORD_LSHIFT_AT
+
+
+@functools.lru_cache(maxsize=256)
+def mixed_layout(fmt: QuantFormat, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each bit of each channel's code lives in a stored row of a format with per-channel
+    widths (``channel_bits``), as the kernels read and write it.
+
+    Derived from the oracle's packing (:func:`kverr.quant.reference.pack_codes`) bit by bit --
+    one probe row per (channel, code bit) -- so the kernels' layout cannot drift from the
+    reference store's. A *piece* is a run of a code's bits that sit in consecutive bits of one
+    byte: one per code in a planar plane of 2, 4 or 8 bits, two for a 3-bit code (its 2-bit and
+    1-bit planes), none for width 0. Each piece is one int32 word ``index | shift << 16 |
+    mask << 20 | lshift << 28``.
+
+    Returns
+    -------
+    unpack : numpy.ndarray
+        int32 ``[2, D]``: pieces A and B of each channel (index = byte of the row); the code is
+        ``Σ ((row[index] >> shift) & mask) << lshift`` over both (an absent piece has mask 0).
+    pack : numpy.ndarray
+        int32 ``[PIECES_PER_BYTE, D]`` (a row has at most ``D`` bytes; the columns past it are
+        empty): the pieces of each byte (index = channel); byte ``i`` is
+        ``Σ ((code[index] >> shift) & mask) << lshift`` over its column.
+    """
+    widths = fmt.channel_bits
+    if widths is None or len(widths) != D:
+        raise KernelError(f"{fmt.label()}: a layout of per-channel widths needs channel_bits for {D} channels")
+    probes = [(c, j) for c in range(D) for j in range(widths[c])]
+    u = torch.zeros((len(probes), D), dtype=torch.uint8)
+    for i, (c, j) in enumerate(probes):
+        u[i, c] = 1 << j
+    packed = pack_codes(u, fmt).numpy()
+    where = {}  # (channel, bit) -> (byte, bit position)
+    for i, probe in enumerate(probes):
+        nz = np.flatnonzero(packed[i])
+        if len(nz) != 1 or packed[i, nz[0]] & (packed[i, nz[0]] - 1):
+            raise KernelError(f"{fmt.label()}: the packing does not move each code bit to one stored bit")
+        where[probe] = (int(nz[0]), int(packed[i, nz[0]]).bit_length() - 1)
+    unpack = np.zeros((2, D), dtype=np.int32)
+    pack = np.zeros((PIECES_PER_BYTE, D), dtype=np.int32)
+    filled = np.zeros(D, dtype=np.int64)
+    for c in range(D):
+        pieces: list[list[int]] = []  # [byte, position, first bit, length]
+        for j in range(widths[c]):
+            byte, pos = where[(c, j)]
+            last = pieces[-1] if pieces else None
+            if last and last[0] == byte and last[1] + last[3] == pos:
+                last[3] += 1
+            else:
+                pieces.append([byte, pos, j, 1])
+        if len(pieces) > 2:
+            raise KernelError(f"{fmt.label()}: channel {c}'s code is split over {len(pieces)} bytes; the kernels read two")
+        for k, (byte, pos, first, n) in enumerate(pieces):
+            mask = (1 << n) - 1
+            unpack[k, c] = _word(byte, pos, mask, first)
+            pack[filled[byte], byte] = _word(c, first, mask, pos)
+            filled[byte] += 1
+    return unpack, pack

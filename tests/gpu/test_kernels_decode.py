@@ -116,6 +116,19 @@ def test_decode_static_scales_and_fp8():
     assert worst <= 1e-3
 
 
+def test_decode_per_channel_widths():
+    """Keys and values with a width per channel (0, 2, 3, 4 and 8 bits; static channel scales), one
+    of them rotated: decode matches reference attention over what the oracle reconstructs."""
+    from kverr.quant import QuantFormat
+
+    widths = tuple((0, 2, 3, 4, 8, 3, 2)[i % 7] for i in range(D))
+    kf = QuantFormat("int", 8, False, PerChannel(None), "fp16", channel_bits=widths)
+    vf = QuantFormat("int", 4, False, PerChannel(None), "fp16", rotate="hadamard",
+                     channel_bits=tuple(min(b, 4) for b in reversed(widths)))
+    worst, _ = run_decode(CacheConfig(k=kf, v=vf, page_size=P, window=4, sinks=1), [50, 50], static=True, Hq=4)
+    assert worst <= 1e-3
+
+
 def test_decode_fp16_products():
     """fp16 tensor-core products (fp32 accumulation) stay within a looser bound."""
     worst, _ = run_decode(KIVI2, [63, 20], dot_fp16=True)

@@ -23,6 +23,7 @@ from kverr.quant import (
     PerTensor,
     PerToken,
     PerTokenGroup,
+    QuantFormat,
     float_format,
     fp8_format,
     int_format,
@@ -264,6 +265,32 @@ def test_store_static_scales(gran):
     ks, vs = [[x[0], x[1]]], [[y[0], y[1]]]
     fill(cache, ks, vs, [[20, 20], [17, 17]])
     check_exact(cache, cfg, ks, vs, static=static)
+    for which, t in (("k", x), ("v", y)):
+        want = reconstruct(t, cfg, layer=0, which=which)
+        for b in range(2):
+            assert torch.equal(cache.read(0, which, b), want[b])
+
+
+def test_store_per_channel_widths_bit_exact():
+    """Per-channel widths (0, 2, 3, 4 and 8 bits in one row; static channel scales): codes bit-exact
+    with the oracle's rows, including rows flushed from an int8 window and a rotated format; what
+    the cache returns equals reconstruct() of the batch."""
+    # eight 3-bit channels: one byte of their 1-bit plane holds eight pieces, the most a byte holds
+    pool = torch.tensor([3] * 8 + [2] * 8 + [0] * 4 + [4] * 4 + [8] * 8)
+    widths = tuple(int(b) for b in pool[torch.randperm(D, generator=torch.Generator().manual_seed(3))])
+    kf = QuantFormat("int", 8, False, PerChannel(None), "fp16", MSEClip(grid=4, min_ratio=0.5), channel_bits=widths)
+    vf = QuantFormat("int", 4, False, PerChannel(None), "bf16", rotate="hadamard",
+                     channel_bits=tuple(min(b, 4) for b in reversed(widths)))
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=4, sinks=2, window_dtype="int8")
+    x, y = data(2, 37, 5), data(2, 37, 6)
+    static = calibrate_static_scales(cfg, [x], [y])
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=2, max_tokens=40,
+                         device="cpu", static_scales=static)
+    assert {p.spec.bits for per in cache.pools for ps in per.values() for p in ps} == {0}
+    sentinel(cache)
+    ks, vs = [[x[0], x[1]]], [[y[0], y[1]]]
+    fill(cache, ks, vs, [[20, 20], [1, 1], [16, 16]])
+    assert check_exact(cache, cfg, ks, vs, static=static) == 4
     for which, t in (("k", x), ("v", y)):
         want = reconstruct(t, cfg, layer=0, which=which)
         for b in range(2):

@@ -87,8 +87,38 @@ def test_json_round_trip_label_and_refusals():
         quantize(torch.zeros(1, 4, 8), f)
     from kverr.gpu.spec import kernel_spec
 
-    with pytest.raises(KernelError, match="channel_bits"):
-        kernel_spec(f, len(WIDTHS), 64)
+    assert kernel_spec(f, len(WIDTHS), 64).bits == 0  # static channel scales: the kernels serve it
+    with pytest.raises(KernelError, match="channel_bits.*tokens"):
+        kernel_spec(_fmt(tokens=16), len(WIDTHS), 64)
+
+
+@pytest.mark.parametrize("D", [16, 64])
+def test_kernel_layout_words_read_and_write_the_oracles_rows(D):
+    """The layout words the kernels use (derived from ``pack_codes``) unpack every stored row to its
+    codes and pack every code row to the stored bytes, for widths with every width present."""
+    from kverr.gpu.spec import PIECES_PER_BYTE, mixed_layout
+    from kverr.quant.reference import pack_codes
+
+    g = torch.Generator().manual_seed(D)
+    widths = tuple(CHANNEL_BITS[int(i)] for i in torch.randint(0, len(CHANNEL_BITS), (D,), generator=g))
+    widths = (8, 3, 0, *widths[3:])  # every width at least once
+    f = _fmt(widths=widths)
+    unpack, pack = mixed_layout(f, D)
+    assert unpack.shape == (2, D) and pack.shape == (PIECES_PER_BYTE, D)
+    u = torch.stack([torch.randint(0, 1 << b, (50,), generator=g) if b else torch.zeros(50, dtype=torch.long)
+                     for b in widths], dim=1).to(torch.uint8)
+    rows = pack_codes(u, f).numpy().astype(np.int64)
+    cb = rows.shape[1]
+    assert cb == codes_nbytes(f, D)
+
+    def piece(w, x):
+        return ((x >> ((w >> 16) & 15)) & ((w >> 20) & 255)) << ((w >> 28) & 15)
+
+    got = sum(piece(unpack[k], rows[:, unpack[k] & 0xFFFF]) for k in range(2))
+    assert np.array_equal(got, u.numpy())
+    codes = u.numpy().astype(np.int64)
+    packed = sum(piece(pack[t], codes[:, pack[t] & 0xFFFF]) for t in range(PIECES_PER_BYTE))
+    assert np.array_equal(packed[:, :cb], rows) and not packed[:, cb:].any()
 
 
 def test_memory_counts_the_packed_widths():
