@@ -89,7 +89,11 @@ def key_weights(q: torch.Tensor, a: torch.Tensor, v: torch.Tensor, o: torch.Tens
     weights (0 where a query does not see a key), ``v [T, D]`` values, ``o [n, D]`` outputs;
     ``skip``: tokens at the start left out (sinks kept in full precision).
     """
-    w = (a.double() ** 2) * ((v.double()[None] - o.double()[:, None]) ** 2).sum(-1)  # [n, T]
+    v64, o64 = v.double(), o.double()
+    # |v_t - o_q|^2 expanded (a product instead of an [n, T, D] difference; float64 keeps the
+    # cancellation far below what a weight needs)
+    d2 = ((v64 * v64).sum(-1)[None, :] - 2.0 * (o64 @ v64.T) + (o64 * o64).sum(-1)[:, None]).clamp_(min=0.0)
+    w = (a.double() ** 2) * d2  # [n, T]
     w[:, :skip] = 0.0
     q2 = q.double() ** 2
     if pre_rope:
@@ -150,6 +154,30 @@ def allocate(curves: np.ndarray, budget_bytes: int, widths: tuple[int, ...] = CH
         at[ch] = j
 
 
+def curves(recon: torch.Tensor, clean: torch.Tensor, weights: torch.Tensor, floor: int = 0) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Weighted squared error of every channel at every width from ``floor`` up: ``(curves
+    [W, D], widths)``, the input of :func:`allocate` (arrays as in :func:`fit`). Templates that
+    share a floor share it: only their budgets differ."""
+    rows = [i for i, b in enumerate(CHANNEL_BITS) if b >= floor]
+    err = (recon[rows].double() - clean.double()[None]) ** 2  # [W, T, D]
+    return torch.einsum("wtd,td->wd", err, weights.double()).numpy(), tuple(CHANNEL_BITS[i] for i in rows)
+
+
+def fit_curves(tmpl: QuantFormat, curves_widths: tuple[np.ndarray, tuple[int, ...]]) -> QuantFormat:
+    """:func:`fit` from the :func:`curves` of the template's floor."""
+    if tmpl.channel_bits is None:
+        raise ConfigError(f"{tmpl.label()} is not a template (no channel_bits)")
+    if tmpl.rotate != "none":
+        raise ConfigError(f"{tmpl.label()}: fitted widths are defined for unrotated channels")
+    c, widths = curves_widths
+    if widths[0] != min(tmpl.channel_bits):
+        raise ConfigError(f"{tmpl.label()}: curves from {widths[0]} bits up, the template's floor is {min(tmpl.channel_bits)}")
+    bits = allocate(c, codes_nbytes(tmpl, c.shape[1]), widths)
+    if max(bits) < 2:  # nothing worth a code anywhere: the template's own split
+        return tmpl
+    return dataclasses.replace(tmpl, channel_bits=bits)  # bits: their largest
+
+
 def fit(tmpl: QuantFormat, recon: torch.Tensor, clean: torch.Tensor, weights: torch.Tensor) -> QuantFormat:
     """The template ``tmpl`` with ``channel_bits`` fitted to one (layer, kv head, K|V).
 
@@ -161,13 +189,4 @@ def fit(tmpl: QuantFormat, recon: torch.Tensor, clean: torch.Tensor, weights: to
     """
     if tmpl.channel_bits is None:
         raise ConfigError(f"{tmpl.label()} is not a template (no channel_bits)")
-    if tmpl.rotate != "none":
-        raise ConfigError(f"{tmpl.label()}: fitted widths are defined for unrotated channels")
-    D = clean.shape[-1]
-    rows = [i for i, b in enumerate(CHANNEL_BITS) if b >= min(tmpl.channel_bits)]  # the template's floor up
-    err = (recon[rows].double() - clean.double()[None]) ** 2  # [W, T, D]
-    curves = torch.einsum("wtd,td->wd", err, weights.double()).numpy()
-    bits = allocate(curves, codes_nbytes(tmpl, D), tuple(CHANNEL_BITS[i] for i in rows))
-    if max(bits) < 2:  # nothing worth a code anywhere: the template's own split
-        return tmpl
-    return dataclasses.replace(tmpl, channel_bits=bits)  # bits: their largest
+    return fit_curves(tmpl, curves(recon, clean, weights, min(tmpl.channel_bits)))
