@@ -5,6 +5,7 @@ words from the oracle's packing) is ``index | shift << 16 | mask << 20 | lshift 
 """
 
 import triton
+import triton.language as tl  # noqa: F401  (the interpreter requires it in a jit function's module)
 
 
 @triton.jit
