@@ -21,7 +21,7 @@ Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.qu
 ``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float; ``BITS``; ``BD`` channels
 per scale column; ``BTS`` token rows per scale row; ``STATIC`` scales are ``[h, D // BD]``;
 ``ROT`` codes of the Hadamard-rotated head dimension; ``BITS`` 0 a width per channel, where each
-channel's code sits given by two layout words per channel (``KL``/``VL``, loaded once per program;
+channel's code sits given by one unpack word per channel (``KL``/``VL``, loaded once per program;
 a row's bytes are loaded in a tile of ``D``, which no row of widths up to 8 bits exceeds).
 
 Rotated formats cost no per-row work in the main launch: ``q·k = (qH)·(kH)``, so the query tile
@@ -41,11 +41,11 @@ import triton
 import triton.language as tl
 
 from kverr_kernels.hadamard import fwht
-from kverr_kernels.packing import piece
+from kverr_kernels.packing import byte_a, byte_b, code_of
 
 
 @triton.jit
-def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, wa, wb,
+def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, w,
               KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
               CB):
     """Dequantized ``[N, D]`` fp32 tile; ``row_base``/``srow`` are per-row element offsets of the
@@ -55,24 +55,24 @@ def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, wa, wb,
     if KIND == 4:
         x = tl.load(C + row_base[:, None] + c[None, :], mask=m2, other=0.0).to(tl.float32)
     else:
-        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, wa, wb, KIND, BITS, BD, D, CB)
+        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, KIND, BITS, BD, D, CB)
     return x
 
 
 @triton.jit
-def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, wa, wb,
+def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w,
                KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
                CB):
     if BITS == 0:
         # per-channel widths: the row's bytes are loaded whole (``CB <= D`` of them), and
-        # each channel's pieces A and B (layout words wa, wb) gathered from them in registers;
+        # each channel's pieces A and B (its unpack word w) gathered from them in registers;
         # per-channel byte addresses would cost a 64-bit address per element (and spill). An
         # absent piece has mask 0, so a width-0 channel reads code 0 (its scale is 0).
         row = tl.load(C + row_base[:, None] + c[None, :], mask=m2 & (c < CB)[None, :], other=0).to(tl.int32)
         N: tl.constexpr = row.shape[0]
-        ba = tl.gather(row, tl.broadcast_to((wa & 0xFFFF)[None, :], (N, D)), 1)
-        bb = tl.gather(row, tl.broadcast_to((wb & 0xFFFF)[None, :], (N, D)), 1)
-        u = piece(wa, ba) | piece(wb, bb)
+        ba = tl.gather(row, tl.broadcast_to(byte_a(w)[None, :], (N, D)), 1)
+        bb = tl.gather(row, tl.broadcast_to(byte_b(w)[None, :], (N, D)), 1)
+        u = code_of(w, ba, bb)
     elif BITS == 3:
         P2: tl.constexpr = D // 4
         P1: tl.constexpr = D // 8
@@ -178,7 +178,7 @@ def paged_decode_kernel(
     HEADS, KMAP, VMAP,  # [n] int32: global kv head, its index in the K group and in the V group
     KC, skc_p, skc_h, KS, KZ, sks_p, sks_h,  # key code pool, scale pool, zero pool
     VC, svc_p, svc_h, VS, VZ, svs_p, svs_h,  # value pools
-    KL, VL, kcb, vcb,  # K_BITS / V_BITS == 0: [2, D] int32 layout words of per-channel widths, and the
+    KL, VL, kcb, vcb,  # K_BITS / V_BITS == 0: [D] int32 unpack words of per-channel widths, and the
     # bytes of a code row (K_CB / V_CB are 0 then: one specialisation serves every layout of widths)
     KF, skf_b, skf_h, skf_t,  # key full-precision buffer [slots, hK, sinks + cap_k, D]
     VF, svf_b, svf_h, svf_t,
@@ -242,20 +242,16 @@ def paged_decode_kernel(
     b64 = b.to(tl.int64)
     # per-channel widths: the layout words, loaded once, and the row bytes given at run time
     if K_BITS == 0:
-        k_wa = tl.load(KL + c)
-        k_wb = tl.load(KL + D + c)
+        k_w = tl.load(KL + c)
         k_cb = kcb
     else:
-        k_wa = c
-        k_wb = c
+        k_w = c
         k_cb = K_CB
     if V_BITS == 0:
-        v_wa = tl.load(VL + c)
-        v_wb = tl.load(VL + D + c)
+        v_w = tl.load(VL + c)
         v_cb = vcb
     else:
-        v_wa = c
-        v_wb = c
+        v_w = c
         v_cb = V_CB
 
     if TAIL:
@@ -283,7 +279,7 @@ def paged_decode_kernel(
             v_pg = nmask
         krow, ksrow = _offsets(t, start, b64, BT, sbt_b, P, hk, skc_p, skc_h, sks_p, sks_h,
                                k_cb, NSD_K, K_BTS, K_STATIC, k_pg)
-        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_wa, k_wb, K_KIND, K_BITS, K_BD, D, k_cb)
+        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_w, K_KIND, K_BITS, K_BD, D, k_cb)
         if K_ROT and not ROT_Q:
             k = fwht(k, BLOCK_N, D, LOG2D, RSCALE)
         if TAIL:
@@ -314,7 +310,7 @@ def paged_decode_kernel(
 
         vrow, vsrow = _offsets(t, start, b64, BT, sbt_b, P, hv, svc_p, svc_h, svs_p, svs_h,
                                v_cb, NSD_V, V_BTS, V_STATIC, v_pg)
-        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, v_wa, v_wb, V_KIND, V_BITS, V_BD, D, v_cb)
+        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, v_w, V_KIND, V_BITS, V_BD, D, v_cb)
         if TAIL:
             if V_ROT:
                 v = fwht(v, BLOCK_N, D, LOG2D, RSCALE)

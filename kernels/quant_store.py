@@ -249,7 +249,7 @@ def quant_store_kernel(
     CODES, sc_p, sc_h,  # code pool [pages, h, P, CB] (uint8, or the float dtype)
     SCALE, ZERO, ss_p, ss_h,  # scale pools [pages, h, P // BT_S, NSD] or static [h, NSD]
     RATIOS,  # [CLIP_N] fp32 clip ratios of an MSE clip, largest first (unused if CLIP_N == 0)
-    LAY, PACK, cb,  # BITS == 0: the layout words of per-channel widths, [2, D] and [8, D] int32, and
+    LAY, PACK, cb,  # BITS == 0: the layout words of per-channel widths, [D] and [8, D] int32, and
     # the bytes of a code row (CB is 0 then: one specialisation serves every layout of widths)
     D: tl.constexpr, CB: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
@@ -397,9 +397,7 @@ def _quant_rows_mixed(x, rmask, rows, code_rows, c, static_s, static_z, LAY, PAC
     channel and static channel scales: each channel clamps to its own ``2**width - 1`` (0 for a
     width-0 channel, whose scale is 0 and whose zero point is what it reads back), then each byte
     of the row gathers its pieces of codes from the tile (``PACK``, up to eight per byte)."""
-    wa = tl.load(LAY + c)
-    wb = tl.load(LAY + D + c)
-    top = top_code(wa, wb)
+    top = top_code(tl.load(LAY + c))
     s = tl.load(static_s + c).to(tl.float32)[None, :]
     m = tl.load(static_z + c).to(tl.float32)[None, :]
     y = tl.math.div_rn(x - m, tl.where(s > 0, s, 1.0))

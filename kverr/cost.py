@@ -96,9 +96,9 @@ OVERHEADS = Overheads()
 #: (one more with a zero point; 3-bit codes and per-channel widths gather two pieces: three
 #: more). Leads.
 DEQUANT_OPS = {"float": 1, "fp8": 2, "int": 4, "zero": 1, "int3": 3, "int8_row": 3}
-#: Per-channel widths: each program also reads the format's two int32 layout words per channel
+#: Per-channel widths: each program also reads the format's int32 unpack word per channel
 #: (``kverr.gpu.spec.mixed_layout``), counted with the static scales.
-LAYOUT_BYTES_PER_CHANNEL = 8
+LAYOUT_BYTES_PER_CHANNEL = 4
 #: Per key element of pre-RoPE keys: the rotate-half gather and ``k cos + r sin``.
 ROPE_OPS = 6
 #: Per score: scale, max, subtract, exp2, sum (the online softmax).
@@ -366,7 +366,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                 main.bytes["scales"] += b.scales
                 main.bytes["zeros"] += b.zeros
                 static = b.static
-                if fmt.channel_bits is not None:  # two int32 layout words per channel and kv head
+                if fmt.channel_bits is not None:  # an int32 unpack word per channel and kv head
                     static += LAYOUT_BYTES_PER_CHANNEL * D * h
                 main.bytes["static"] += static * B * splits
                 tail.bytes["static"] += static * B

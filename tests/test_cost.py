@@ -65,7 +65,7 @@ def test_bytes_equal_hand_counts_kivi_2():
 
 def test_static_bytes_of_per_channel_widths_equal_hand_counts():
     """Keys with a width per channel (static channel scales) and int8-token values: each program
-    reads the keys' fp16 scale and zero per channel and their two int32 layout words per channel."""
+    reads the keys' fp16 scale and zero per channel and their int32 unpack word per channel."""
     from kverr.quant import PerChannel, QuantFormat
 
     widths = (0, 2, 3, 4, 8, 2, 3, 2) * 8
@@ -73,7 +73,7 @@ def test_static_bytes_of_per_channel_widths_equal_hand_counts():
     cfg = CacheConfig(k=kf, v=int_format(8, PerToken()), page_size=16)
     plan = step_cost(cfg, SHAPE, T, B)
     lc = plan.layers[0]
-    per_program = 64 * (2 + 2) + 64 * 8  # scale + zero, then the layout words, per channel
+    per_program = 64 * (2 + 2) + 64 * 4  # scale + zero, then the unpack word, per channel
     assert lc.bytes_by_kind()["static"] == 2 * per_program * B * (lc.splits + 1)  # 2 kv heads; main + tail
     # codes: per row, the planes of each width in whole bytes (2: 24 ch -> 6, 3: 16 -> 4 + 2, 4: 8 -> 4, 8: 8 -> 8)
     k_codes = B * 2 * T * (6 + 6 + 4 + 8)

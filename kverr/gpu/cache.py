@@ -89,7 +89,7 @@ class Pool:
     cap: int
     ratios: torch.Tensor  # fp32 MSE clip ratios for the store kernel (one unused 1.0 when absmax)
     # per-channel widths (spec.bits == 0): the layout words of kverr.gpu.spec.mixed_layout, int32
-    # [2, D] (unpack) and [8, D] (pack); None otherwise
+    # [D] (unpack) and [8, D] (pack); None otherwise
     layout: torch.Tensor | None = None
     packing: torch.Tensor | None = None
 

@@ -179,8 +179,8 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
                       rot=fmt.rotate == "hadamard", clip_ratios=ratios)
 
 
-#: Bit fields of a layout word (:func:`mixed_layout`): byte or channel index, right shift, mask,
-#: left shift; the kernels read them with ``kernels.packing.piece``.
+#: Bit fields of a pack word (:func:`mixed_layout`): channel index, right shift, mask, left
+#: shift; the store kernel reads them with ``kernels.packing.piece``.
 WORD_SHIFT_AT, WORD_MASK_AT, WORD_LSHIFT_AT = 16, 20, 28
 #: Most pieces of codes one byte holds (eight one-bit pieces).
 PIECES_PER_BYTE = 8
@@ -188,6 +188,12 @@ PIECES_PER_BYTE = 8
 
 def _word(index: int, shift: int, mask: int, lshift: int) -> int:
     return index | shift << WORD_SHIFT_AT | mask << WORD_MASK_AT | lshift << WORD_LSHIFT_AT
+
+
+def _code_word(a: tuple[int, int, int], b: tuple[int, int, int]) -> int:
+    """The unpack word of a channel from its pieces ``(byte, shift, mask)``: A holds the low bits,
+    B (3-bit codes only) the third bit; read by ``kernels.packing.code_of``."""
+    return a[0] | b[0] << 8 | a[1] << 16 | b[1] << 19 | a[2] << 22 | b[2] << 30
 
 
 @functools.lru_cache(maxsize=256)
@@ -199,18 +205,20 @@ def mixed_layout(fmt: QuantFormat, D: int) -> tuple[np.ndarray, np.ndarray]:
     one probe row per (channel, code bit) -- so the kernels' layout cannot drift from the
     reference store's. A *piece* is a run of a code's bits that sit in consecutive bits of one
     byte: one per code in a planar plane of 2, 4 or 8 bits, two for a 3-bit code (its 2-bit and
-    1-bit planes), none for width 0. Each piece is one int32 word ``index | shift << 16 |
-    mask << 20 | lshift << 28``.
+    1-bit planes), none for width 0.
 
     Returns
     -------
     unpack : numpy.ndarray
-        int32 ``[2, D]``: pieces A and B of each channel (index = byte of the row); the code is
-        ``Σ ((row[index] >> shift) & mask) << lshift`` over both (an absent piece has mask 0).
+        int32 ``[D]``, one word per channel: ``a_byte | b_byte << 8 | a_shift << 16 | b_shift << 19
+        | a_mask << 22 | b_mask << 30``; the code is ``((row[a_byte] >> a_shift) & a_mask) |
+        (((row[b_byte] >> b_shift) & b_mask) << 2)`` (piece B: the third bit of a 3-bit code; an
+        absent piece has mask 0). One word, not one per piece, keeps the decode kernel's
+        registers within bounds at head dim 128.
     pack : numpy.ndarray
         int32 ``[PIECES_PER_BYTE, D]`` (a row has at most ``D`` bytes; the columns past it are
-        empty): the pieces of each byte (index = channel); byte ``i`` is
-        ``Σ ((code[index] >> shift) & mask) << lshift`` over its column.
+        empty): the pieces of each byte, each ``channel | shift << 16 | mask << 20 | lshift << 28``;
+        byte ``i`` is ``Σ ((code[channel] >> shift) & mask) << lshift`` over its column.
     """
     widths = fmt.channel_bits
     if widths is None or len(widths) != D:
@@ -226,7 +234,7 @@ def mixed_layout(fmt: QuantFormat, D: int) -> tuple[np.ndarray, np.ndarray]:
         if len(nz) != 1 or packed[i, nz[0]] & (packed[i, nz[0]] - 1):
             raise KernelError(f"{fmt.label()}: the packing does not move each code bit to one stored bit")
         where[probe] = (int(nz[0]), int(packed[i, nz[0]]).bit_length() - 1)
-    unpack = np.zeros((2, D), dtype=np.int32)
+    unpack = np.zeros(D, dtype=np.int32)
     pack = np.zeros((PIECES_PER_BYTE, D), dtype=np.int32)
     filled = np.zeros(D, dtype=np.int64)
     for c in range(D):
@@ -238,11 +246,12 @@ def mixed_layout(fmt: QuantFormat, D: int) -> tuple[np.ndarray, np.ndarray]:
                 last[3] += 1
             else:
                 pieces.append([byte, pos, j, 1])
-        if len(pieces) > 2:
-            raise KernelError(f"{fmt.label()}: channel {c}'s code is split over {len(pieces)} bytes; the kernels read two")
-        for k, (byte, pos, first, n) in enumerate(pieces):
-            mask = (1 << n) - 1
-            unpack[k, c] = _word(byte, pos, mask, first)
-            pack[filled[byte], byte] = _word(c, first, mask, pos)
+        if len(pieces) > 2 or (len(pieces) == 2 and (pieces[0][3], pieces[1][3]) != (2, 1)):
+            raise KernelError(f"{fmt.label()}: channel {c}'s code is split as {pieces}; the kernels read its low "
+                              "bits from one byte and at most a third bit from another")
+        ab = [(byte, pos, (1 << n) - 1) for byte, pos, _, n in pieces] + [(0, 0, 0)] * (2 - len(pieces))
+        unpack[c] = _code_word(*ab)
+        for byte, pos, first, n in pieces:
+            pack[filled[byte], byte] = _word(c, first, (1 << n) - 1, pos)
             filled[byte] += 1
     return unpack, pack

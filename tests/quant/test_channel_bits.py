@@ -104,7 +104,7 @@ def test_kernel_layout_words_read_and_write_the_oracles_rows(D):
     widths = (8, 3, 0, *widths[3:])  # every width at least once
     f = _fmt(widths=widths)
     unpack, pack = mixed_layout(f, D)
-    assert unpack.shape == (2, D) and pack.shape == (PIECES_PER_BYTE, D)
+    assert unpack.shape == (D,) and pack.shape == (PIECES_PER_BYTE, D)
     u = torch.stack([torch.randint(0, 1 << b, (50,), generator=g) if b else torch.zeros(50, dtype=torch.long)
                      for b in widths], dim=1).to(torch.uint8)
     rows = pack_codes(u, f).numpy().astype(np.int64)
@@ -114,7 +114,9 @@ def test_kernel_layout_words_read_and_write_the_oracles_rows(D):
     def piece(w, x):
         return ((x >> ((w >> 16) & 15)) & ((w >> 20) & 255)) << ((w >> 28) & 15)
 
-    got = sum(piece(unpack[k], rows[:, unpack[k] & 0xFFFF]) for k in range(2))
+    w = unpack.astype(np.int64)
+    ba, bb = rows[:, w & 255], rows[:, (w >> 8) & 255]
+    got = ((ba >> ((w >> 16) & 7)) & ((w >> 22) & 255)) | (((bb >> ((w >> 19) & 7)) & ((w >> 30) & 1)) << 2)
     assert np.array_equal(got, u.numpy())
     codes = u.numpy().astype(np.int64)
     packed = sum(piece(pack[t], codes[:, pack[t] & 0xFFFF]) for t in range(PIECES_PER_BYTE))
