@@ -6,8 +6,8 @@ here, and the presets (today's formats, :data:`kverr.config.PRESETS`) are read f
 * :data:`CALIBRATION_MSE_CLIP`, :data:`STATIC_MSE_CLIP` -- the clips the calibrator searches;
 * :func:`default_candidates` -- the calibrator's candidate formats for keys and values (their
   reasons are in :mod:`kverr.calibration.candidates`);
-* :func:`fitted_templates` -- the templates of per-channel widths the calibrator refits per head
-  (:mod:`kverr.calibration.channel_bits`);
+* :func:`template`, :func:`fitted_templates` -- the templates of per-channel widths the
+  calibrator refits per head (:mod:`kverr.calibration.channel_bits`);
 * :func:`window_formats` -- what a full-precision window may store its rows in;
 * :func:`preset_formats` -- the formats of the presets;
 * :func:`catalog` -- all of them, each once.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from kverr.exceptions import ConfigError
 from kverr.quant.formats import (
+    CHANNEL_BITS,
     WINDOW_DTYPES,
     MSEClip,
     PerChannel,
@@ -34,9 +35,11 @@ __all__ = [
     "CALIBRATION_MSE_CLIP",
     "STATIC_MSE_CLIP",
     "catalog",
+    "TEMPLATES",
     "default_candidates",
     "fitted_templates",
     "preset_formats",
+    "template",
     "window_formats",
 ]
 
@@ -80,12 +83,51 @@ def _fits(fmt: QuantFormat, head_dim: int) -> bool:
     return True
 
 
-def fitted_templates(head_dim: int = 64) -> tuple[QuantFormat, ...]:
-    """The templates of per-channel widths (``--candidates fitted``); the calibrator writes
-    formats with the same layout rules and other widths, which the kernels serve alike."""
-    from kverr.calibration.channel_bits import templates
+#: ``(floor, mean code bits)`` of the templates :func:`templates` offers (``--candidates fitted``):
+#: any width from 0. Templates with a floor of 2 (``template(mean, D, floor=2)``) can be given as
+#: candidates; they were not measured held out, so the named set leaves them out.
+TEMPLATES = ((0, 1.5), (0, 2.0), (0, 2.5), (0, 3.0), (0, 3.5))
 
-    return templates(head_dim)
+
+def template(mean_bits: float, head_dim: int, floor: int = 0, clip=None, tokens: int | None = None) -> QuantFormat:
+    """A template of ``mean_bits`` code bits per element whose channels keep at least ``floor`` bits.
+
+    Asymmetric integers with per-channel scales (static for ``tokens=None``); its ``channel_bits``
+    put a share ``f`` of the channels at the narrowest width ``hi`` of :data:`CHANNEL_BITS` for which
+    ``f = (mean_bits − floor) / (hi − floor)`` is a multiple of 1/8 in (0, 1), the rest at
+    ``floor`` (every channel at ``floor`` when ``mean_bits == floor``). So the template's narrowest
+    width is ``floor`` -- the fit keeps every channel at least that wide -- and its codes take
+    ``mean_bits · head_dim / 8`` bytes when ``head_dim`` is a multiple of 64: the fit's budget.
+    """
+    if floor not in CHANNEL_BITS or not floor <= mean_bits <= max(CHANNEL_BITS):
+        raise ConfigError(f"floor={floor!r}, mean_bits={mean_bits!r}: the floor must be one of "
+                          f"{', '.join(map(str, CHANNEL_BITS))} and at most the mean")
+    if mean_bits == floor:
+        if floor < 2:
+            raise ConfigError(f"mean_bits={mean_bits!r}: a template needs channels with codes")
+        split = (floor,) * head_dim
+    else:
+        for hi in (b for b in CHANNEL_BITS if b > floor):
+            f = (mean_bits - floor) / (hi - floor)
+            if 0 < f < 1 and float(f * 8).is_integer():
+                break
+        else:
+            raise ConfigError(
+                f"mean_bits={mean_bits!r} with floor {floor}: no width of {', '.join(map(str, CHANNEL_BITS))} "
+                "puts a multiple of 1/8 of the channels above the floor for that mean"
+            )
+        n_hi = round(f * head_dim)
+        split = (hi,) * n_hi + (floor,) * (head_dim - n_hi)
+    return QuantFormat(dtype="int", bits=max(split), symmetric=False, granularity=PerChannel(tokens),
+                       scale_dtype="fp16", clip=clip or MSEClip(grid=9, min_ratio=0.2), channel_bits=split)
+
+
+def fitted_templates(head_dim: int = 64, clip=None) -> tuple[QuantFormat, ...]:
+    """The static templates of per-channel widths the calibrator refits per head (``--candidates
+    fitted``, :mod:`kverr.calibration.channel_bits`), at every ``(floor, mean)`` of
+    :data:`TEMPLATES`; it writes formats with the same layout rules and other widths, which the
+    kernels serve alike."""
+    return tuple(template(m, head_dim, floor, clip) for floor, m in TEMPLATES)
 
 
 def window_formats() -> tuple[QuantFormat, ...]:

@@ -34,6 +34,7 @@ import torch
 
 from kverr.calibration import channel_bits as cb
 from kverr.calibration.candidates import OuterOption
+from kverr.catalog import template
 from kverr.calibration.objective import (DEFAULT_DECODE, _grouped, _head_groups, _layer_arrays, key_damage_batch, prepare_layer,
                                          value_damage_batch)
 from kverr.io import open_capture
@@ -55,7 +56,7 @@ def _prep(capture, layer, queries=QUERIES):
 def _curves(prep, which):
     """Per kv head: (weighted curves, unit curves), each ``(C [W, D], widths)``, and the
     reconstructions ``[W, kv_head, T, D]``."""
-    probe = cb.template(2.5, prep.k.shape[-1]).with_bits(2)
+    probe = template(2.5, prep.k.shape[-1]).with_bits(2)
     clean = prep.k_pre if which == "k" else prep.v
     recon = channel_reconstructions(clean, probe)
     out = []

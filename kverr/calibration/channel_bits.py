@@ -18,7 +18,7 @@ width of :data:`~kverr.quant.formats.CHANNEL_BITS` (the oracle's reconstructions
 :func:`kverr.quant.channel_reconstructions`), then :func:`allocate` raises widths greedily -- the
 move of least weighted error per added bit among those that keep the packed codes within the
 template's bytes -- until no move fits. A candidate format with ``channel_bits`` is such a
-template (:func:`template`): the calibrator refits its widths for every (layer, kv head, K|V,
+template (:func:`kverr.catalog.template`): the calibrator refits its widths for every (layer, kv head, K|V,
 pre/post-RoPE keys), at no more code bytes than the template's, and writes the fitted widths into
 the config. Held out on the default model the fitted widths cut the key part of the objective by
 about a third against uniform static widths at equal bits
@@ -33,53 +33,9 @@ import numpy as np
 import torch
 
 from kverr.exceptions import ConfigError
-from kverr.quant.formats import CHANNEL_BITS, MSEClip, PerChannel, QuantFormat
+from kverr.quant.formats import CHANNEL_BITS, QuantFormat
 from kverr.quant.packing import packed_nbytes
 from kverr.quant.reference import codes_nbytes
-
-#: ``(floor, mean code bits)`` of the templates :func:`templates` offers (``--candidates fitted``):
-#: any width from 0. Templates with a floor of 2 (``template(mean, D, floor=2)``) can be given as
-#: candidates; they were not measured held out, so the named set leaves them out.
-TEMPLATES = ((0, 1.5), (0, 2.0), (0, 2.5), (0, 3.0), (0, 3.5))
-
-
-def template(mean_bits: float, head_dim: int, floor: int = 0, clip=None, tokens: int | None = None) -> QuantFormat:
-    """A template of ``mean_bits`` code bits per element whose channels keep at least ``floor`` bits.
-
-    Asymmetric integers with per-channel scales (static for ``tokens=None``); its ``channel_bits``
-    put a share ``f`` of the channels at the narrowest width ``hi`` of :data:`CHANNEL_BITS` for which
-    ``f = (mean_bits − floor) / (hi − floor)`` is a multiple of 1/8 in (0, 1), the rest at
-    ``floor`` (every channel at ``floor`` when ``mean_bits == floor``). So the template's narrowest
-    width is ``floor`` -- the fit keeps every channel at least that wide -- and its codes take
-    ``mean_bits · head_dim / 8`` bytes when ``head_dim`` is a multiple of 64: the fit's budget.
-    """
-    if floor not in CHANNEL_BITS or not floor <= mean_bits <= max(CHANNEL_BITS):
-        raise ConfigError(f"floor={floor!r}, mean_bits={mean_bits!r}: the floor must be one of "
-                          f"{', '.join(map(str, CHANNEL_BITS))} and at most the mean")
-    if mean_bits == floor:
-        if floor < 2:
-            raise ConfigError(f"mean_bits={mean_bits!r}: a template needs channels with codes")
-        split = (floor,) * head_dim
-    else:
-        for hi in (b for b in CHANNEL_BITS if b > floor):
-            f = (mean_bits - floor) / (hi - floor)
-            if 0 < f < 1 and float(f * 8).is_integer():
-                break
-        else:
-            raise ConfigError(
-                f"mean_bits={mean_bits!r} with floor {floor}: no width of {', '.join(map(str, CHANNEL_BITS))} "
-                "puts a multiple of 1/8 of the channels above the floor for that mean"
-            )
-        n_hi = round(f * head_dim)
-        split = (hi,) * n_hi + (floor,) * (head_dim - n_hi)
-    return QuantFormat(dtype="int", bits=max(split), symmetric=False, granularity=PerChannel(tokens),
-                       scale_dtype="fp16", clip=clip or MSEClip(grid=9, min_ratio=0.2), channel_bits=split)
-
-
-def templates(head_dim: int, clip=None) -> tuple[QuantFormat, ...]:
-    """Static templates at every ``(floor, mean)`` of :data:`TEMPLATES`."""
-    return tuple(template(m, head_dim, floor, clip) for floor, m in TEMPLATES)
-
 
 def key_weights(q: torch.Tensor, a: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
                 pre_rope: bool, skip: int = 0) -> torch.Tensor:

@@ -272,7 +272,7 @@ def test_fitted_channel_widths_are_scored_written_and_predicted_alike(tiny_captu
     """Templates (``channel_bits``) are refitted per (layer, kv head, K|V, RoPE side); the config
     holds the fitted widths, its bytes are what memory counts, and predicting the written config
     from scratch gives the damage the search chose it for."""
-    from kverr.calibration.channel_bits import template
+    from kverr.catalog import template
 
     cap, _, loaded = tiny_capture
     D = loaded.head_dim

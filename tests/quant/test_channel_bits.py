@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kverr.calibration import channel_bits as cb
+from kverr.catalog import TEMPLATES, fitted_templates, template
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError, KernelError
 from kverr.memory import ModelShape, account
@@ -176,10 +177,10 @@ def test_key_weights_pair_average_before_rope():
 def test_templates_take_their_mean_bits_and_the_fitted_set_nests(D):
     from kverr.calibration.candidates import NESTED_SETS, named_candidates
 
-    for t, (floor, mean) in zip(cb.templates(D), cb.TEMPLATES):
+    for t, (floor, mean) in zip(fitted_templates(D), TEMPLATES):
         assert codes_nbytes(t, D) * 8 == mean * D == t.element_bits * D and min(t.channel_bits) == floor
     sets = [set(named_candidates(n, D)) for n in NESTED_SETS]
     assert all(a > b for a, b in zip(sets, sets[1:]))  # each set strictly contains the next
-    assert sets[0] - sets[1] == set(cb.templates(D))
+    assert sets[0] - sets[1] == set(fitted_templates(D))
     with pytest.raises(ConfigError, match="multiple of 1/8"):
-        cb.template(2.1, D)
+        template(2.1, D)
