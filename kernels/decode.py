@@ -65,9 +65,9 @@ def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w,
                CB):
     if BITS == 0:
         # per-channel widths: the row's bytes are loaded whole (``CB <= D`` of them), and
-        # each channel's pieces A and B (its unpack word w) gathered from them in registers;
-        # per-channel byte addresses would cost a 64-bit address per element (and spill). An
-        # absent piece has mask 0, so a width-0 channel reads code 0 (its scale is 0).
+        # each channel's pieces A and B (its unpack word w) gathered from them in registers
+        # (loading each channel's bytes by its own address spilled at head dim 128). An absent
+        # piece has mask 0, so a width-0 channel reads code 0 (its scale is 0).
         row = tl.load(C + row_base[:, None] + c[None, :], mask=m2 & (c < CB)[None, :], other=0).to(tl.int32)
         N: tl.constexpr = row.shape[0]
         ba = tl.gather(row, tl.broadcast_to(byte_a(w)[None, :], (N, D)), 1)
@@ -105,6 +105,20 @@ def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w,
         h = (u << 8).to(tl.int16).to(tl.float16, bitcast=True)
         x = h.to(tl.float32) * s
     return x
+
+
+@triton.jit
+def _row_layout(LW, c, cb, BITS: tl.constexpr, CB: tl.constexpr):
+    """``(unpack words, bytes of a code row)``: for per-channel widths (``BITS`` 0) the words
+    ``LW [D]``, loaded once per program, and the run-time ``cb``; otherwise ``c`` (unread) and
+    the constexpr ``CB``."""
+    if BITS == 0:
+        w = tl.load(LW + c)
+        n = cb
+    else:
+        w = c
+        n = CB
+    return w, n
 
 
 @triton.jit
@@ -240,19 +254,8 @@ def paged_decode_kernel(
     NSD_K: tl.constexpr = D // K_BD
     NSD_V: tl.constexpr = D // V_BD
     b64 = b.to(tl.int64)
-    # per-channel widths: the layout words, loaded once, and the row bytes given at run time
-    if K_BITS == 0:
-        k_w = tl.load(KL + c)
-        k_cb = kcb
-    else:
-        k_w = c
-        k_cb = K_CB
-    if V_BITS == 0:
-        v_w = tl.load(VL + c)
-        v_cb = vcb
-    else:
-        v_w = c
-        v_cb = V_CB
+    k_w, k_cb = _row_layout(KL, c, kcb, K_BITS, K_CB)
+    v_w, v_cb = _row_layout(VL, c, vcb, V_BITS, V_CB)
 
     if TAIL:
         lo = 0

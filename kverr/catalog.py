@@ -83,7 +83,7 @@ def _fits(fmt: QuantFormat, head_dim: int) -> bool:
     return True
 
 
-#: ``(floor, mean code bits)`` of the templates :func:`templates` offers (``--candidates fitted``):
+#: ``(floor, mean code bits)`` of the templates :func:`fitted_templates` offers (``--candidates fitted``):
 #: any width from 0. Templates with a floor of 2 (``template(mean, D, floor=2)``) can be given as
 #: candidates; they were not measured held out, so the named set leaves them out.
 TEMPLATES = ((0, 1.5), (0, 2.0), (0, 2.5), (0, 3.0), (0, 3.5))

@@ -13,8 +13,8 @@ partner ``d ± D/2`` by the key's angle, so ``q_d²`` is replaced by the pair's 
 ``(q_d² + q_{d±D/2}²)/2`` (exact on average over the angle). Spend bits where queries look and
 attention lands: the channels whose ``W``-weighted squared error a bit lowers most get it.
 
-:func:`fit` does that for one (layer, kv head, K|V): the weighted error of every channel at every
-width of :data:`~kverr.quant.formats.CHANNEL_BITS` (the oracle's reconstructions,
+:func:`curves` and :func:`fit` do that for one (layer, kv head, K|V): the weighted error of every
+channel at every width of :data:`~kverr.quant.formats.CHANNEL_BITS` (the oracle's reconstructions,
 :func:`kverr.quant.channel_reconstructions`), then :func:`allocate` raises widths greedily -- the
 move of least weighted error per added bit among those that keep the packed codes within the
 template's bytes -- until no move fits. A candidate format with ``channel_bits`` is such a
@@ -110,17 +110,26 @@ def allocate(curves: np.ndarray, budget_bytes: int, widths: tuple[int, ...] = CH
         at[ch] = j
 
 
-def curves(recon: torch.Tensor, clean: torch.Tensor, weights: torch.Tensor, floor: int = 0) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Weighted squared error of every channel at every width from ``floor`` up: ``(curves
-    [W, D], widths)``, the input of :func:`allocate` (arrays as in :func:`fit`). Templates that
-    share a floor share it: only their budgets differ."""
+def curves(recon: torch.Tensor, clean: torch.Tensor, weights: torch.Tensor,
+           floor: int = 0) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Weighted squared error of every channel of one (layer, kv head, K|V) at every width from
+    ``floor`` up: ``(curves [W, D], widths)``, what :func:`fit` allocates from. Templates that
+    share a floor share their curves: only their byte budgets differ.
+
+    ``recon [len(CHANNEL_BITS), T, D]``: every channel's reconstruction at every width
+    (:func:`kverr.quant.channel_reconstructions` of the head's tensor as the cache received it);
+    ``clean [T, D]``: the values the error is measured against; ``weights [T, D]``
+    (:func:`key_weights`, :func:`value_weights`).
+    """
     rows = [i for i, b in enumerate(CHANNEL_BITS) if b >= floor]
     err = (recon[rows].double() - clean.double()[None]) ** 2  # [W, T, D]
     return torch.einsum("wtd,td->wd", err, weights.double()).numpy(), tuple(CHANNEL_BITS[i] for i in rows)
 
 
-def fit_curves(tmpl: QuantFormat, curves_widths: tuple[np.ndarray, tuple[int, ...]]) -> QuantFormat:
-    """:func:`fit` from the :func:`curves` of the template's floor."""
+def fit(tmpl: QuantFormat, curves_widths: tuple[np.ndarray, tuple[int, ...]]) -> QuantFormat:
+    """The template ``tmpl`` with ``channel_bits`` fitted from the :func:`curves` of its floor:
+    the fitted widths are at least the template's narrowest and their codes take at most the
+    template's bytes."""
     if tmpl.channel_bits is None:
         raise ConfigError(f"{tmpl.label()} is not a template (no channel_bits)")
     if tmpl.rotate != "none":
@@ -132,17 +141,3 @@ def fit_curves(tmpl: QuantFormat, curves_widths: tuple[np.ndarray, tuple[int, ..
     if max(bits) < 2:  # nothing worth a code anywhere: the template's own split
         return tmpl
     return dataclasses.replace(tmpl, channel_bits=bits)  # bits: their largest
-
-
-def fit(tmpl: QuantFormat, recon: torch.Tensor, clean: torch.Tensor, weights: torch.Tensor) -> QuantFormat:
-    """The template ``tmpl`` with ``channel_bits`` fitted to one (layer, kv head, K|V).
-
-    ``recon [len(CHANNEL_BITS), T, D]``: every channel's reconstruction at every width
-    (:func:`kverr.quant.channel_reconstructions` of the head's tensor as the cache received it);
-    ``clean [T, D]``: the values the error is measured against; ``weights [T, D]``
-    (:func:`key_weights`, :func:`value_weights`). The fitted widths are at least the template's
-    narrowest (its floor) and their codes take at most the template's bytes.
-    """
-    if tmpl.channel_bits is None:
-        raise ConfigError(f"{tmpl.label()} is not a template (no channel_bits)")
-    return fit_curves(tmpl, curves(recon, clean, weights, min(tmpl.channel_bits)))

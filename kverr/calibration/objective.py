@@ -382,7 +382,7 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
         errs = torch.zeros((len(js), n_kv, *clean.shape[1:]))
         recon: dict = {}  # per template's plain format: every channel at every width [W, kv_head, T, D]
         for h, qi in heads:
-            curves: dict = {}  # per (plain format, floor): the templates' shared error curves
+            shared: dict = {}  # per (plain format, floor): the templates' error curves
             a = _grouped(prep, qi, prep.a)
             if which == "k":
                 w = cb.key_weights(_grouped(prep, qi, prep.q), a, prep.v[h], _grouped(prep, qi, prep.o),
@@ -395,9 +395,9 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
                 if probe not in recon:
                     recon[probe] = channel_reconstructions(got, probe, page_size=page_size)
                 floor = min(tmpl.channel_bits)
-                if (probe, floor) not in curves:
-                    curves[probe, floor] = cb.curves(recon[probe][:, h], clean[h], w, floor)
-                fmt = cb.fit_curves(tmpl, curves[probe, floor])
+                if (probe, floor) not in shared:
+                    shared[probe, floor] = cb.curves(recon[probe][:, h], clean[h], w, floor)
+                fmt = cb.fit(tmpl, shared[probe, floor])
                 out[(which, pre, j, h)] = fmt.channel_bits
                 cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
                 if token_regions(T, cfg, fmt) == (0, T):

@@ -25,9 +25,10 @@ DECODE_MAXNREG = 255
 
 
 def decode_block_n(kspec: KernelSpec, vspec: KernelSpec, block_n: int) -> int:
-    """Tokens per decode tile: halved for 3-bit codes and per-channel widths (two gathered
-    planes per tile), which otherwise spill at head dim 128."""
-    return max(16, block_n // 2) if {0, 3} & {kspec.bits, vspec.bits} else block_n
+    """Tokens per decode tile: halved for 3-bit codes (two gathered planes per tile), which
+    otherwise spill at head dim 128. (Per-channel widths gather their pieces from a whole-row
+    tile in registers and need no halving: no spill at 32 tokens, head dim 64, AOT.)"""
+    return max(16, block_n // 2) if 3 in (kspec.bits, vspec.bits) else block_n
 
 
 def store_warps(block_r: int, D: int) -> int:
@@ -95,6 +96,10 @@ def _layout_args(pool) -> tuple:
     return pool.layout, pool.packing
 
 
+def _unpack_words(pool) -> torch.Tensor:
+    return _layout_args(pool)[0]
+
+
 def _fmt_args(pool):
     spec = pool.spec
     scale = pool.scale if pool.scale is not None else pool.codes
@@ -159,7 +164,7 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         q, q.stride(0), q.stride(1), qstart, qn,
         step.seq_lens, cache.block_table_t, cache.block_table_t.stride(0),
         ln.heads_t, ln.kmap, ln.vmap,
-        *_fmt_args(kp), *_fmt_args(vp), _layout_args(kp)[0], _layout_args(vp)[0], kp.spec.cb, vp.spec.cb,
+        *_fmt_args(kp), *_fmt_args(vp), _unpack_words(kp), _unpack_words(vp), kp.spec.cb, vp.spec.cb,
         kf, kf.stride(0), kf.stride(1), kf.stride(2),
         vf, vf.stride(0), vf.stride(1), vf.stride(2),
         *_fp_scale_args(kp), *_fp_scale_args(vp),
