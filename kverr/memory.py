@@ -3,7 +3,7 @@
 The seed formula ``2 * L * H_kv * D * T * b`` counts only the payload at a nominal element
 width. A real cache also holds scales and zero points (in their own dtype), pads sections to an
 alignment, rounds every sequence up to whole pages of a block allocator, keeps sink and window
-tokens in full precision and stores static scales once per model. :func:`account` counts all of
+tokens in full precision and stores static scales (and a codebook format's levels) once per model. :func:`account` counts all of
 it, with the layout of :class:`kverr.quant.store.ReferenceStore` (whose allocated bytes it must
 equal, and a test checks that it does), and reports effective bits per element including
 everything.
@@ -19,7 +19,7 @@ from typing import Any
 from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ModelError, ShapeError
 from kverr.quant.formats import QuantFormat, is_static, window_format
-from kverr.quant.reference import block_shape, codes_nbytes, scale_shape
+from kverr.quant.reference import block_shape, codes_nbytes, scale_shape, table_nbytes
 from kverr.quant.store import align_up, held_tokens, live_start, token_regions
 
 #: Shape of the bundled default model, SmolLM2-135M-Instruct (Llama: 30 layers, 9 query heads,
@@ -312,6 +312,7 @@ def group_bytes(
             b.zeros = b.scales if fmt.has_zero else 0
             b.page_rounding += rows * (pages * per_page - used) * sb * n_meta
             b.padding += rows * pages * (align_up(per_page * sb, A) - per_page * sb) * n_meta
+        b.static += table_nbytes(fmt)  # a codebook's levels, once per head group
     seed = rows * (T - live) * round(D * fmt.element_bits) // 8
     return b, seed
 

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from kverr.config import CacheConfig, Override
 from kverr.exceptions import ConfigError
+from kverr.quant.codebooks import CODEBOOK_BITS, CODEBOOK_NAMES
+from kverr.quant.formats import SCALE_STATS
 from kverr.quant import (
     CHANNEL_BITS,
     AbsMax,
@@ -51,7 +53,7 @@ def formats(
     head_dim: int = 64,
     page_size: int = 16,
     *,
-    kinds=("int", "fp8_e4m3", "fp8_e5m2"),
+    kinds=("int", "fp8_e4m3", "fp8_e5m2", "codebook"),
     clip: bool = True,
     rotate: bool = True,
     floats: bool = False,
@@ -78,6 +80,19 @@ def formats(
             return QuantFormat("int", bits, sym, gran, sdt, c, rot, channel_bits=widths)
         except ConfigError:  # bf16 scales are too coarse for 8-bit codes: fall back to fp16
             return QuantFormat("int", bits, sym, gran, "fp16", c, rot, channel_bits=widths)
+    if kind == "codebook":
+        bits = draw(st.sampled_from(CODEBOOK_BITS))
+        book = draw(st.sampled_from(CODEBOOK_NAMES + ("levels",)))
+        if book == "levels":  # a fitted codebook: any strictly increasing levels
+            steps = draw(st.lists(st.floats(0.05, 2.0), min_size=2**bits, max_size=2**bits))
+            span = np.concatenate(([0.0], np.cumsum(steps[1:])))  # from 0 to the span, then about zero
+            book = tuple(float(v) for v in span - draw(st.floats(0.1, 0.9)) * span[-1])
+        stat = draw(st.sampled_from(SCALE_STATS))
+        c = AbsMax() if stat == "rms" else c
+        try:
+            return QuantFormat(kind, bits, True, gran, sdt, c, rot, codebook=book, scale_stat=stat)
+        except ConfigError:  # bf16 scales too coarse for the codebook's outer cells
+            return QuantFormat(kind, bits, True, gran, "fp16", c, rot, codebook=book, scale_stat=stat)
     return QuantFormat(kind, 8, True, gran, sdt, c, rot)
 
 

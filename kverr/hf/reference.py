@@ -61,6 +61,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
 from kverr.quant.store import WindowRows
+from kverr.quant.reference import table_nbytes
 from kverr.rope import rotate, unrotate
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class _Group:
     def nbytes(self) -> int:
         tensors = [self.static_scale, self.static_zero]
         total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        total += table_nbytes(self.fmt) if self.chunks else 0  # a codebook's levels
         total += sum(r.nbytes for r in (self.sinks, self.pending) if r is not None)
         return total + sum(c.nbytes for c in self.chunks)
 

@@ -34,6 +34,8 @@ from typing import Any, ClassVar, Literal, Union
 import torch
 
 from kverr.exceptions import ConfigError
+from kverr.quant import codebooks
+from kverr.quant.codebooks import CODEBOOK_BITS, CODEBOOK_NAMES
 
 # --------------------------------------------------------------------------------------------
 # Element formats
@@ -44,6 +46,7 @@ ELEMENT_BITS: dict[str, tuple[int, ...]] = {
     "int": (2, 3, 4, 8),
     "fp8_e4m3": (8,),
     "fp8_e5m2": (8,),
+    "codebook": CODEBOOK_BITS,
     "fp16": (16,),
     "bf16": (16,),
     "fp32": (32,),
@@ -69,6 +72,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 #: Widths a channel may have in a format with per-channel bit widths (``channel_bits``): the
 #: integer widths, and 0 (no codes: the channel reads back its block mean).
 CHANNEL_BITS = (0, 2, 3, 4, 8)
+
+#: What a codebook format's scale is taken from: ``absmax`` (the block's largest magnitude lands
+#: on the codebook's largest level; clips apply) or ``rms`` (the scale is the block's root mean
+#: square, so a level is a multiple of the block's standard deviation about zero).
+SCALE_STATS = ("absmax", "rms")
 
 #: Significand bits (implicit bit included) of each scale dtype.
 SIGNIFICAND_BITS = {"fp32": 24, "fp16": 11, "bf16": 8}
@@ -308,14 +316,17 @@ class QuantFormat:
     Parameters
     ----------
     dtype
-        Element format: ``"int"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, or a plain float
+        Element format: ``"int"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"codebook"`` (the index of
+        one of ``2**bits`` scalar levels, :mod:`kverr.quant.codebooks`), or a plain float
         (``"fp16"``, ``"bf16"``, ``"fp32"``) which stores values as they are.
     bits
-        Bits per stored element. For ``"int"`` one of 2, 3, 4, 8; implied by other dtypes.
+        Bits per stored element. For ``"int"`` one of 2, 3, 4, 8; for ``"codebook"`` 2, 3 or 4;
+        implied by other dtypes.
     symmetric
         Integers only: symmetric codes in ``[-(2**(b-1)-1), 2**(b-1)-1]`` with no zero point,
         or asymmetric codes in ``[0, 2**b - 1]`` with a per-block offset (the block minimum,
-        stored in ``scale_dtype``), as KIVI and quanto do. fp8 is always symmetric.
+        stored in ``scale_dtype``), as KIVI and quanto do. fp8 and codebooks are always
+        symmetric (a scale, no zero point).
     granularity
         Which elements share a scale, see the module docs.
     scale_dtype
@@ -341,6 +352,11 @@ class QuantFormat:
         store it (its scale blocks hold that channel only); a channel of width 0 stores no codes,
         a zero scale and, as its zero point, the mean of its block rounded to nearest in
         ``scale_dtype``, which it reads back. None (default): every channel has ``bits``.
+    codebook
+        Codebooks only: a name in :data:`~kverr.quant.codebooks.CODEBOOK_NAMES` (default
+        ``"normal"``) or the ``2**bits`` levels, ascending (stored as fp32).
+    scale_stat
+        Codebooks only: :data:`SCALE_STATS` (default ``"absmax"``); ``"rms"`` takes no clip.
 
     The last five default to kverr's own arithmetic and are written to JSON only when they
     differ from it, so configs written before they existed read (and hash) the same.
@@ -358,14 +374,17 @@ class QuantFormat:
     scale_floor: float = 0.0
     reciprocal: bool = False
     channel_bits: tuple[int, ...] | None = None
+    codebook: str | tuple[float, ...] | None = None
+    scale_stat: str = "absmax"
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BITS:
             raise _fail("dtype", self.dtype, f"one of {', '.join(ELEMENT_BITS)}")
         if self.channel_bits is not None:
             self._check_channel_bits()
+        self._check_codebook()
         allowed_bits = ELEMENT_BITS[self.dtype]
-        if self.dtype != "int":
+        if len(allowed_bits) == 1:
             # bits are implied; normalise so that equal formats compare equal.
             object.__setattr__(self, "bits", allowed_bits[0])
         if isinstance(self.bits, bool) or self.bits not in allowed_bits:
@@ -407,7 +426,7 @@ class QuantFormat:
             return
         if self.is_fp8 and self.rounding != "half_even":
             raise _fail("rounding", self.rounding, f"{self.dtype} codes are the cast's round-half-to-even")
-        if self.dtype.startswith("fp8") and not self.symmetric:
+        if (self.is_fp8 or self.is_codebook) and not self.symmetric:
             raise _fail("symmetric", False, f"{self.dtype} is symmetric (a scale, no zero point)")
         if isinstance(self.clip, MSEClip) and self.clip.asymmetric and not self.has_zero:
             raise _fail("clip.asymmetric", True, "only for integer formats with a zero point (symmetric: false)")
@@ -424,6 +443,36 @@ class QuantFormat:
                     f"{SIGNIFICAND_BITS[self.scale_dtype]} significant bits cannot place the top "
                     f"of {levels} levels within a quarter step; use 'fp16' or 'fp32'"
                 )
+        if self.is_codebook and self.scale_stat == "absmax":
+            # the same quarter-step rule, for the top cell of the codebook
+            c = self.codebook_levels
+            spacing = 2.0 ** (1 - SIGNIFICAND_BITS[self.scale_dtype])
+            if codebooks.top_level(c) * spacing > 0.25 * min(c[1] - c[0], c[-1] - c[-2]):
+                raise ConfigError(
+                    f"scale_dtype={self.scale_dtype!r} is too coarse for this codebook: its "
+                    f"{SIGNIFICAND_BITS[self.scale_dtype]} significant bits cannot place the top level "
+                    "within a quarter of the outer cells; use 'fp16' or 'fp32'"
+                )
+
+    def _check_codebook(self) -> None:
+        if self.dtype != "codebook":
+            if self.codebook is not None:
+                raise _fail("codebook", self.codebook, "only for dtype 'codebook'")
+            if self.scale_stat != "absmax":
+                raise _fail("scale_stat", self.scale_stat, "only for dtype 'codebook' (other formats: absmax)")
+            return
+        if self.scale_stat not in SCALE_STATS:
+            raise _fail("scale_stat", self.scale_stat, f"one of {', '.join(SCALE_STATS)}")
+        if self.bits not in CODEBOOK_BITS or isinstance(self.bits, bool):
+            raise _fail("bits", self.bits, f"codebook allows {', '.join(map(str, CODEBOOK_BITS))}")
+        cb = "normal" if self.codebook is None else self.codebook
+        if not isinstance(cb, str):
+            cb = codebooks.check_levels(cb, self.bits)
+        elif cb not in CODEBOOK_NAMES:
+            raise _fail("codebook", cb, f"one of {', '.join(CODEBOOK_NAMES)}, or a list of {2**self.bits} levels")
+        object.__setattr__(self, "codebook", cb)
+        if self.scale_stat == "rms" and not isinstance(self.clip, AbsMax):
+            raise _fail("clip", self.clip.kind, "absmax only with scale_stat 'rms' (the scale is not a range)")
 
     def _check_channel_bits(self) -> None:
         cb = self.channel_bits
@@ -471,6 +520,17 @@ class QuantFormat:
     @property
     def is_fp8(self) -> bool:
         return self.dtype.startswith("fp8")
+
+    @property
+    def is_codebook(self) -> bool:
+        return self.dtype == "codebook"
+
+    @property
+    def codebook_levels(self) -> tuple[float, ...]:
+        """Codebooks: the ``2**bits`` fp32 levels, ascending (a named codebook resolved)."""
+        if not self.is_codebook:
+            raise ConfigError(f"{self.label()} is not a codebook format")
+        return codebooks.resolve(self.codebook, self.bits)
 
     @property
     def has_zero(self) -> bool:
@@ -524,8 +584,15 @@ class QuantFormat:
             "channel": f"ch{getattr(g, 'tokens', None) or 'all'}",
             "page": "page",
         }[g.kind]
-        elem = self.dtype if self.is_fp8 else f"int{self.element_bits:.4g}{'s' if self.symmetric else 'a'}"
+        if self.is_fp8:
+            elem = self.dtype
+        elif self.is_codebook:
+            elem = f"{self.codebook if isinstance(self.codebook, str) else 'lut'}{self.bits}"
+        else:
+            elem = f"int{self.element_bits:.4g}{'s' if self.symmetric else 'a'}"
         parts = [elem, gname, self.scale_dtype]
+        if self.scale_stat != "absmax":
+            parts.append(self.scale_stat)
         if not isinstance(self.clip, AbsMax):
             parts.append(
                 f"p{self.clip.percentile:g}" if isinstance(self.clip, Percentile)
@@ -560,12 +627,16 @@ class QuantFormat:
             "rotate": self.rotate,
             **arithmetic_options(self),
             **({} if self.channel_bits is None else {"channel_bits": list(self.channel_bits)}),
+            **({} if not self.is_codebook else {
+                "codebook": self.codebook if isinstance(self.codebook, str) else list(self.codebook),
+                "scale_stat": self.scale_stat,
+            }),
         }
 
     @classmethod
     def from_dict(cls, obj: Any, where: str = "format") -> QuantFormat:
         fields = {"dtype", "bits", "symmetric", "granularity", "scale_dtype", "clip", "rotate", "channel_bits",
-                  *ARITHMETIC_DEFAULTS}
+                  "codebook", "scale_stat", *ARITHMETIC_DEFAULTS}
         _check_keys(obj, where, {"dtype"}, fields - {"dtype"})
         dtype = obj["dtype"]
         if dtype not in ELEMENT_BITS:
@@ -591,12 +662,18 @@ class QuantFormat:
                 raise ConfigError(f"{where}.bits={kwargs['bits']} must be the largest of channel_bits ({max(cb)})")
         elif "channel_bits" in obj:
             pass  # implied by channel_bits
-        elif dtype == "int":
-            raise ConfigError(f"missing field {where}.bits; integer formats need 2, 3, 4 or 8")
+        elif dtype in ("int", "codebook"):
+            raise ConfigError(f"missing field {where}.bits; {dtype} formats need "
+                              f"{', '.join(map(str, ELEMENT_BITS[dtype]))}")
         if "symmetric" in obj:
             kwargs["symmetric"] = obj["symmetric"]
-        elif dtype.startswith("fp8"):
+        elif dtype.startswith("fp8") or dtype == "codebook":
             kwargs["symmetric"] = True
+        if "codebook" in obj:
+            cb = obj["codebook"]
+            kwargs["codebook"] = tuple(cb) if isinstance(cb, list) else cb
+        if "scale_stat" in obj:
+            kwargs["scale_stat"] = obj["scale_stat"]
         if "granularity" in obj:
             kwargs["granularity"] = granularity_from_dict(obj["granularity"], f"{where}.granularity")
         if "scale_dtype" in obj:
@@ -672,6 +749,30 @@ def fp8_format(
         scale_dtype=scale_dtype,
         clip=clip or AbsMax(),
         rotate=rotate,
+    )
+
+
+def codebook_format(
+    bits: int,
+    granularity: Granularity,
+    *,
+    codebook: str | tuple[float, ...] = "normal",
+    scale_stat: str = "absmax",
+    scale_dtype: str = "fp16",
+    clip: Clip | None = None,
+    rotate: str = "none",
+) -> QuantFormat:
+    """A codebook format (convenience constructor), see :mod:`kverr.quant.codebooks`."""
+    return QuantFormat(
+        dtype="codebook",
+        bits=bits,
+        symmetric=True,
+        granularity=granularity,
+        scale_dtype=scale_dtype,
+        clip=clip or AbsMax(),
+        rotate=rotate,
+        codebook=codebook,
+        scale_stat=scale_stat,
     )
 
 

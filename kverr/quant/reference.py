@@ -24,7 +24,11 @@ Arithmetic (fp32 throughout, so that a kernel can reproduce every code bit for b
 * asymmetric integers: ``m = floor(lo)``, ``s = ceil(div_ru(sub_ru(hi, m), L))``,
   ``u = clamp(rint((x - m) / s), 0, L)``, ``x_hat = u * s + m`` with ``L = 2**b - 1``;
 * fp8: ``s = ceil(div_ru(amax, fp8_max))``, ``u = bits(fp8(clamp(x / s, -fp8_max, fp8_max)))``,
-  ``x_hat = float(u) * s``.
+  ``x_hat = float(u) * s``;
+* codebooks (levels ``c``, cell boundaries ``t``, :mod:`kverr.quant.codebooks`): ``s =
+  ceil(div_ru(amax, max|c|))`` (``scale_stat="absmax"``) or ``s = ceil(ceil32(sqrt(mean
+  x**2)))`` (``"rms"``: the mean of the exact float64 squares, its square root in float64
+  rounded up to fp32), ``u = #{i : t_i < x / s}``, ``x_hat = c[u] * s``.
 
 ``div_ru``/``sub_ru`` are fp32 operations rounded toward +inf (CUDA ``__fdiv_ru``,
 ``__fsub_ru``); ``ceil``/``floor`` round the fp32 value *up*/*down* to the scale dtype (fp16,
@@ -45,7 +49,7 @@ The Hadamard rotation is the fast Walsh-Hadamard transform in a fixed butterfly 
 kernels repeat the same fp32 additions and get the same rotated values, hence the same codes.
 The MSE clip search compares per-block squared errors summed in float64 (each fp32 difference
 squares exactly), so a different summation order cannot flip the choice short of a tie to
-about 1e-16.
+about 1e-16; the ``rms`` scale likewise (a float64 sum of exact squares, one rounding to fp32).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ from kverr.quant.formats import (
     QuantFormat,
     fp8_max,
 )
+from kverr.quant.codebooks import boundaries, top_level
 from kverr.quant.packing import pack, packed_nbytes, unpack
 
 ArrayLike = Any  # numpy array or torch tensor
@@ -363,7 +368,7 @@ def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[
     sit a rounding above the grid's and be clamped. A ``scale_floor`` raises the fp32 scale to
     it before the cast to the scale dtype.
     """
-    top = fp8_max(fmt.dtype) if fmt.is_fp8 else fmt.levels
+    top = fp8_max(fmt.dtype) if fmt.is_fp8 else top_level(fmt.codebook_levels) if fmt.is_codebook else fmt.levels
     sym = fmt.is_fp8 or fmt.symmetric
     if fmt.scale_rounding == "nearest":
         if sym:
@@ -375,6 +380,28 @@ def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[
     m = floor_cast(lo, fmt.scale_dtype)
     s = ceil_cast(_floored(fmt, _div_up(_sub_up(hi, m.float()), top)), fmt.scale_dtype)
     return s, m
+
+
+def rms_params(fmt: QuantFormat, blocks: Blocks) -> torch.Tensor:
+    """The stored scale of a codebook format with ``scale_stat="rms"``: the root mean square of
+    each block's real elements, ``[B, nH, nT, nD]`` in the scale dtype.
+
+    The squares are exact in float64 and summed there; the mean's square root (float64) is
+    rounded to fp32 and then to the scale dtype, both upward (``scale_rounding="outward"``) or
+    both to nearest; a ``scale_floor`` applies in fp32 between the two."""
+    g = blocks.values.double()
+    sq = g * g if blocks.mask is None else (g * g).masked_fill(~blocks.mask, 0.0)
+    n = g.shape[-1] if blocks.mask is None else blocks.mask.sum(-1).clamp(min=1).double()
+    r = torch.sqrt(sq.sum(-1) / n)
+    if fmt.scale_rounding == "nearest":
+        return near_cast(_floored(fmt, r.float()), fmt.scale_dtype)
+    return ceil_cast(_floored(fmt, ceil_cast(r, "fp32")), fmt.scale_dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _codebook_tables(levels: tuple[float, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(levels, dtype=torch.float32, device=device),
+            torch.tensor(boundaries(levels), dtype=torch.float32, device=device))
 
 
 def round_codes(fmt: QuantFormat, q: torch.Tensor) -> torch.Tensor:
@@ -408,6 +435,11 @@ def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.T
     if fmt.is_fp8:
         fmax = fp8_max(fmt.dtype)
         return scaled(g).clamp(-fmax, fmax).to(TORCH_DTYPES[fmt.dtype]).view(torch.uint8)
+    if fmt.is_codebook:
+        # the number of cell boundaries strictly below the scaled value
+        _, t = _codebook_tables(fmt.codebook_levels, str(g.device))
+        q = scaled(g)
+        return torch.searchsorted(t, q.reshape(-1)).reshape(q.shape).to(torch.uint8)
     L = fmt.levels
     if fmt.symmetric:
         u = round_codes(fmt, scaled(g)).clamp(-L, L) + 2 ** (fmt.bits - 1)
@@ -421,6 +453,9 @@ def decode_blocks(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.T
     s32 = s.float().unsqueeze(-1)
     if fmt.is_fp8:
         return u.view(TORCH_DTYPES[fmt.dtype]).float() * s32
+    if fmt.is_codebook:
+        c, _ = _codebook_tables(fmt.codebook_levels, str(u.device))
+        return c[u.long()] * s32
     if fmt.symmetric:
         return (u.float() - 2 ** (fmt.bits - 1)) * s32
     return u.float() * s32 + m.float().unsqueeze(-1)
@@ -482,6 +517,8 @@ def fit_params(fmt: QuantFormat, blocks: Blocks,
     _check_scaled(fmt)
     if fmt.channel_bits is not None:
         return _fit_channel_widths(fmt, blocks)
+    if fmt.scale_stat == "rms":
+        return rms_params(fmt, blocks), None
     lo, hi = clip_range(fmt, blocks) if clip is None else clip
     if not isinstance(fmt.clip, MSEClip):
         return range_params(fmt, lo, hi)
@@ -522,6 +559,9 @@ def fake_quantize_blocks(fmt: QuantFormat, blocks: Blocks,
                 c = None if clip is None else (clip[0][:, :, :, idx], clip[1][:, :, :, idx])
                 out[:, :, :, idx] = fake_quantize_blocks(fmt.with_bits(b), sub, clip=c)
         return out
+    if fmt.scale_stat == "rms":
+        s, _ = fit_params(fmt, blocks)
+        return decode_blocks(fmt, encode_blocks(fmt, blocks.values, s, None), s, None)
     lo, hi = clip_range(fmt, blocks) if clip is None else clip
     if isinstance(fmt.clip, MSEClip):
         return mse_search(fmt, blocks.values, blocks.mask, lo, hi, values=True)[2]
@@ -841,6 +881,11 @@ def codes_nbytes(fmt: QuantFormat, D: int) -> int:
     if fmt.channel_bits is not None:
         return sum(packed_nbytes(len(idx), b) for b, idx in fmt.channel_widths() if b)
     return packed_nbytes(D, fmt.bits)
+
+
+def table_nbytes(fmt: QuantFormat) -> int:
+    """Bytes of the table a format keeps once per head group: a codebook's levels, fp32 (else 0)."""
+    return 4 * 2**fmt.bits if fmt.is_codebook else 0
 
 
 def pack_codes(u: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:

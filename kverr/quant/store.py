@@ -251,6 +251,8 @@ class HeadGroupStore:
         ``int8`` windows: ``[B * h, align_up(n_fp)]`` fp16, a scale per token; else ``None``.
     live, first_page
         First token held (sliding-window layers; else 0) and the first code page held.
+    table
+        Codebook formats: the fp32 levels, stored once; else ``None``.
     """
 
     fmt: QuantFormat
@@ -269,12 +271,13 @@ class HeadGroupStore:
     fp_scale: torch.Tensor | None = None
     live: int = 0
     first_page: int = 0
+    table: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [
             t
             for t in (self.codes, self.scales, self.zeros, self.static_scale, self.static_zero, self.fp,
-                      self.fp_scale)
+                      self.fp_scale, self.table)
             if t is not None
         ]
 
@@ -390,7 +393,7 @@ class ReferenceStore:
                         zeros = _to_pages(qt.zero.reshape(R, -1)[:, skip:], pages, entries, padded)
         return HeadGroupStore(
             fmt, heads, B, T, start, end, pages, codes, scales, zeros, static_scale, static_zero, fp, fp_scale,
-            live, first_page,
+            live, first_page, torch.tensor(fmt.codebook_levels) if fmt.is_codebook and pages else None,
         )
 
     @property
