@@ -18,7 +18,8 @@ its queries can see; the masks handle the rest, and a row that has seen no token
 finite running maximum, as in the causal prefill.
 
 Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
-``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float; ``BITS``; ``BD`` channels
+``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float, 5 and 6 codebook (its
+levels read from ``KL``/``VL``); ``BITS``; ``BD`` channels
 per scale column; ``BTS`` token rows per scale row; ``STATIC`` scales are ``[h, D // BD]``;
 ``ROT`` codes of the Hadamard-rotated head dimension; ``BITS`` 0 a width per channel, where each
 channel's code sits given by one unpack word per channel (``KL``/``VL``, loaded once per program;
@@ -45,7 +46,7 @@ from kverr_kernels.packing import byte_a, byte_b, code_of
 
 
 @triton.jit
-def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, w,
+def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, w, LUT,
               KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
               CB):
     """Dequantized ``[N, D]`` fp32 tile; ``row_base``/``srow`` are per-row element offsets of the
@@ -55,12 +56,12 @@ def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, w,
     if KIND == 4:
         x = tl.load(C + row_base[:, None] + c[None, :], mask=m2, other=0.0).to(tl.float32)
     else:
-        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, KIND, BITS, BD, D, CB)
+        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, LUT, KIND, BITS, BD, D, CB)
     return x
 
 
 @triton.jit
-def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w,
+def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, LUT,
                KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
                CB):
     if BITS == 0:
@@ -88,7 +89,11 @@ def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w,
         s = tl.load(SC + srow, mask=nmask, other=0.0).to(tl.float32)[:, None]
     else:
         s = tl.load(SC + srow[:, None] + (c // BD)[None, :], mask=m2, other=0.0).to(tl.float32)
-    if KIND == 0:
+    if KIND >= 5:
+        # codebooks: the level of each code, from the format's table (fp32 bit patterns; 2**BITS
+        # entries, L1-resident), times the scale
+        x = tl.load(LUT + u).to(tl.float32, bitcast=True) * s
+    elif KIND == 0:
         x = (u - (1 << (BITS - 1))).to(tl.float32) * s
     elif KIND == 1:
         if BD == D:
@@ -193,7 +198,8 @@ def paged_decode_kernel(
     KC, skc_p, skc_h, KS, KZ, sks_p, sks_h,  # key code pool, scale pool, zero pool
     VC, svc_p, svc_h, VS, VZ, svs_p, svs_h,  # value pools
     KL, VL, kcb, vcb,  # K_BITS / V_BITS == 0: [D] int32 unpack words of per-channel widths, and the
-    # bytes of a code row (K_CB / V_CB are 0 then: one specialisation serves every layout of widths)
+    # bytes of a code row (K_CB / V_CB are 0 then: one specialisation serves every layout of widths);
+    # codebooks (kind 5, 6): KL / VL are their tables (levels first, int32 bit patterns of fp32)
     KF, skf_b, skf_h, skf_t,  # key full-precision buffer [slots, hK, sinks + cap_k, D]
     VF, svf_b, svf_h, svf_t,
     KFS, skfs_b, skfs_h, VFS, svfs_b, svfs_h,  # FP_Q: their int8 rows' fp16 scales [slots, h, sinks + cap]
@@ -282,7 +288,7 @@ def paged_decode_kernel(
             v_pg = nmask
         krow, ksrow = _offsets(t, start, b64, BT, sbt_b, P, hk, skc_p, skc_h, sks_p, sks_h,
                                k_cb, NSD_K, K_BTS, K_STATIC, k_pg)
-        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_w, K_KIND, K_BITS, K_BD, D, k_cb)
+        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_w, KL, K_KIND, K_BITS, K_BD, D, k_cb)
         if K_ROT and not ROT_Q:
             k = fwht(k, BLOCK_N, D, LOG2D, RSCALE)
         if TAIL:
@@ -313,7 +319,7 @@ def paged_decode_kernel(
 
         vrow, vsrow = _offsets(t, start, b64, BT, sbt_b, P, hv, svc_p, svc_h, svs_p, svs_h,
                                v_cb, NSD_V, V_BTS, V_STATIC, v_pg)
-        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, v_w, V_KIND, V_BITS, V_BD, D, v_cb)
+        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, v_w, VL, V_KIND, V_BITS, V_BD, D, v_cb)
         if TAIL:
             if V_ROT:
                 v = fwht(v, BLOCK_N, D, LOG2D, RSCALE)

@@ -21,10 +21,17 @@ oracle, :mod:`kverr.quant.reference`, bit for bit:
   so ``u * s + m`` rounds twice, as in the oracle;
 * per-channel widths (``BITS`` 0, static channel scales) clamp each channel to its own levels
   and pack each byte of the row from the pieces its ``PACK`` words name (``tl.gather`` along the
-  channels), the layout the oracle's ``pack_codes`` defines (:func:`kverr.gpu.spec.mixed_layout`).
+  channels), the layout the oracle's ``pack_codes`` defines (:func:`kverr.gpu.spec.mixed_layout`);
+* codebooks read their table from ``LAY`` (fp32 bit patterns: the ``2**BITS`` levels, the
+  boundaries, the top level; :func:`kverr.gpu.spec.codebook_table`): a code is the number of
+  boundaries below ``div_rn(x, s)``; an absmax scale is ``amax / top`` rounded up through
+  float64, an rms scale the float64 root mean square (an IEEE float64 square root) rounded up to fp32 and to
+  the scale dtype, the float64 sum's order being the one thing not the oracle's (a flip needs a
+  root mean square within 1e-16 of an fp32 rounding boundary).
 
 Constexpr format codes (shared with :mod:`kernels.decode` and :mod:`kverr.gpu.spec`):
-``KIND`` 0 = int symmetric, 1 = int asymmetric, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = plain float;
+``KIND`` 0 = int symmetric, 1 = int asymmetric, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = plain float,
+5 = codebook with absmax scales, 6 = codebook with rms scales;
 ``SDT`` (scale dtype) 0 = fp32, 1 = fp16, 2 = bf16; ``GRAN`` 0 = one scale per row (token,
 token group), 1 = one scale over all rows of the job (channel groups of tokens, page),
 2 = static (scales given).
@@ -100,10 +107,24 @@ def _fp8_bits(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
-def _encode(x, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
-    """Codes (int32) of fp32 ``x`` with stored scale ``s`` and zero ``m`` (fp32, broadcast)."""
+def _lut(LUT, i):
+    """Entry ``i`` of a codebook table (fp32 stored as its int32 bit pattern)."""
+    return tl.load(LUT + i).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _encode(x, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Codes (int32) of fp32 ``x`` with stored scale ``s`` and zero ``m`` (fp32, broadcast);
+    codebooks: their table ``LUT``."""
     s_div = tl.where(s > 0, s, 1.0)
-    if KIND == 0:
+    if KIND >= 5:
+        NLEV: tl.constexpr = 1 << BITS
+        y = tl.math.div_rn(x, s_div)
+        u = (y > _lut(LUT, NLEV)).to(tl.int32)
+        for i in tl.static_range(1, NLEV - 1):
+            u += (y > _lut(LUT, NLEV + i)).to(tl.int32)
+        return u
+    elif KIND == 0:
         L: tl.constexpr = (1 << (BITS - 1)) - 1
         y = tl.math.div_rn(x, s_div)
         y = tl.minimum(tl.maximum(y, -L), L)
@@ -147,12 +168,17 @@ def _sub_ru(a, b):
 
 
 @triton.jit
-def _params(lo, hi, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
+def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
     """Stored (scale, zero) as fp32 for the block range ``[lo, hi]`` (``hi`` = amax if symmetric).
 
     Every rounding on the way to a scale goes up and the zero point goes down (the oracle's
-    ``ceil(div_ru(sub_ru(hi, m), L))``), so the grid covers the block."""
-    if KIND == 0:
+    ``ceil(div_ru(sub_ru(hi, m), L))``), so the grid covers the block. Codebooks (absmax):
+    ``amax / top``, the table's last entry, through float64 (exact for any fp32 divisor)."""
+    if KIND == 5:
+        top = _lut(LUT, 2 * (1 << BITS) - 1)
+        s = _cast_step(_ceil_f32(hi.to(tl.float64) / top.to(tl.float64)), SDT, True)
+        return s, s * 0.0
+    elif KIND == 0:
         L: tl.constexpr = (1 << (BITS - 1)) - 1
         s = _cast_step(_div_ru(hi, L * 1.0), SDT, True)
         return s, s * 0.0
@@ -170,10 +196,12 @@ def _params(lo, hi, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
 
 
 @triton.jit
-def _decode(u, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
+def _decode(u, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
     """fp32 values of int32 codes ``u`` (the oracle's ``decode_blocks``: one rounding per multiply and
     per add)."""
-    if KIND == 0:
+    if KIND >= 5:
+        return _lut(LUT, u) * s
+    elif KIND == 0:
         return (u - (1 << (BITS - 1))).to(tl.float32) * s
     elif KIND == 1:
         return u.to(tl.float32) * s + m
@@ -187,49 +215,70 @@ def _decode(u, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _sq_err(x3, s, m, KIND: tl.constexpr, BITS: tl.constexpr):
+def _sq_err(x3, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
     """float64 squared reconstruction error of every element (exact squares of fp32 differences)."""
-    d = (_decode(_encode(x3, s, m, KIND, BITS), s, m, KIND, BITS) - x3).to(tl.float64)
+    d = (_decode(_encode(x3, s, m, LUT, KIND, BITS), s, m, LUT, KIND, BITS) - x3).to(tl.float64)
     return d * d
 
 
 @triton.jit
-def _clip_params(lo, hi, r, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
+def _rms_scale(x3, r3, SDT: tl.constexpr, PER_ROW: tl.constexpr):
+    """The rms scale of every block of the ``[R, NG, BD]`` tile, rounded up to fp32 and to the scale
+    dtype: per (row, group) (``PER_ROW``), or per group over the valid rows ``r3``; float64 sums of
+    the exact squares, as the oracle's ``rms_params``."""
+    x64 = x3.to(tl.float64)
+    sq = x64 * x64
+    BD: tl.constexpr = x3.shape[2]
+    if PER_ROW:
+        ms = tl.sum(sq, axis=2) / BD
+    else:
+        n = tl.maximum(tl.sum(tl.where(r3, 1.0, 0.0)), 1.0).to(tl.float64) * BD  # the block's real elements
+        ms = tl.sum(tl.sum(tl.where(r3, sq, 0.0), axis=2), axis=0) / n
+    # float64 square roots are IEEE round-to-nearest on the GPU (PTX has no approximate one)
+    return _cast_step(_ceil_f32(tl.sqrt(ms)), SDT, True)
+
+
+@triton.jit
+def _clip_params(lo, hi, r, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
     """(scale, zero) of the block range shrunk by ratio ``r`` (the oracle's MSE candidates)."""
     if KIND == 1:
         mid = (hi + lo) * 0.5
         half = (hi - lo) * 0.5
-        return _params(mid - half * r, mid + half * r, KIND, BITS, SDT)
-    return _params(-(hi * r), hi * r, KIND, BITS, SDT)
+        return _params(mid - half * r, mid + half * r, LUT, KIND, BITS, SDT)
+    return _params(-(hi * r), hi * r, LUT, KIND, BITS, SDT)
 
 
 
 @triton.jit
-def _block_err(x3, s, m, r3, KIND: tl.constexpr, BITS: tl.constexpr, PER_ROW: tl.constexpr):
+def _block_err(x3, s, m, r3, LUT, KIND: tl.constexpr, BITS: tl.constexpr, PER_ROW: tl.constexpr):
     """float64 squared error of each block of the ``[R, NG, BD]`` tile: per (row, group) with
     ``s, m [R, NG]`` (``PER_ROW``), or per group over the valid rows ``r3`` with ``s, m [NG]``."""
     # one return: the compiler types every return of a function, constexpr branches included
     if PER_ROW:
-        err = tl.sum(_sq_err(x3, s[:, :, None], m[:, :, None], KIND, BITS), axis=2)
+        err = tl.sum(_sq_err(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS), axis=2)
     else:
-        err = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s[None, :, None], m[None, :, None], KIND, BITS), 0.0), axis=2),
-                     axis=0)
+        err = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS), 0.0),
+                            axis=2), axis=0)
     return err
 
 
 @triton.jit
-def _choose_params(x3, lo, hi, r3, RATIOS, CLIP_N: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+def _choose_params(x3, lo, hi, r3, RATIOS, LUT, CLIP_N: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                    SDT: tl.constexpr, PER_ROW: tl.constexpr):
-    """Stored (scale, zero) of every block: the range ``[lo, hi]`` (absmax), or with an MSE clip
-    the first of the ``CLIP_N`` ratios of least squared error (the oracle's ``mse_search``)."""
-    if CLIP_N == 0:
-        s, m = _params(lo, hi, KIND, BITS, SDT)
+    """Stored (scale, zero) of every block: the range ``[lo, hi]`` (absmax), the root mean square
+    (rms codebooks), or with an MSE clip the first of the ``CLIP_N`` ratios of least squared error
+    (the oracle's ``mse_search``)."""
+    if KIND == 6:
+        s = _rms_scale(x3, r3, SDT, PER_ROW)
+        m = s * 0.0
+    elif CLIP_N == 0:
+        s, m = _params(lo, hi, LUT, KIND, BITS, SDT)
     else:
-        s, m = _clip_params(lo, hi, tl.load(RATIOS), KIND, BITS, SDT)
-        err = _block_err(x3, s, m, r3, KIND, BITS, PER_ROW)
+        s, m = _clip_params(lo, hi, tl.load(RATIOS), LUT, KIND, BITS, SDT)
+        err = _block_err(x3, s, m, r3, LUT, KIND, BITS, PER_ROW)
         for i in range(1, CLIP_N):
-            s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), KIND, BITS, SDT)
-            e_i = _block_err(x3, s_i, m_i, r3, KIND, BITS, PER_ROW)
+            s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), LUT, KIND, BITS, SDT)
+            e_i = _block_err(x3, s_i, m_i, r3, LUT, KIND, BITS, PER_ROW)
             better = e_i < err  # strict: ties keep the larger ratio
             err = tl.where(better, e_i, err)
             s = tl.where(better, s_i, s)
@@ -250,7 +299,8 @@ def quant_store_kernel(
     SCALE, ZERO, ss_p, ss_h,  # scale pools [pages, h, P // BT_S, NSD] or static [h, NSD]
     RATIOS,  # [CLIP_N] fp32 clip ratios of an MSE clip, largest first (unused if CLIP_N == 0)
     LAY, PACK, cb,  # BITS == 0: the layout words of per-channel widths, [D] and [8, D] int32, and
-    # the bytes of a code row (CB is 0 then: one specialisation serves every layout of widths)
+    # the bytes of a code row (CB is 0 then: one specialisation serves every layout of widths);
+    # codebooks (KIND 5, 6): LAY is their table (int32 bit patterns of fp32), PACK unread
     D: tl.constexpr, CB: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
     GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
@@ -317,16 +367,16 @@ def quant_store_kernel(
                               ZERO + hl * ss_h, LAY, PACK, cb, D, BLOCK_R)
         else:
             _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h,
-                        SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS,
+                        SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS, LAY,
                         D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N)
 
 
 @triton.jit
-def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, static_z, row0, RATIOS,
+def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, static_z, row0, RATIOS, LUT,
                 D: tl.constexpr, BLOCK_R: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                 SDT: tl.constexpr, GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
                 CLIP_N: tl.constexpr):
-    """Scales, codes and packing of a ``[BLOCK_R, D]`` tile (integer and fp8 formats)."""
+    """Scales, codes and packing of a ``[BLOCK_R, D]`` tile (integer, fp8 and codebook formats)."""
 
     NG: tl.constexpr = D // BD
     g = tl.arange(0, NG)
@@ -340,8 +390,8 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
         else:
             lo = tl.min(x3, axis=2)
             hi = tl.max(x3, axis=2)
-        s, m = _choose_params(x3, lo, hi, rmask[:, None, None], RATIOS, CLIP_N, KIND, BITS, SDT, True)
-        u3 = _encode(x3, s[:, :, None], m[:, :, None], KIND, BITS)
+        s, m = _choose_params(x3, lo, hi, rmask[:, None, None], RATIOS, LUT, CLIP_N, KIND, BITS, SDT, True)
+        u3 = _encode(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS)
         soff = rows[:, None] * NG + g[None, :]
         tl.store(scale_base + soff, s, mask=rmask[:, None])
         if KIND == 1:
@@ -356,7 +406,7 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
             else:
                 lo = tl.min(tl.min(tl.where(r3, x3, float("inf")), axis=2), axis=0)
                 hi = tl.max(tl.max(tl.where(r3, x3, float("-inf")), axis=2), axis=0)
-            s, m = _choose_params(x3, lo, hi, r3, RATIOS, CLIP_N, KIND, BITS, SDT, False)
+            s, m = _choose_params(x3, lo, hi, r3, RATIOS, LUT, CLIP_N, KIND, BITS, SDT, False)
             soff = (row0 // BT_S) * NG + g
             tl.store(scale_base + soff, s)
             if KIND == 1:
@@ -368,7 +418,7 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
                 m = tl.load(static_z + g).to(tl.float32)
             else:
                 m = s * 0.0
-        u3 = _encode(x3, s[None, :, None], m[None, :, None], KIND, BITS)
+        u3 = _encode(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS)
     u = tl.reshape(u3, (BLOCK_R, D))
 
     if BITS == 8:

@@ -92,9 +92,9 @@ class Overheads:
 OVERHEADS = Overheads()
 
 #: CUDA-core operations per element the decode kernel dequantizes, by storage: a plain float
-#: converts; fp8 converts and scales; an integer code is shifted, masked, converted and scaled
-#: (one more with a zero point; 3-bit codes and per-channel widths gather two pieces: three
-#: more). Leads.
+#: converts; fp8 converts and scales; an integer code is shifted, masked, converted and scaled,
+#: a codebook code shifted, masked, looked up and scaled, four either way (one more with a zero
+#: point; 3-bit codes and per-channel widths gather two pieces: three more). Leads.
 DEQUANT_OPS = {"float": 1, "fp8": 2, "int": 4, "zero": 1, "int3": 3, "int8_row": 3}
 #: Per-channel widths: each program also reads the format's int32 unpack word per channel
 #: (``kverr.gpu.spec.mixed_layout``), counted with the static scales.

@@ -54,6 +54,7 @@ from kverr.quant.formats import (
     PerTokenGroup,
     QuantFormat,
     float_format,
+    codebook_format,
     fp8_format,
     int_format,
     window_format,
@@ -92,13 +93,19 @@ def _elements():
             out.append(lambda g, b=bits, s=sym: int_format(b, g, symmetric=s))
     out.append(lambda g: fp8_format(g))
     out.append(lambda g: fp8_format(g, variant="e5m2"))
+    for bits in (2, 3, 4):
+        for stat in ("absmax", "rms"):
+            out.append(lambda g, b=bits, s=stat: codebook_format(b, g, scale_stat=s))
     return out
 
 
 def _rotated_mse(f: QuantFormat) -> QuantFormat:
-    """``f`` with a Hadamard rotation and the calibrator's MSE clip (the other constexpr branches)."""
+    """``f`` with a Hadamard rotation and the calibrator's MSE clip (the other constexpr branches;
+    an rms codebook takes no clip: rotated only)."""
     from kverr.catalog import CALIBRATION_MSE_CLIP
 
+    if f.scale_stat == "rms":
+        return dataclasses.replace(f, rotate="hadamard")
     return dataclasses.replace(f, rotate="hadamard", clip=CALIBRATION_MSE_CLIP)
 
 

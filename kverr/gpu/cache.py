@@ -54,7 +54,7 @@ import torch
 
 from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
-from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, kernel_spec, mixed_layout
+from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
 from kverr.quant.formats import TORCH_DTYPES, is_static, window_format
 from kverr.quant.reference import QTensor, dequantize
 from kverr.quant.store import WindowRows, quantize_region, receive
@@ -89,7 +89,8 @@ class Pool:
     cap: int
     ratios: torch.Tensor  # fp32 MSE clip ratios for the store kernel (one unused 1.0 when absmax)
     # per-channel widths (spec.bits == 0): the layout words of kverr.gpu.spec.mixed_layout, int32
-    # [D] (unpack) and [8, D] (pack); None otherwise
+    # [D] (unpack) and [8, D] (pack); codebooks: their table (kverr.gpu.spec.codebook_table) and
+    # no packing; None otherwise
     layout: torch.Tensor | None = None
     packing: torch.Tensor | None = None
 
@@ -331,6 +332,8 @@ class PagedKVCache:
                     layout = packing = None
                     if spec.bits == 0:
                         layout, packing = (torch.from_numpy(t).to(dev) for t in mixed_layout(fmt, head_dim))
+                    elif fmt.is_codebook:
+                        layout = torch.from_numpy(codebook_table(fmt)).to(dev)
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
                                            torch.tensor(heads, dtype=torch.int64, device=dev),
                                            codes, scale, zero, fp, fp_scale, cap, ratios, layout, packing))

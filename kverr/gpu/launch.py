@@ -90,10 +90,11 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor |
 
 
 def _layout_args(pool) -> tuple:
-    """The layout words of per-channel widths (unpack, pack); other formats pass an int32 tensor, unread."""
+    """The format's tables: the layout words of per-channel widths (unpack, pack), or a codebook's
+    table (and an unread int32 tensor); other formats pass an int32 tensor, unread."""
     if pool.layout is None:
         return pool.heads_t, pool.heads_t
-    return pool.layout, pool.packing
+    return pool.layout, pool.heads_t if pool.packing is None else pool.packing
 
 
 def _unpack_words(pool) -> torch.Tensor:

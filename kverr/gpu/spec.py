@@ -29,9 +29,10 @@ from kverr.quant.formats import (
     is_static,
     token_block,
 )
+from kverr.quant.codebooks import boundaries, top_level
 from kverr.quant.reference import codes_nbytes, pack_codes
 
-KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT = range(5)
+KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT, KIND_CODEBOOK, KIND_CODEBOOK_RMS = range(7)
 SDT = {"fp32": 0, "fp16": 1, "bf16": 2}
 GRAN_ROW, GRAN_BLOCK, GRAN_STATIC = range(3)
 
@@ -148,6 +149,8 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
         )
     if fmt.is_fp8:
         kind = KIND_FP8_E4M3 if fmt.dtype == "fp8_e4m3" else KIND_FP8_E5M2
+    elif fmt.is_codebook:
+        kind = KIND_CODEBOOK_RMS if fmt.scale_stat == "rms" else KIND_CODEBOOK
     else:
         kind = KIND_INT_SYM if fmt.symmetric else KIND_INT_ASYM
     static = is_static(g)
@@ -177,6 +180,15 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
     bits = 0 if fmt.channel_bits is not None else fmt.bits  # 0: each channel's width in the layout tables
     return KernelSpec(kind, bits, SDT[fmt.scale_dtype], gran, bd, bts, tb, codes_nbytes(fmt, D), static, fmt,
                       rot=fmt.rotate == "hadamard", clip_ratios=ratios)
+
+
+def codebook_table(fmt: QuantFormat) -> np.ndarray:
+    """The table a codebook format's kernels read: int32 ``[2 * 2**bits]``, the fp32 bit patterns of
+    the levels, the cell boundaries and the largest level magnitude, in that order (the oracle's
+    :func:`kverr.quant.codebooks.boundaries` and ``top_level``)."""
+    levels = fmt.codebook_levels
+    vals = np.array([*levels, *boundaries(levels), top_level(levels)], dtype=np.float32)
+    return vals.view(np.int32)
 
 
 #: Bit fields of a pack word (:func:`mixed_layout`): channel index, right shift, mask, left

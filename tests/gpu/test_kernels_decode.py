@@ -129,6 +129,18 @@ def test_decode_per_channel_widths():
     assert worst <= 1e-3
 
 
+@pytest.mark.float_order
+def test_decode_codebooks():
+    """Codebook keys (rotated, rms scales per token) and values (fitted levels, static per-head
+    scales): decode matches reference attention over what the oracle reconstructs."""
+    from kverr.quant import codebook_format
+
+    kf = codebook_format(3, PerToken(), rotate="hadamard", scale_stat="rms")
+    vf = codebook_format(2, PerHead(), codebook=(-1.9, -0.4, 0.3, 2.2), scale_dtype="fp32")
+    worst, _ = run_decode(CacheConfig(k=kf, v=vf, page_size=P, window=4, sinks=1), [50, 50], static=True, Hq=4)
+    assert worst <= 1e-3
+
+
 def test_decode_fp16_products():
     """fp16 tensor-core products (fp32 accumulation) stay within a looser bound."""
     worst, _ = run_decode(KIVI2, [63, 20], dot_fp16=True)

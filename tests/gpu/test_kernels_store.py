@@ -24,6 +24,7 @@ from kverr.quant import (
     PerToken,
     PerTokenGroup,
     QuantFormat,
+    codebook_format,
     float_format,
     fp8_format,
     int_format,
@@ -295,6 +296,33 @@ def test_store_per_channel_widths_bit_exact():
         want = reconstruct(t, cfg, layer=0, which=which)
         for b in range(2):
             assert torch.equal(cache.read(0, which, b), want[b])
+
+
+# Codebooks: absmax and rms scales on every scale layout the store kernel computes (per row, per
+# channel group of rows, per page), named and fitted levels, 2, 3 and 4 bits, rotated, MSE-clipped.
+FITTED = (-2.4, -0.4, 0.3, 1.7)  # the largest magnitude is the first level
+CODEBOOK_PAIRS = [
+    (codebook_format(3, PerToken(), rotate="hadamard", scale_stat="rms"),
+     codebook_format(4, PerTokenGroup(8), codebook="nf", clip=MSEClip(grid=4, min_ratio=0.5))),
+    (codebook_format(2, PerChannel(8), codebook=FITTED, scale_dtype="fp32"),
+     codebook_format(3, PerPage(), scale_stat="rms", scale_dtype="bf16")),
+]
+
+
+@pytest.mark.float_order
+@pytest.mark.parametrize("kf,vf", CODEBOOK_PAIRS, ids=[f"{a.label()}+{b.label()}" for a, b in CODEBOOK_PAIRS])
+def test_store_codebooks_bit_exact(kf, vf):
+    """Codebook codes and scales bit-exact with the oracle over prefill chunks and single-token
+    steps of unequal sequences (rms: the float64 sums of squares, their order aside)."""
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2)
+    lens = [63, 17, 40]
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
+    sentinel(cache)
+    x, y = data(3, 63, 7), data(3, 63, 8)
+    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
+    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
+    fill(cache, ks, vs, [[30, 10, 27], [20, 0, 1]] + [[1, 1, 1]] * 6 + [[7, 1, 6]])
+    assert check_exact(cache, cfg, ks, vs) >= 3
 
 
 def test_static_scales_set_later_and_refused_until_set():
