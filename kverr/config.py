@@ -49,6 +49,7 @@ from kverr.quant.formats import (
     PerTokenGroup,
     QuantFormat,
     _check_keys,
+    codebook_format,
     float_format,
     fp8_format,
     int_format,
@@ -444,6 +445,7 @@ def _presets() -> dict[str, CacheConfig]:
     kivi = lambda bits: dict(  # noqa: E731
         k=int_format(bits, PerChannel(32)), v=int_format(bits, PerTokenGroup(32)), window=128
     )
+    tq = lambda bits: codebook_format(bits, PerToken(), rotate="hadamard", scale_stat="rms")  # noqa: E731
     presets = {
         # Unquantized half precision: the baseline every serving engine starts from.
         "fp16": dict(k=fp16, v=fp16),
@@ -465,6 +467,11 @@ def _presets() -> dict[str, CacheConfig]:
             k=int_format(4, PerTokenGroup(32), symmetric=True),
             v=int_format(4, PerTokenGroup(32), symmetric=True),
         ),
+        # TurboQuant's MSE quantizer (Zandieh et al., ICLR 2026): each token's head vector rotated
+        # (here the Hadamard rotation, as vLLM's TurboQuant path does, for the paper's random one),
+        # every coordinate the Lloyd-Max level of N(0, 1) nearest to it over the vector's rms
+        # (the paper's unit vector over sqrt(D)), the norm kept as an fp16 scale.
+        **{f"turboquant-mse-{b}": dict(k=tq(b), v=tq(b)) for b in (2, 3, 4)},
         # vLLM fp8 KV cache with static fp32 scales, per tensor (per layer) or per kv head.
         "fp8-e4m3-tensor": dict(k=fp8_format(PerTensor()), v=fp8_format(PerTensor())),
         "fp8-e4m3-head": dict(k=fp8_format(PerHead()), v=fp8_format(PerHead())),
