@@ -1,19 +1,19 @@
-"""Does adding codebook candidates move the calibration frontier? (predicted damage, in sample)
+"""Does adding codebook candidates move the calibration frontier? (predicted KL, in sample)
 
-Calibrates the bundled 512-token capture twice at 2.5, 3 and 4 effective bits with the ``rel``
-objective (unweighted relative attention-output error, no model needed): once with the ``all``
+Calibrates the 4096-token pydoc capture (``bench.common.pydoc_capture(4096)``, as the committed
+configs were) twice at 2.5, 3 and 4 effective bits at 1280 tokens with the ``kl`` objective and
+the layer sensitivity recorded in ``data/configs/calibrated-4b.json``: once with the ``all``
 candidate set, once with it plus codebook formats (Lloyd-Max levels of the normal, per token and
 per 32 channels of a token, 2/3/4 bits, Hadamard-rotated with an MSE clip or an rms scale, and
-unrotated with an MSE clip). Prints the predicted damage of each budget's config and which
-codebook formats it chose::
+unrotated with an MSE clip). Prints the predicted KL of each budget's config and which codebook
+formats it chose, and writes the configs to ``out/codebooks/``::
 
-    python experiments/do-codebooks-pay/frontier.py
+    PYTHONPATH=. python experiments/do-codebooks-pay/frontier.py
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 import time
 
 import kverr as kv
@@ -36,19 +36,29 @@ def codebook_candidates():
     return tuple(out)
 
 
-def main(path: str = "data/smollm2-pydoc-512.zarr") -> None:
-    cap = kv.open_capture(path)
+def main() -> None:
+    from pathlib import Path
+
+    from bench.common import ROOT, pydoc_capture
+    from kverr.calibration import Sensitivity
+    from kverr.config import CacheConfig
+
+    cap = kv.open_capture(pydoc_capture(4096))
+    sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
+    out = Path("out/codebooks")
+    out.mkdir(parents=True, exist_ok=True)
     base = named_candidates("all", 64)
     rows = {}
     for name, cands in (("all", base), ("all+codebooks", base + codebook_candidates())):
         t = time.time()
-        cal = calibrate(cap, CalibrationConfig(budgets=BUDGETS, objective="rel", cands_k=cands, cands_v=cands,
-                                               queries=32))
+        cal = calibrate(cap, CalibrationConfig(budgets=BUDGETS, context=1280, cands_k=cands, cands_v=cands),
+                        sensitivity=sens)
         print(f"{name}: {len(cands)} candidates, {time.time() - t:.0f} s", flush=True)
         for b, cfg in cal.configs.items():
             p = cfg.provenance
             used = collections.Counter(f.label() for _, f in cfg._all_formats() if f.is_codebook)
             rows[(name, b)] = p["predicted_damage"]
+            cfg.with_(name=f"{name.replace('+', '-')}-{b:g}b").save(out / f"{name.replace('+', '-')}-{b:g}b.json")
             print(f"  {b:4g} bits: effective {p['effective_bits']:.3f}, predicted {p['predicted_damage']:.4g}, "
                   f"codebook formats chosen: {dict(used) or 'none'}", flush=True)
     for b in BUDGETS:
@@ -57,4 +67,4 @@ def main(path: str = "data/smollm2-pydoc-512.zarr") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()
