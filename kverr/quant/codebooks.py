@@ -109,6 +109,7 @@ def check_levels(levels, bits: int) -> tuple[float, ...]:
     return f32
 
 
+@functools.lru_cache(maxsize=256)
 def boundaries(levels: tuple[float, ...]) -> tuple[float, ...]:
     """The ``2**bits - 1`` cell boundaries: ``(c_i + c_{i+1}) / 2`` rounded to fp32 (the exact
     midpoint of two fp32 numbers, rounded once). A scaled value ``q`` gets code ``#{t_i < q}``."""

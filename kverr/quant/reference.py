@@ -399,9 +399,8 @@ def rms_params(fmt: QuantFormat, blocks: Blocks) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _codebook_tables(levels: tuple[float, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor(levels, dtype=torch.float32, device=device),
-            torch.tensor(boundaries(levels), dtype=torch.float32, device=device))
+def _codebook_levels(levels: tuple[float, ...], device: str) -> torch.Tensor:
+    return torch.tensor(levels, dtype=torch.float32, device=device)
 
 
 def round_codes(fmt: QuantFormat, q: torch.Tensor) -> torch.Tensor:
@@ -436,10 +435,13 @@ def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.T
         fmax = fp8_max(fmt.dtype)
         return scaled(g).clamp(-fmax, fmax).to(TORCH_DTYPES[fmt.dtype]).view(torch.uint8)
     if fmt.is_codebook:
-        # the number of cell boundaries strictly below the scaled value
-        _, t = _codebook_tables(fmt.codebook_levels, str(g.device))
+        # the number of cell boundaries strictly below the scaled value (one comparison per
+        # boundary: several times faster than searchsorted on the CPU at these widths)
         q = scaled(g)
-        return torch.searchsorted(t, q.reshape(-1)).reshape(q.shape).to(torch.uint8)
+        u = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+        for t in boundaries(fmt.codebook_levels):
+            u += q > t
+        return u
     L = fmt.levels
     if fmt.symmetric:
         u = round_codes(fmt, scaled(g)).clamp(-L, L) + 2 ** (fmt.bits - 1)
@@ -454,7 +456,7 @@ def decode_blocks(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.T
     if fmt.is_fp8:
         return u.view(TORCH_DTYPES[fmt.dtype]).float() * s32
     if fmt.is_codebook:
-        c, _ = _codebook_tables(fmt.codebook_levels, str(u.device))
+        c = _codebook_levels(fmt.codebook_levels, str(u.device))
         return c[u.long()] * s32
     if fmt.symmetric:
         return (u.float() - 2 ** (fmt.bits - 1)) * s32
