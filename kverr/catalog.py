@@ -6,6 +6,7 @@ here, and the presets (today's formats, :data:`kverr.config.PRESETS`) are read f
 * :data:`CALIBRATION_MSE_CLIP`, :data:`STATIC_MSE_CLIP` -- the clips the calibrator searches;
 * :func:`default_candidates` -- the calibrator's candidate formats for keys and values (their
   reasons are in :mod:`kverr.calibration.candidates`);
+* :func:`codebook_candidates` -- the codebook formats ``--codebooks`` adds to them;
 * :func:`template`, :func:`fitted_templates` -- the templates of per-channel widths the
   calibrator refits per head (:mod:`kverr.calibration.channel_bits`);
 * :func:`window_formats` -- what a full-precision window may store its rows in;
@@ -25,6 +26,7 @@ from kverr.quant.formats import (
     PerToken,
     PerTokenGroup,
     QuantFormat,
+    codebook_format,
     float_format,
     fp8_format,
     int_format,
@@ -35,6 +37,7 @@ __all__ = [
     "CALIBRATION_MSE_CLIP",
     "STATIC_MSE_CLIP",
     "catalog",
+    "codebook_candidates",
     "TEMPLATES",
     "default_candidates",
     "fitted_templates",
@@ -72,6 +75,18 @@ def default_candidates(head_dim: int = 64, *, static: bool = True) -> tuple[Quan
         for rot in ("none", "hadamard"):
             out.append(fp8_format(g, rotate=rot))
     out.append(float_format("fp16"))
+    return tuple(f for f in out if _fits(f, head_dim))
+
+
+def codebook_candidates(head_dim: int = 64) -> tuple[QuantFormat, ...]:
+    """The codebook candidates (``kverr calibrate --codebooks``): the normal's Lloyd-Max levels
+    with one fp16 scale per token, at 2, 3 and 4 bits, Hadamard-rotated with the MSE clip or an
+    rms scale, and unrotated with the MSE clip -- 9."""
+    out = []
+    for bits in (2, 3, 4):
+        out += [codebook_format(bits, PerToken(), rotate="hadamard", clip=CALIBRATION_MSE_CLIP),
+                codebook_format(bits, PerToken(), rotate="hadamard", scale_stat="rms"),
+                codebook_format(bits, PerToken(), clip=CALIBRATION_MSE_CLIP)]
     return tuple(f for f in out if _fits(f, head_dim))
 
 
@@ -145,7 +160,8 @@ def preset_formats() -> tuple[QuantFormat, ...]:
 def catalog(head_dim: int = 64) -> tuple[QuantFormat, ...]:
     """Every format kverr offers for ``head_dim``: presets, calibration candidates (static ones
     and the fitted templates included) and window formats, each once."""
-    return _unique((*preset_formats(), *default_candidates(head_dim), *fitted_templates(head_dim), *window_formats()))
+    return _unique((*preset_formats(), *default_candidates(head_dim), *codebook_candidates(head_dim),
+                    *fitted_templates(head_dim), *window_formats()))
 
 
 def _unique(formats) -> tuple[QuantFormat, ...]:

@@ -84,6 +84,8 @@ class CalibrationConfig:
     candidates : {"auto", "all", "dynamic", "fitted"}
         The named candidate set (:func:`~.candidates.candidate_set`): with static per-channel
         scales, without, with them and fitted per-channel widths, or ``auto``, per budget.
+    codebooks : bool
+        Add the codebook candidates (:func:`kverr.catalog.codebook_candidates`) to the named set.
     cands_k, cands_v : tuple of QuantFormat or None
         Explicit candidates for keys and values, replacing the named set for that side.
     window_dtype : str
@@ -132,6 +134,7 @@ class CalibrationConfig:
     windows: tuple[int, ...] | None = None
     options: tuple[OuterOption, ...] | None = None
     candidates: str = "auto"
+    codebooks: bool = False
     cands_k: tuple[QuantFormat, ...] | None = None
     cands_v: tuple[QuantFormat, ...] | None = None
     window_dtype: str = DEFAULT_WINDOW_DTYPE
@@ -178,6 +181,8 @@ class CalibrationConfig:
             put("options", opts)
         if self.candidates not in CANDIDATE_SETS:
             raise _fail("candidates", self.candidates, f"one of {', '.join(CANDIDATE_SETS)}")
+        if not isinstance(self.codebooks, bool):
+            raise _fail("codebooks", self.codebooks, "true or false")
         for name in ("cands_k", "cands_v"):
             value = getattr(self, name)
             if value is not None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kverr.catalog import codebook_candidates
 from kverr.config import CacheConfig, Override, check_model_matches  # noqa: F401 (re-exported)
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
@@ -144,8 +145,9 @@ class Search:
     window_dtype : str
         What the searched configs keep their sinks, window and pending tokens in.
     candidates : str
-        The candidate set searched: ``"all"``, ``"dynamic"`` (:func:`~.candidates.candidate_set`)
-        or ``"custom"`` (explicit candidates for keys and values).
+        The candidate set searched: ``"all"``, ``"dynamic"``, ``"fitted"``
+        (:func:`~.candidates.candidate_set`), each with ``"+codebooks"`` when the codebook
+        candidates were added, or ``"custom"`` (explicit candidates for keys and values).
     budgets : tuple of float
         The budgets of the calibration this search chose configs for.
     scores : Scores
@@ -630,16 +632,23 @@ def check_budget(
     return window_dtype, cands_k, cands_v
 
 
+#: What a candidate set's name carries when the codebook candidates are added to it.
+CODEBOOKS_SUFFIX = "+codebooks"
+
+
 def _search_key(settings: CalibrationConfig, budget_bits: float) -> tuple[str, str]:
     """``(window dtype, candidate set)`` of a budget: budgets sharing them share one search."""
     wdt = window_dtype_for_budget(budget_bits, settings.window_dtype)
     if settings.cands_k is not None and settings.cands_v is not None:
         return wdt, "custom"
-    return wdt, candidate_set(budget_bits, settings.candidates)
+    return wdt, candidate_set(budget_bits, settings.candidates) + (CODEBOOKS_SUFFIX if settings.codebooks else "")
 
 
 def _search_candidates(settings: CalibrationConfig, cand_set: str, head_dim: int):
-    named = None if cand_set == "custom" else named_candidates(cand_set, head_dim)
+    named = None
+    if cand_set != "custom":
+        base = cand_set.removesuffix(CODEBOOKS_SUFFIX)
+        named = named_candidates(base, head_dim) + (codebook_candidates(head_dim) if base != cand_set else ())
     return tuple(settings.cands_k or named), tuple(settings.cands_v or named)
 
 
@@ -732,7 +741,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     # candidate sets (NESTED_SETS) first, so that the later searches reuse their damage tables
     keys = {b: _search_key(cfg, b) for b in cfg.budgets}
     rank = {name: i for i, name in enumerate(NESTED_SETS)}
-    order = sorted(set(keys.values()), key=lambda g: (g[0] != "int8", g[0], rank.get(g[1], -1)))
+    order = sorted(set(keys.values()),
+                   key=lambda g: (g[0] != "int8", g[0], rank.get(g[1].removesuffix(CODEBOOKS_SUFFIX), -1)))
     # Every budget is checked before any work, so a bad one wastes no scoring.
     for key in order:
         cands_k, cands_v = _search_candidates(cfg, key[1], head_dim)

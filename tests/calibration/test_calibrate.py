@@ -290,6 +290,21 @@ def test_fitted_channel_widths_are_scored_written_and_predicted_alike(tiny_captu
     assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
 
 
+def test_codebook_candidates_join_the_named_set(tiny_capture):
+    """``codebooks=True`` searches the named set and the nine codebook candidates: the search is
+    named for both, it counts them, and a superset of candidates predicts no more damage."""
+    from kverr.catalog import codebook_candidates
+
+    cap, _, loaded = tiny_capture
+    common = dict(context=160, options=(OuterOption(sinks=4),), candidates="dynamic", queries=16, objective="rel")
+    plain = cal_at(cap, 4.0, **common)
+    with_cb = cal_at(cap, 4.0, codebooks=True, **common)
+    assert [s.candidates for s in with_cb.searches] == ["dynamic+codebooks"]
+    n = len(default_candidates(loaded.head_dim, static=False)) + len(codebook_candidates(loaded.head_dim))
+    assert with_cb.config.provenance["candidates_k"] == n == plain.config.provenance["candidates_k"] + 9
+    assert with_cb.config.provenance["predicted_damage"] <= plain.config.provenance["predicted_damage"]
+
+
 def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tiny_capture):
     cap, _, loaded = tiny_capture
     opts = (OuterOption(), OuterOption(sinks=4))
@@ -909,6 +924,7 @@ def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer,
     cache receiving fp16, or int8 rows."""
     from kverr.calibration.candidates import CALIBRATION_MSE_CLIP
     from kverr.calibration.fastrecon import SharedReconstruct
+    from kverr.catalog import codebook_candidates
     from kverr.io import open_capture
     from kverr.quant import Percentile
     from kverr.quant.store import reconstruct
@@ -919,7 +935,7 @@ def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer,
     sel = cap.sel(layer=layer)
     x = torch.cat([torch.as_tensor(sel["k"].values[:, :T]), torch.as_tensor(sel["v"].values[:, :T])])
     shared = SharedReconstruct(x, window_dtype=wdt)
-    for f in (*default_candidates(64), *extra):
+    for f in (*default_candidates(64), *codebook_candidates(64), *extra):
         want = reconstruct(x, CacheConfig(k=f, v=f, window_dtype=wdt), layer=0, which="k")
         got = shared(f)
         assert got.dtype == torch.float32 and torch.equal(got, want), f.label()

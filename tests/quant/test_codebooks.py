@@ -20,7 +20,6 @@ from kverr.quant import (
     codebook_format,
     dequantize,
     fake_quantize,
-    hadamard_rotate,
     int_format,
     quantize,
 )
