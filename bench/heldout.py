@@ -17,8 +17,8 @@ the long table are summarised from those two files (:func:`summarise`), so
 ``python -m bench.run heldout --from-results`` remakes them without measuring again.
 
 The full run takes one to two hours on two cores (22 schemes x 8 segments), so ``--quick`` skips it.
-The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`) joined it the same
-way (their ``--config`` options only). The serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8,
+The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`) and with the codebook
+candidates (:data:`CODEBOOK_BUDGETS`) joined it the same way (their ``--config`` options only). The serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8,
 transformers' fp8 and HQQ int8 backends) and TurboQuant's MSE quantizer (:data:`PEER_SCHEMES`) joined
 the table later: measured by the same command with
 only their ``--scheme`` options and merged into the committed files (``evaluate(only=...)``,
@@ -36,8 +36,11 @@ from bench.common import RESULTS, ROOT, WORK, Row, machine, now, pydoc_capture
 BUDGETS = ("2.5", "3", "4", "4.3", "4.5", "5", "5.65", "6.1", "8", "8.5")
 #: Budgets of the configs calibrated with per-channel widths fitted to each head (``--candidates fitted``).
 FITTED_BUDGETS = ("2", "2.5", "3")
+#: Budgets of the configs calibrated with the codebook candidates added (``--codebooks``).
+CODEBOOK_BUDGETS = ("2.5", "3", "4")
 CONFIGS = ([ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
-           + [ROOT / "data" / "configs" / f"fitted-{b}b.json" for b in FITTED_BUDGETS])
+           + [ROOT / "data" / "configs" / f"fitted-{b}b.json" for b in FITTED_BUDGETS]
+           + [ROOT / "data" / "configs" / f"codebooks-{b}b.json" for b in CODEBOOK_BUDGETS])
 #: The presets and peers at the calibrated configs' effective bits (at 1280 tokens).
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
 #: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.

@@ -35,11 +35,11 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
 
 
 @needs_capture
-@pytest.mark.parametrize("name", ["fitted-3b"])
-def test_validate_calibrated_configs_agree(capsys, name):
+@pytest.mark.parametrize("name,layers", [("fitted-3b", "0,29"), ("codebooks-4b", "15")])
+def test_validate_calibrated_configs_agree(capsys, name, layers):
     """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
-    keys stored before RoPE, static per-channel scales with fitted widths per channel, an int8
-    window -- run on the kernel path
+    keys stored before RoPE, static per-channel scales with fitted widths per channel, codebook
+    formats (layer 15 of codebooks-4b has three), an int8 window -- run on the kernel path
     and agree with the reference. (notebooks/04_kernel_validation.ipynb, run by the tests,
     asserts the same of calibrated-4b and calibrated-prerope-3b on every captured layer.)"""
     pytest.importorskip("zarr")
@@ -52,10 +52,12 @@ def test_validate_calibrated_configs_agree(capsys, name):
         assert '"tokens": null' in text  # static per-channel scales
     if name == "fitted-3b":
         assert '"channel_bits"' in text and '"key_pre_rope": true' in text
-    if name in ("calibrated-3b", "calibrated-4b", "fitted-3b"):
+    if name == "codebooks-4b":
+        assert '"dtype": "codebook"' in text
+    if name in ("calibrated-3b", "calibrated-4b", "fitted-3b", "codebooks-4b"):
         assert '"window_dtype": "int8"' in text
     code = main(["validate", str(path), "--capture", str(CAPTURE), "--tokens", "120", "--batch", "2",
-                 "--layers", "0,29", "--steps", "1", "--json"])
+                 "--layers", layers, "--steps", "1", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert code == 0 and rep["ok"], rep
     assert all(r["mismatched"] == 0 and r["rel_rms"] <= 1e-3 and r["quant_rel_error"] > 1e-3 for r in rep["layers"])
