@@ -40,7 +40,11 @@ Not expressed (left out of :data:`PRESETS` rather than approximated):
 * ``turboquant_*`` (``model_executor/layers/quantization/turboquant/``,
   ``v1/attention/ops/triton_turboquant_store.py``). Keys at 3/4 bits are Lloyd-Max codebook
   indices of the Hadamard-rotated unit vector with an fp16 vector norm (and, ``_nc``, the norm
-  corrected on decode); the oracle has no codebook element format. Values (all four dtypes) are
+  corrected on decode). kverr's codebook format with the ``"normal"`` levels and an rms scale is
+  that quantizer (the ``turboquant-mse-*`` presets), but not bit for bit: vLLM's levels come
+  from a trapezoid-rule Lloyd-Max solve for ``N(0, 1/d)``, not the exact normal centroids, its
+  rotation rounds as its kernel's product does, and the norm correction rescales on decode,
+  which no kverr format does. Values (all four dtypes) are
   uniform 3/4-bit with ``s = (max - min) / L`` floored at 1e-8 and codes
   ``trunc((x - min) / s + 0.5)`` computed with the fp32 ``s`` and ``min``, but stored as fp16
   scale and fp16 zero, which the reader uses: again a stored scale that differs from the encoding

@@ -358,8 +358,10 @@ class QuantFormat:
     scale_stat
         Codebooks only: :data:`SCALE_STATS` (default ``"absmax"``); ``"rms"`` takes no clip.
 
-    The last five default to kverr's own arithmetic and are written to JSON only when they
-    differ from it, so configs written before they existed read (and hash) the same.
+    ``rounding``, ``scale_rounding``, ``scale_floor``, ``reciprocal`` and ``channel_bits``
+    default to kverr's own arithmetic and are written to JSON only when they differ from it, so
+    configs written before they existed read (and hash) the same; ``codebook`` and
+    ``scale_stat`` are written for codebook formats only.
     """
 
     dtype: str = "int"
