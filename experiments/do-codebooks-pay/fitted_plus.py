@@ -12,27 +12,18 @@ from __future__ import annotations
 
 import collections
 import time
-from pathlib import Path
 
-import kverr as kv
-from kverr.calibration import Sensitivity
 from kverr.calibration.candidates import named_candidates
 from kverr.calibration.config import CalibrationConfig
 from kverr.calibration.search import calibrate
-from kverr.config import CacheConfig
 
-from frontier import codebook_candidates
+from frontier import calibration_inputs, codebook_candidates
 
 BUDGETS = (2.0, 2.5, 3.0)
 
 
 def main() -> None:
-    from bench.common import ROOT, pydoc_capture
-
-    cap = kv.open_capture(pydoc_capture(4096))
-    sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
-    out = Path("out/codebooks")
-    out.mkdir(parents=True, exist_ok=True)
+    cap, sens, out = calibration_inputs()
     cands = named_candidates("fitted", 64) + codebook_candidates()
     t = time.time()
     cal = calibrate(cap, CalibrationConfig(budgets=BUDGETS, context=1280, cands_k=cands, cands_v=cands),

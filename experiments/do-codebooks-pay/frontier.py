@@ -36,7 +36,9 @@ def codebook_candidates():
     return tuple(out)
 
 
-def main() -> None:
+def calibration_inputs():
+    """The 4096-token pydoc capture, the sensitivity recorded in ``calibrated-4b.json`` and the
+    output folder ``out/codebooks`` (made), as the committed configs were calibrated."""
     from pathlib import Path
 
     from bench.common import ROOT, pydoc_capture
@@ -47,6 +49,11 @@ def main() -> None:
     sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
     out = Path("out/codebooks")
     out.mkdir(parents=True, exist_ok=True)
+    return cap, sens, out
+
+
+def main() -> None:
+    cap, sens, out = calibration_inputs()
     base = named_candidates("all", 64)
     rows = {}
     for name, cands in (("all", base), ("all+codebooks", base + codebook_candidates())):

@@ -532,6 +532,8 @@ class QuantFormat:
         """Codebooks: the ``2**bits`` fp32 levels, ascending (a named codebook resolved)."""
         if not self.is_codebook:
             raise ConfigError(f"{self.label()} is not a codebook format")
+        if isinstance(self.codebook, tuple):  # given levels, checked and made fp32 on construction
+            return self.codebook
         return codebooks.resolve(self.codebook, self.bits)
 
     @property

@@ -151,21 +151,32 @@ PAIRS = [
 ]
 
 
+#: Three sequences of unequal lengths, and the tokens each step appends: prefill chunks, then
+#: single-token steps that flush token blocks out of the window ring.
+UNEQUAL_LENS = [63, 17, 40]
+UNEQUAL_SCHEDULE = [[30, 10, 27], [20, 0, 1]] + [[1, 1, 1]] * 6 + [[7, 1, 6]]
+
+
+def store_unequal_batch(cfg: CacheConfig, seed_k: int, seed_v: int):
+    """A sentinel-filled cache of :data:`UNEQUAL_LENS` sequences stored per
+    :data:`UNEQUAL_SCHEDULE`; returns the cache, its K and V rows and the keys' data."""
+    lens = UNEQUAL_LENS
+    assert [sum(s[b] for s in UNEQUAL_SCHEDULE) for b in range(3)] == lens
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
+    sentinel(cache)
+    x, y = data(3, 63, seed_k), data(3, 63, seed_v)
+    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
+    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
+    fill(cache, ks, vs, UNEQUAL_SCHEDULE)
+    return cache, ks, vs, x
+
+
 @pytest.mark.parametrize("kname,kf,vname,vf", PAIRS, ids=[f"{a}+{c}" for a, _, c, _ in PAIRS])
 def test_store_bit_exact_unequal_batch(kname, kf, vname, vf):
     """Three sequences of 63, 17 and 40 tokens: prefill chunks, then single-token steps that flush
     token blocks out of the window ring."""
     cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2)
-    lens = [63, 17, 40]
-    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
-    sentinel(cache)
-    x = data(3, 63, 1)
-    y = data(3, 63, 2)
-    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
-    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
-    schedule = [[30, 10, 27], [20, 0, 1]] + [[1, 1, 1]] * 6 + [[7, 1, 6]]
-    assert [sum(s[b] for s in schedule) for b in range(3)] == lens
-    fill(cache, ks, vs, schedule)
+    cache, ks, vs, _ = store_unequal_batch(cfg, 1, 2)
     assert check_exact(cache, cfg, ks, vs) >= 3
 
 
@@ -183,13 +194,7 @@ def test_store_int8_window_bit_exact(kf, vf):
     """An int8 window: the window slots hold the oracle's int8 rows, and every token quantized
     from them when its block fills, or straight from the input, gets the oracle's codes."""
     cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2, window_dtype="int8")
-    lens = [63, 17, 40]
-    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
-    sentinel(cache)
-    x, y = data(3, 63, 5), data(3, 63, 6)
-    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
-    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
-    fill(cache, ks, vs, [[30, 10, 27], [20, 0, 1]] + [[1, 1, 1]] * 6 + [[7, 1, 6]])
+    cache, ks, vs, x = store_unequal_batch(cfg, 5, 6)
     assert check_exact(cache, cfg, ks, vs) >= 3
     pool = cache.pools[0]["k"][0]
     assert pool.fp.dtype == torch.uint8 and pool.fp_scale.dtype == torch.float16
@@ -315,13 +320,7 @@ def test_store_codebooks_bit_exact(kf, vf):
     """Codebook codes and scales bit-exact with the oracle over prefill chunks and single-token
     steps of unequal sequences (rms: the float64 sums of squares, their order aside)."""
     cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2)
-    lens = [63, 17, 40]
-    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
-    sentinel(cache)
-    x, y = data(3, 63, 7), data(3, 63, 8)
-    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
-    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
-    fill(cache, ks, vs, [[30, 10, 27], [20, 0, 1]] + [[1, 1, 1]] * 6 + [[7, 1, 6]])
+    cache, ks, vs, _ = store_unequal_batch(cfg, 7, 8)
     assert check_exact(cache, cfg, ks, vs) >= 3
 
 
