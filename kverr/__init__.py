@@ -54,6 +54,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "QuantFormat": ("kverr.quant", "QuantFormat"),
     "int_format": ("kverr.quant", "int_format"),
     "fp8_format": ("kverr.quant", "fp8_format"),
+    "fp4_format": ("kverr.quant", "fp4_format"),
     "codebook_format": ("kverr.quant", "codebook_format"),
     "quantize": ("kverr.quant", "quantize"),
     "dequantize": ("kverr.quant", "dequantize"),

@@ -53,7 +53,7 @@ def formats(
     head_dim: int = 64,
     page_size: int = 16,
     *,
-    kinds=("int", "fp8_e4m3", "fp8_e5m2", "codebook"),
+    kinds=("int", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "codebook"),
     clip: bool = True,
     rotate: bool = True,
     floats: bool = False,
@@ -93,7 +93,11 @@ def formats(
             return QuantFormat(kind, bits, True, gran, sdt, c, rot, codebook=book, scale_stat=stat)
         except ConfigError:  # bf16 scales too coarse for the codebook's outer cells
             return QuantFormat(kind, bits, True, gran, "fp16", c, rot, codebook=book, scale_stat=stat)
-    return QuantFormat(kind, 8, True, gran, sdt, c, rot)
+    # minifloats may also take the one-byte scales: e8m0, and fp8 e4m3 for fp8 codes (an fp4
+    # block scale amax / 6 would overflow e4m3's 448 on the largest data drawn here)
+    byte_scales = ("e8m0", "fp8_e4m3") if kind.startswith("fp8") else ("e8m0",)
+    sdt = draw(st.sampled_from(["fp32", "fp16", "bf16", *byte_scales]))
+    return QuantFormat(kind, 4 if kind == "fp4_e2m1" else 8, True, gran, sdt, c, rot)
 
 
 @st.composite

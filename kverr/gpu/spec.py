@@ -119,6 +119,11 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
     check_head_dim(D)
     if fmt.is_float:
         return KernelSpec(KIND_FLOAT, 16, 0, GRAN_ROW, D, 1, 1, D, False, fmt)
+    if fmt.is_fp4 or fmt.scale_dtype not in SDT:
+        raise KernelError(
+            f"{fmt.label()}: fp4 codes and one-byte scales (fp8_e4m3, e8m0) are not implemented by the "
+            "kernels; use the reference path (kverr.quant)"
+        )
     opts = arithmetic_options(fmt)
     if opts:
         raise KernelError(

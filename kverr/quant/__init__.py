@@ -19,6 +19,7 @@ from kverr.quant.formats import (
     QuantFormat,
     codebook_format,
     float_format,
+    fp4_format,
     fp8_format,
     int_format,
     is_static,
@@ -51,7 +52,7 @@ from kverr.quant.reference import (
 __all__ = [
     "AbsMax", "Clip", "Granularity", "MSEClip", "Percentile", "PerChannel", "PerHead", "PerPage",
     "PerTensor", "PerToken", "PerTokenGroup", "QuantFormat", "QTensor", "block_shape",
-    "codebook_format", "codes_nbytes", "dequantize", "fake_quantize", "float_format", "fp8_format", "hadamard", "hadamard_rotate", "hadamard_scale",
+    "codebook_format", "codes_nbytes", "dequantize", "fake_quantize", "float_format", "fp4_format", "fp8_format", "hadamard", "hadamard_rotate", "hadamard_scale",
     "int_format", "is_static", "pack", "packed_nbytes", "quantize", "scale_shape", "token_block",
     "unpack", "channel_reconstructions", "CHANNEL_BITS",
 ]

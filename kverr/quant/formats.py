@@ -2,7 +2,7 @@
 
 A :class:`QuantFormat` says how one tensor (keys or values of one layer, or of one kv head) is
 stored: the element format (integers at 2/3/4/8 bits, symmetric or with a zero point; fp8
-e4m3/e5m2 with a scale; or plain fp16/bf16/fp32), which elements share a scale
+e4m3/e5m2 or fp4 e2m1 with a scale; codebooks; or plain fp16/bf16/fp32), which elements share a scale
 (:data:`Granularity`), the dtype of scales and zero points, the clipping rule and an optional
 Hadamard rotation of the head dimension.
 
@@ -46,6 +46,7 @@ ELEMENT_BITS: dict[str, tuple[int, ...]] = {
     "int": (2, 3, 4, 8),
     "fp8_e4m3": (8,),
     "fp8_e5m2": (8,),
+    "fp4_e2m1": (4,),
     "codebook": CODEBOOK_BITS,
     "fp16": (16,),
     "bf16": (16,),
@@ -53,8 +54,14 @@ ELEMENT_BITS: dict[str, tuple[int, ...]] = {
 }
 #: Element formats stored as plain floating point (no scale, no codes).
 FLOAT_DTYPES = ("fp16", "bf16", "fp32")
-#: Scale / zero-point dtypes.
-SCALE_DTYPES = ("fp32", "fp16", "bf16")
+#: Scale / zero-point dtypes: the floats, and the one-byte scales of the microscaling formats:
+#: ``fp8_e4m3`` (NVFP4's block scales; largest 448, subnormals down to 2**-9, no infinity) and
+#: ``e8m0`` (the OCP MX shared exponent: a power of two from 2**-127 to 2**127, no zero, so a
+#: zero scale is stored as 2**-127). The one-byte dtypes are too coarse for integer codes of
+#: more than two levels (see the quarter-step rule in :class:`QuantFormat`).
+SCALE_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "e8m0")
+#: Scale dtypes of one byte (no zero point is ever stored in them).
+BYTE_SCALE_DTYPES = ("fp8_e4m3", "e8m0")
 #: Dtypes of the tokens a cache keeps outside its pages (sinks, window, a pending token block):
 #: the plain floats, or ``int8`` -- one symmetric absmax int8 row per (token, kv head) with an
 #: fp16 scale (:func:`window_format`): D + 2 bytes a row instead of 2 D, each element within half
@@ -67,7 +74,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "e8m0": torch.float8_e8m0fnu,
 }
+
+#: The 16 values of an fp4 e2m1 code (OCP MX / NVFP4 element): bit 3 the sign, bits 2..1 the
+#: exponent (bias 1), bit 0 the mantissa; code 8 is -0.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 #: Widths a channel may have in a format with per-channel bit widths (``channel_bits``): the
 #: integer widths, and 0 (no codes: the channel reads back its block mean).
@@ -79,7 +91,7 @@ CHANNEL_BITS = (0, 2, 3, 4, 8)
 SCALE_STATS = ("absmax", "rms")
 
 #: Significand bits (implicit bit included) of each scale dtype.
-SIGNIFICAND_BITS = {"fp32": 24, "fp16": 11, "bf16": 8}
+SIGNIFICAND_BITS = {"fp32": 24, "fp16": 11, "bf16": 8, "fp8_e4m3": 4, "e8m0": 1}
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> ConfigError:
@@ -316,7 +328,8 @@ class QuantFormat:
     Parameters
     ----------
     dtype
-        Element format: ``"int"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"codebook"`` (the index of
+        Element format: ``"int"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"fp4_e2m1"`` (the 4-bit
+        float of NVFP4 and MXFP4, :data:`FP4_E2M1_VALUES`), ``"codebook"`` (the index of
         one of ``2**bits`` scalar levels, :mod:`kverr.quant.codebooks`), or a plain float
         (``"fp16"``, ``"bf16"``, ``"fp32"``) which stores values as they are.
     bits
@@ -325,12 +338,13 @@ class QuantFormat:
     symmetric
         Integers only: symmetric codes in ``[-(2**(b-1)-1), 2**(b-1)-1]`` with no zero point,
         or asymmetric codes in ``[0, 2**b - 1]`` with a per-block offset (the block minimum,
-        stored in ``scale_dtype``), as KIVI and quanto do. fp8 and codebooks are always
+        stored in ``scale_dtype``), as KIVI and quanto do. fp8, fp4 and codebooks are always
         symmetric (a scale, no zero point).
     granularity
         Which elements share a scale, see the module docs.
     scale_dtype
-        dtype of stored scales and zero points: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+        dtype of stored scales and zero points: :data:`SCALE_DTYPES` (``"fp16"`` by default;
+        ``"fp8_e4m3"`` and ``"e8m0"`` are the one-byte scales of NVFP4 and MXFP4).
     clip
         Clipping rule: :class:`AbsMax`, :class:`Percentile` or :class:`MSEClip`.
     rotate
@@ -426,9 +440,9 @@ class QuantFormat:
             ):
                 object.__setattr__(self, name, default)
             return
-        if self.is_fp8 and self.rounding != "half_even":
+        if self.is_minifloat and self.rounding != "half_even":
             raise _fail("rounding", self.rounding, f"{self.dtype} codes are the cast's round-half-to-even")
-        if (self.is_fp8 or self.is_codebook) and not self.symmetric:
+        if (self.is_minifloat or self.is_codebook) and not self.symmetric:
             raise _fail("symmetric", False, f"{self.dtype} is symmetric (a scale, no zero point)")
         if isinstance(self.clip, MSEClip) and self.clip.asymmetric and not self.has_zero:
             raise _fail("clip.asymmetric", True, "only for integer formats with a zero point (symmetric: false)")
@@ -524,6 +538,15 @@ class QuantFormat:
         return self.dtype.startswith("fp8")
 
     @property
+    def is_fp4(self) -> bool:
+        return self.dtype == "fp4_e2m1"
+
+    @property
+    def is_minifloat(self) -> bool:
+        """A scaled floating-point element (fp8 or fp4): codes are the element's bit patterns."""
+        return self.is_fp8 or self.is_fp4
+
+    @property
     def is_codebook(self) -> bool:
         return self.dtype == "codebook"
 
@@ -555,7 +578,7 @@ class QuantFormat:
 
     @property
     def scale_bytes(self) -> int:
-        return 4 if self.scale_dtype == "fp32" else 2
+        return 1 if self.scale_dtype in BYTE_SCALE_DTYPES else 4 if self.scale_dtype == "fp32" else 2
 
     def check_head_dim(self, head_dim: int, where: str = "format") -> None:
         """Raise :class:`ConfigError` unless this format can store a head dimension of ``head_dim``."""
@@ -588,7 +611,7 @@ class QuantFormat:
             "channel": f"ch{getattr(g, 'tokens', None) or 'all'}",
             "page": "page",
         }[g.kind]
-        if self.is_fp8:
+        if self.is_minifloat:
             elem = self.dtype
         elif self.is_codebook:
             elem = f"{self.codebook if isinstance(self.codebook, str) else 'lut'}{self.bits}"
@@ -671,7 +694,7 @@ class QuantFormat:
                               f"{', '.join(map(str, ELEMENT_BITS[dtype]))}")
         if "symmetric" in obj:
             kwargs["symmetric"] = obj["symmetric"]
-        elif dtype.startswith("fp8") or dtype == "codebook":
+        elif dtype.startswith(("fp8", "fp4")) or dtype == "codebook":
             kwargs["symmetric"] = True
         if "codebook" in obj:
             cb = obj["codebook"]
@@ -780,8 +803,30 @@ def codebook_format(
     )
 
 
-def fp8_max(dtype: str) -> float:
-    """Largest finite value of an fp8 element format."""
+def fp4_format(
+    granularity: Granularity,
+    *,
+    scale_dtype: str = "fp8_e4m3",
+    clip: Clip | None = None,
+    rotate: str = "none",
+) -> QuantFormat:
+    """An fp4 e2m1 format with a scale (convenience constructor): with ``PerTokenGroup(16)`` and
+    the default fp8 e4m3 scales NVFP4's layout, with ``PerTokenGroup(32)`` and ``"e8m0"`` MXFP4's."""
+    return QuantFormat(
+        dtype="fp4_e2m1",
+        bits=4,
+        symmetric=True,
+        granularity=granularity,
+        scale_dtype=scale_dtype,
+        clip=clip or AbsMax(),
+        rotate=rotate,
+    )
+
+
+def minifloat_max(dtype: str) -> float:
+    """Largest finite value of a scaled floating-point element format (fp8, fp4)."""
+    if dtype == "fp4_e2m1":
+        return FP4_E2M1_VALUES[7]
     return float(torch.finfo(TORCH_DTYPES[dtype]).max)
 
 

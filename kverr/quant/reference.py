@@ -24,7 +24,8 @@ Arithmetic (fp32 throughout, so that a kernel can reproduce every code bit for b
 * asymmetric integers: ``m = floor(lo)``, ``s = ceil(div_ru(sub_ru(hi, m), L))``,
   ``u = clamp(rint((x - m) / s), 0, L)``, ``x_hat = u * s + m`` with ``L = 2**b - 1``;
 * fp8: ``s = ceil(div_ru(amax, fp8_max))``, ``u = bits(fp8(clamp(x / s, -fp8_max, fp8_max)))``,
-  ``x_hat = float(u) * s``;
+  ``x_hat = float(u) * s``; fp4 e2m1 the same with ``fp4_max = 6`` (:func:`fp4_codes`: round to
+  nearest, ties to even, as the hardware's ``cvt.rn.satfinite.e2m1`` does);
 * codebooks (levels ``c``, cell boundaries ``t``, :mod:`kverr.quant.codebooks`): ``s =
   ceil(div_ru(amax, max|c|))`` (``scale_stat="absmax"``) or ``s = ceil(ceil32(sqrt(mean
   x**2)))`` (``"rms"``: the mean of the exact float64 squares, its square root in float64
@@ -32,9 +33,9 @@ Arithmetic (fp32 throughout, so that a kernel can reproduce every code bit for b
 
 ``div_ru``/``sub_ru`` are fp32 operations rounded toward +inf (CUDA ``__fdiv_ru``,
 ``__fsub_ru``); ``ceil``/``floor`` round the fp32 value *up*/*down* to the scale dtype (fp16,
-bf16 or fp32). Every rounding on the way to a scale goes outward, so the stored grid always
-covers the clipped range: inside it, ``|x - x_hat| <= s / 2`` for integer
-codes. ``rint`` is round-half-to-even; divisions are IEEE fp32. A block whose scale is zero
+bf16, fp32, or the one-byte fp8 e4m3 and e8m0 of the microscaling formats). Every rounding on
+the way to a scale goes outward, so the stored grid always covers the clipped range: inside
+it, ``|x - x_hat| <= s / 2`` for integer codes. ``rint`` is round-half-to-even; divisions are IEEE fp32. A block whose scale is zero
 (all-zero, or constant for asymmetric) divides by one instead, stores ``s = 0`` and reconstructs
 exactly ``m`` (or zero).
 
@@ -76,8 +77,10 @@ from kverr.quant.formats import (
     PerTensor,
     PerToken,
     PerTokenGroup,
+    BYTE_SCALE_DTYPES,
+    FP4_E2M1_VALUES,
     QuantFormat,
-    fp8_max,
+    minifloat_max,
 )
 from kverr.quant.codebooks import boundaries, top_level
 from kverr.quant.packing import pack, packed_nbytes, unpack
@@ -116,6 +119,8 @@ def as_float_tensor(x: ArrayLike, name: str = "x") -> torch.Tensor:
 
 def ceil_cast(v: torch.Tensor, dtype: str, what: str = "scale") -> torch.Tensor:
     """Round ``v`` (float32 or float64) up to the nearest value representable in ``dtype``."""
+    if dtype in BYTE_SCALE_DTYPES:
+        return _byte_scale_cast(v, dtype, up=True, what=what)
     target = TORCH_DTYPES[dtype]
     r = v.to(target)
     if target != v.dtype:
@@ -126,12 +131,43 @@ def ceil_cast(v: torch.Tensor, dtype: str, what: str = "scale") -> torch.Tensor:
 
 def floor_cast(v: torch.Tensor, dtype: str, what: str = "zero point") -> torch.Tensor:
     """Round ``v`` (float32 or float64) down to the nearest value representable in ``dtype``."""
+    if dtype in BYTE_SCALE_DTYPES:  # pragma: no cover - QuantFormat never pairs them with a zero point
+        raise ConfigError(f"a {what} cannot be stored in scale_dtype={dtype!r}")
     target = TORCH_DTYPES[dtype]
     r = v.to(target)
     if target != v.dtype:
         r = torch.where(r.to(v.dtype) > v, torch.nextafter(r, torch.full_like(r, -_INF)), r)
     _check_metadata_finite(r, dtype, what)
     return r
+
+
+#: Largest value of each one-byte scale dtype.
+_BYTE_SCALE_MAX = {"fp8_e4m3": 448.0, "e8m0": 2.0**127}
+
+
+def _byte_scale_cast(v: torch.Tensor, dtype: str, *, up: bool, what: str) -> torch.Tensor:
+    """Non-negative ``v`` (float32 or float64) as a one-byte scale, rounded up (``up``) or to
+    nearest; above the dtype's largest value it raises (the casts would saturate silently).
+
+    ``fp8_e4m3``: the cast's round-to-nearest-even, then (``up``) one step of the bit pattern
+    where that fell below ``v``. ``e8m0``: a power of two, the least one ``>= v`` (``up``) or the
+    nearest (ties, ``1.5 * 2**k``, upward), at least ``2**-127`` (the dtype has no zero)."""
+    if bool((v > _BYTE_SCALE_MAX[dtype]).any()):
+        raise ConfigError(
+            f"a {what} overflows scale_dtype={dtype!r} (largest {_BYTE_SCALE_MAX[dtype]:g}; the data's "
+            "range is too large for it); use scale_dtype='fp32'"
+        )
+    if dtype == "fp8_e4m3":
+        r = v.to(torch.float8_e4m3fn)
+        if not up:
+            return r
+        bits = r.view(torch.uint8)
+        return torch.where(r.double() < v.double(), bits + 1, bits).view(torch.float8_e4m3fn)
+    v64 = v.double()
+    m, e = torch.frexp(v64)  # v = m * 2**e, m in [0.5, 1); m = 0 for v = 0
+    step = (m > 0.5) if up else (m >= 0.75)
+    p = torch.ldexp(torch.ones_like(v64), e - 1 + step.to(e.dtype))
+    return torch.where(v64 > 0, p, 0.0).clamp(min=2.0**-127).to(torch.float8_e8m0fnu)
 
 
 def _check_metadata_finite(r: torch.Tensor, dtype: str, what: str) -> None:
@@ -349,7 +385,10 @@ def _floored(fmt: QuantFormat, v: torch.Tensor) -> torch.Tensor:
 
 
 def near_cast(v: torch.Tensor, dtype: str, what: str = "scale") -> torch.Tensor:
-    """``v`` (float32) rounded to the nearest value representable in ``dtype`` (ties to even)."""
+    """``v`` (float32) rounded to the nearest value representable in ``dtype`` (ties to even;
+    ``e8m0``: see :func:`_byte_scale_cast`)."""
+    if dtype in BYTE_SCALE_DTYPES:
+        return _byte_scale_cast(v, dtype, up=False, what=what)
     r = v.to(TORCH_DTYPES[dtype])
     _check_metadata_finite(r, dtype, what)
     return r
@@ -368,8 +407,9 @@ def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[
     sit a rounding above the grid's and be clamped. A ``scale_floor`` raises the fp32 scale to
     it before the cast to the scale dtype.
     """
-    top = fp8_max(fmt.dtype) if fmt.is_fp8 else top_level(fmt.codebook_levels) if fmt.is_codebook else fmt.levels
-    sym = fmt.is_fp8 or fmt.symmetric
+    top = (minifloat_max(fmt.dtype) if fmt.is_minifloat else top_level(fmt.codebook_levels) if fmt.is_codebook
+           else fmt.levels)
+    sym = fmt.is_minifloat or fmt.symmetric
     if fmt.scale_rounding == "nearest":
         if sym:
             return near_cast(_floored(fmt, hi / top), fmt.scale_dtype), None
@@ -403,6 +443,18 @@ def _codebook_levels(levels: tuple[float, ...], device: str) -> torch.Tensor:
     return torch.tensor(levels, dtype=torch.float32, device=device)
 
 
+def fp4_codes(q: torch.Tensor) -> torch.Tensor:
+    """fp4 e2m1 codes (uint8 in ``[0, 16)``, :data:`~kverr.quant.formats.FP4_E2M1_VALUES`) of
+    fp32 ``q``: clamped to ``[-6, 6]`` and rounded to the nearest e2m1 value, ties to the even
+    mantissa (the quantum is 0.5 below 2, 1 below 4, 2 up to 6; dividing by it is exact);
+    the sign bit is ``q``'s (IEEE sign bit), so a small negative value, or -0, gives -0 (code 8)."""
+    a = q.abs().clamp_(max=FP4_E2M1_VALUES[7])
+    quantum = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    r = torch.round(a / quantum) * quantum
+    mag = torch.where(r < 2.0, r * 2.0, torch.where(r < 4.0, r + 2.0, r * 0.5 + 4.0))
+    return (mag + torch.where(torch.signbit(q), 8.0, 0.0)).to(torch.uint8)
+
+
 def round_codes(fmt: QuantFormat, q: torch.Tensor) -> torch.Tensor:
     """Integer-valued fp32 ``q`` rounded by the format's :data:`~kverr.quant.formats.ROUNDINGS`:
     ``rint`` (half to even), or ``trunc(q ± 0.5)`` with the ``± 0.5`` an fp32 addition."""
@@ -432,8 +484,10 @@ def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.T
     else:
         scaled = lambda v: v / s_div  # noqa: E731
     if fmt.is_fp8:
-        fmax = fp8_max(fmt.dtype)
+        fmax = minifloat_max(fmt.dtype)
         return scaled(g).clamp(-fmax, fmax).to(TORCH_DTYPES[fmt.dtype]).view(torch.uint8)
+    if fmt.is_fp4:
+        return fp4_codes(scaled(g))
     if fmt.is_codebook:
         # the number of cell boundaries strictly below the scaled value (one comparison per
         # boundary: several times faster than searchsorted on the CPU at these widths)
@@ -455,6 +509,8 @@ def decode_blocks(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.T
     s32 = s.float().unsqueeze(-1)
     if fmt.is_fp8:
         return u.view(TORCH_DTYPES[fmt.dtype]).float() * s32
+    if fmt.is_fp4:
+        return _codebook_levels(FP4_E2M1_VALUES, str(u.device))[u.long()] * s32
     if fmt.is_codebook:
         c = _codebook_levels(fmt.codebook_levels, str(u.device))
         return c[u.long()] * s32
@@ -582,7 +638,7 @@ def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo:
     best_s = best_m = best_err = best_v = None
     mid, half = (hi + lo) / 2, (hi - lo) / 2
     for rl, rh in fmt.clip.pairs():
-        if fmt.symmetric or fmt.is_fp8:
+        if fmt.symmetric or fmt.is_minifloat:
             s, m = range_params(fmt, -hi * rh, hi * rh)
         else:
             s, m = range_params(fmt, mid - half * rl, mid + half * rh)
