@@ -19,7 +19,8 @@ finite running maximum, as in the causal prefill.
 
 Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
 ``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float, 5 and 6 codebook (its
-levels read from ``KL``/``VL``); ``BITS``; ``BD`` channels
+levels read from ``KL``/``VL``), 7 fp4 e2m1; ``SDT`` the scale dtype (3, 4: fp8 e4m3 and e8m0
+bytes); ``BITS``; ``BD`` channels
 per scale column; ``BTS`` token rows per scale row; ``STATIC`` scales are ``[h, D // BD]``;
 ``ROT`` codes of the Hadamard-rotated head dimension; ``BITS`` 0 a width per channel, where each
 channel's code sits given by one unpack word per channel (``KL``/``VL``, loaded once per program;
@@ -42,13 +43,14 @@ import triton
 import triton.language as tl
 
 from kverr_kernels.hadamard import fwht
+from kverr_kernels.minifloat import e4m3_value, fp4_value, scale_value
 from kverr_kernels.packing import byte_a, byte_b, code_of
 
 
 @triton.jit
 def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, w, LUT,
               KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
-              CB):
+              CB, SDT: tl.constexpr):
     """Dequantized ``[N, D]`` fp32 tile; ``row_base``/``srow`` are per-row element offsets of the
     codes and of the scale row; the planar bytes are gathered per channel (the DRAM traffic is
     the packed bytes; the repeated addresses hit L1)."""
@@ -56,14 +58,14 @@ def _deq_tile(C, row_base, nmask, SC, ZP, srow, c, w, LUT,
     if KIND == 4:
         x = tl.load(C + row_base[:, None] + c[None, :], mask=m2, other=0.0).to(tl.float32)
     else:
-        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, LUT, KIND, BITS, BD, D, CB)
+        x = _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, LUT, KIND, BITS, BD, D, CB, SDT)
     return x
 
 
 @triton.jit
 def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, LUT,
                KIND: tl.constexpr, BITS: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
-               CB):
+               CB, SDT: tl.constexpr):
     if BITS == 0:
         # per-channel widths: the row's bytes are loaded whole (``CB <= D`` of them), and
         # each channel's pieces A and B (its unpack word w) gathered from them in registers
@@ -86,10 +88,10 @@ def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, LUT,
         u = (bb >> ((c // PB) * BITS)[None, :]) & ((1 << BITS) - 1)
     if BD == D:
         # one scale per row: a vector load, broadcast over the channels
-        s = tl.load(SC + srow, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        s = scale_value(tl.load(SC + srow, mask=nmask, other=0), SDT)[:, None]
     else:
-        s = tl.load(SC + srow[:, None] + (c // BD)[None, :], mask=m2, other=0.0).to(tl.float32)
-    if KIND >= 5:
+        s = scale_value(tl.load(SC + srow[:, None] + (c // BD)[None, :], mask=m2, other=0), SDT)
+    if KIND == 5 or KIND == 6:
         # codebooks: the level of each code, from the format's table (fp32 bit patterns; 2**BITS
         # entries, L1-resident), times the scale
         x = tl.load(LUT + u).to(tl.float32, bitcast=True) * s
@@ -102,9 +104,9 @@ def _deq_codes(C, row_base, nmask, m2, SC, ZP, srow, c, w, LUT,
             z = tl.load(ZP + srow[:, None] + (c // BD)[None, :], mask=m2, other=0.0).to(tl.float32)
         x = u.to(tl.float32) * s + z
     elif KIND == 2:
-        # e4m3 -> fp16 bit pattern (exponent rebased by 2**-8), exact
-        h = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-        x = h.to(tl.float32) * 256.0 * s
+        x = e4m3_value(u) * s
+    elif KIND == 7:
+        x = fp4_value(u) * s
     else:
         # e5m2 is the top byte of fp16
         h = (u << 8).to(tl.int16).to(tl.float16, bitcast=True)
@@ -210,9 +212,9 @@ def paged_decode_kernel(
     HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, P: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_BD: tl.constexpr, K_BTS: tl.constexpr,
-    K_STATIC: tl.constexpr, K_CB: tl.constexpr,
+    K_STATIC: tl.constexpr, K_CB: tl.constexpr, K_SDT: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_BD: tl.constexpr, V_BTS: tl.constexpr,
-    V_STATIC: tl.constexpr, V_CB: tl.constexpr,
+    V_STATIC: tl.constexpr, V_CB: tl.constexpr, V_SDT: tl.constexpr,
     K_ROT: tl.constexpr, V_ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, K_PRE: tl.constexpr,
     TAIL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
     QM: tl.constexpr, QB: tl.constexpr, FP_Q: tl.constexpr, SLIDE: tl.constexpr,
@@ -288,7 +290,7 @@ def paged_decode_kernel(
             v_pg = nmask
         krow, ksrow = _offsets(t, start, b64, BT, sbt_b, P, hk, skc_p, skc_h, sks_p, sks_h,
                                k_cb, NSD_K, K_BTS, K_STATIC, k_pg)
-        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_w, KL, K_KIND, K_BITS, K_BD, D, k_cb)
+        k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_w, KL, K_KIND, K_BITS, K_BD, D, k_cb, K_SDT)
         if K_ROT and not ROT_Q:
             k = fwht(k, BLOCK_N, D, LOG2D, RSCALE)
         if TAIL:
@@ -319,7 +321,7 @@ def paged_decode_kernel(
 
         vrow, vsrow = _offsets(t, start, b64, BT, sbt_b, P, hv, svc_p, svc_h, svs_p, svs_h,
                                v_cb, NSD_V, V_BTS, V_STATIC, v_pg)
-        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, v_w, VL, V_KIND, V_BITS, V_BD, D, v_cb)
+        v = _deq_tile(VC, vrow, v_pg, VS, VZ, vsrow, c, v_w, VL, V_KIND, V_BITS, V_BD, D, v_cb, V_SDT)
         if TAIL:
             if V_ROT:
                 v = fwht(v, BLOCK_N, D, LOG2D, RSCALE)

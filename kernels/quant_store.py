@@ -10,8 +10,9 @@ oracle, :mod:`kverr.quant.reference`, bit for bit:
   ``_floor_cast``: round-to-nearest, then one ulp step through the integer bit pattern);
 * round-half-to-even is the add-and-subtract of 1.5 * 2**23 (exact for the clamped, small
   values it sees, and free of libdevice so the interpreter runs it too);
-* fp8 bit patterns are produced with integer arithmetic (round-to-nearest-even), so the kernel
-  needs no hardware fp8 conversion and compiles for sm_80 as well as sm_90;
+* fp8 and fp4 bit patterns, and the one-byte scales (fp8 e4m3, e8m0), are produced with integer
+  arithmetic (round-to-nearest-even; :mod:`kernels.minifloat`), so the kernel needs no hardware
+  fp8 conversion and compiles for sm_80 as well as sm_90;
 * a Hadamard-rotated format rotates the tile with :func:`kernels.hadamard.fwht`, the oracle's
   butterflies in the oracle's order;
 * an MSE clip (``CLIP_N`` ratios in ``RATIOS``, fp32, largest first) tries every ratio on every
@@ -31,8 +32,9 @@ oracle, :mod:`kverr.quant.reference`, bit for bit:
 
 Constexpr format codes (shared with :mod:`kernels.decode` and :mod:`kverr.gpu.spec`):
 ``KIND`` 0 = int symmetric, 1 = int asymmetric, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = plain float,
-5 = codebook with absmax scales, 6 = codebook with rms scales;
-``SDT`` (scale dtype) 0 = fp32, 1 = fp16, 2 = bf16; ``GRAN`` 0 = one scale per row (token,
+5 = codebook with absmax scales, 6 = codebook with rms scales, 7 = fp4 e2m1;
+``SDT`` (scale dtype) 0 = fp32, 1 = fp16, 2 = bf16, 3 = fp8 e4m3, 4 = e8m0 (3 and 4 are stored as
+their bytes in uint8 pools); ``GRAN`` 0 = one scale per row (token,
 token group), 1 = one scale over all rows of the job (channel groups of tokens, page),
 2 = static (scales given).
 """
@@ -41,22 +43,21 @@ import triton
 import triton.language as tl
 
 from kverr_kernels.hadamard import fwht
+from kverr_kernels.minifloat import (byte_scale_up, e4m3_value, fp4_value, minifloat_bits, scale_bits,
+                                     scale_value)
+from kverr_kernels.minifloat import rint as _rint
 from kverr_kernels.packing import piece, top_code
-
-# 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, ties to even.
-_RINT_MAGIC = 12582912.0
-
-
-@triton.jit
-def _rint(y):
-    return (y + 12582912.0) - 12582912.0
 
 
 @triton.jit
 def _cast_step(v, SDT: tl.constexpr, UP: tl.constexpr):
-    """fp32 ``v`` rounded up (``UP``) or down to the scale dtype, returned as fp32 (exact)."""
+    """fp32 ``v`` rounded up (``UP``) or down to the scale dtype, returned as fp32 (exact); the
+    one-byte dtypes (``SDT`` 3, 4) only up (they hold scales, never a zero point)."""
     if SDT == 0:
         return v
+    if SDT >= 3:
+        tl.static_assert(UP, "one-byte scale dtypes round up only")
+        return byte_scale_up(v, SDT)
     if SDT == 1:
         r = v.to(tl.float16)
     else:
@@ -92,21 +93,6 @@ def _round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _fp8_bits(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
-    """Bit pattern (int32 in [0, 255]) of fp32 ``y`` (finite, within the fp8 range) in an fp8
-    format with ``MBITS`` mantissa bits and smallest normal exponent ``EMIN``; RNE."""
-    ybits = y.to(tl.int32, bitcast=True)
-    a = tl.abs(y)
-    e = ((ybits >> 23) & 0xFF) - 127  # floor(log2 |y|) for normal fp32; <= -127 otherwise
-    E = tl.maximum(e, EMIN)
-    # |y| / quantum, quantum = 2**(E - MBITS): a power-of-two scaling, exact in fp32.
-    inv_q = ((MBITS - E + 127) << 23).to(tl.float32, bitcast=True)
-    n = _rint(a * inv_q).to(tl.int32)
-    code = ((E - EMIN) << MBITS) + n  # also right when rounding carries into the next binade
-    return tl.where(ybits < 0, code | 0x80, code)
-
-
-@triton.jit
 def _lut(LUT, i):
     """Entry ``i`` of a codebook table (fp32 stored as its int32 bit pattern)."""
     return tl.load(LUT + i).to(tl.float32, bitcast=True)
@@ -117,7 +103,7 @@ def _encode(x, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
     """Codes (int32) of fp32 ``x`` with stored scale ``s`` and zero ``m`` (fp32, broadcast);
     codebooks: their table ``LUT``."""
     s_div = tl.where(s > 0, s, 1.0)
-    if KIND >= 5:
+    if KIND == 5 or KIND == 6:
         NLEV: tl.constexpr = 1 << BITS
         y = tl.math.div_rn(x, s_div)
         u = (y > _lut(LUT, NLEV)).to(tl.int32)
@@ -137,11 +123,15 @@ def _encode(x, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
     elif KIND == 2:
         y = tl.math.div_rn(x, s_div)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        return _fp8_bits(y, 3, -6)
+        return minifloat_bits(y, 3, -6, 0x80)
+    elif KIND == 7:
+        y = tl.math.div_rn(x, s_div)
+        y = tl.minimum(tl.maximum(y, -6.0), 6.0)
+        return minifloat_bits(y, 1, 0, 0x8)
     else:
         y = tl.math.div_rn(x, s_div)
         y = tl.minimum(tl.maximum(y, -57344.0), 57344.0)
-        return _fp8_bits(y, 2, -14)
+        return minifloat_bits(y, 2, -14, 0x80)
 
 
 @triton.jit
@@ -190,6 +180,9 @@ def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constex
     elif KIND == 2:
         s = _cast_step(_div_ru(hi, 448.0), SDT, True)
         return s, s * 0.0
+    elif KIND == 7:
+        s = _cast_step(_div_ru(hi, 6.0), SDT, True)
+        return s, s * 0.0
     else:
         s = _cast_step(_div_ru(hi, 57344.0), SDT, True)
         return s, s * 0.0
@@ -199,16 +192,16 @@ def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constex
 def _decode(u, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
     """fp32 values of int32 codes ``u`` (the oracle's ``decode_blocks``: one rounding per multiply and
     per add)."""
-    if KIND >= 5:
+    if KIND == 5 or KIND == 6:
         return _lut(LUT, u) * s
     elif KIND == 0:
         return (u - (1 << (BITS - 1))).to(tl.float32) * s
     elif KIND == 1:
         return u.to(tl.float32) * s + m
     elif KIND == 2:
-        # e4m3 -> fp16 bit pattern (exponent rebased by 2**-8), exact; times 256 exact
-        h = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-        return (h.to(tl.float32) * 256.0) * s
+        return e4m3_value(u) * s
+    elif KIND == 7:
+        return fp4_value(u) * s
     else:
         h = (u << 8).to(tl.int16).to(tl.float16, bitcast=True)
         return h.to(tl.float32) * s
@@ -393,7 +386,7 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
         s, m = _choose_params(x3, lo, hi, rmask[:, None, None], RATIOS, LUT, CLIP_N, KIND, BITS, SDT, True)
         u3 = _encode(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS)
         soff = rows[:, None] * NG + g[None, :]
-        tl.store(scale_base + soff, s, mask=rmask[:, None])
+        tl.store(scale_base + soff, scale_bits(s, SDT), mask=rmask[:, None])
         if KIND == 1:
             tl.store(zero_base + soff, m, mask=rmask[:, None])
     else:
@@ -408,12 +401,12 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
                 hi = tl.max(tl.max(tl.where(r3, x3, float("-inf")), axis=2), axis=0)
             s, m = _choose_params(x3, lo, hi, r3, RATIOS, LUT, CLIP_N, KIND, BITS, SDT, False)
             soff = (row0 // BT_S) * NG + g
-            tl.store(scale_base + soff, s)
+            tl.store(scale_base + soff, scale_bits(s, SDT))
             if KIND == 1:
                 tl.store(zero_base + soff, m)
         else:
             # static: calibrated scales [h, NG]
-            s = tl.load(static_s + g).to(tl.float32)
+            s = scale_value(tl.load(static_s + g), SDT)
             if KIND == 1:
                 m = tl.load(static_z + g).to(tl.float32)
             else:

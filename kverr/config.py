@@ -51,6 +51,7 @@ from kverr.quant.formats import (
     _check_keys,
     codebook_format,
     float_format,
+    fp4_format,
     fp8_format,
     int_format,
     token_block,
@@ -472,6 +473,15 @@ def _presets() -> dict[str, CacheConfig]:
         # every coordinate the Lloyd-Max level of N(0, 1) nearest to it over the vector's rms
         # (the paper's unit vector over sqrt(D)), the norm kept as an fp16 scale.
         **{f"turboquant-mse-{b}": dict(k=tq(b), v=tq(b)) for b in (2, 3, 4)},
+        # The microscaling layouts, with kverr's outward scales (the least scale whose grid covers
+        # the block, so nothing saturates): NVFP4 (fp4 e2m1 codes, one fp8 e4m3 scale per 16
+        # channels: 4.5 bits; vLLM's nvfp4 cache, which rounds its scales to nearest, is the
+        # vllm-nvfp4 preset) and MXFP4 (one e8m0 power-of-two scale per 32 channels: 4.25 bits;
+        # the OCP MX specification takes 2**(floor(log2 amax) - 2) instead, which clips a block's
+        # top into 6).
+        "nvfp4": dict(k=fp4_format(PerTokenGroup(16)), v=fp4_format(PerTokenGroup(16))),
+        "mxfp4": dict(k=fp4_format(PerTokenGroup(32), scale_dtype="e8m0"),
+                      v=fp4_format(PerTokenGroup(32), scale_dtype="e8m0")),
         # vLLM fp8 KV cache with static fp32 scales, per tensor (per layer) or per kv head.
         "fp8-e4m3-tensor": dict(k=fp8_format(PerTensor()), v=fp8_format(PerTensor())),
         "fp8-e4m3-head": dict(k=fp8_format(PerHead()), v=fp8_format(PerHead())),

@@ -17,6 +17,20 @@ Expressed exactly:
   dot), which is :func:`kverr.quant.dequantize`. Memory: ``D`` bytes of codes and one fp32 scale per
   (token, kv head) for keys and again for values (``TritonAttentionBackend.customize_spec``), as
   :func:`kverr.memory.account` counts it. Every layer and token is quantized.
+* ``nvfp4`` (``v1/attention/backends/flashinfer.py``: FlashInfer's
+  ``nvfp4_quantize_append_paged_kv_cache_with_slot_mapping``, with the layer's ``k_scale`` /
+  ``v_scale`` as NVFP4's global scale, 1.0 when the checkpoint has none). FlashInfer defines a
+  stored value as ``e2m1 * block_scale * global_scale``, one fp8 e4m3 block scale per 16
+  channels of a (token, kv head): with the unit global scale, ``block_scale = e4m3(amax / 6)``
+  rounded to nearest (fp32 division, then the cast; a block below ``2**-10 * 6`` gets scale 0)
+  and codes ``e2m1(x * (1 / block_scale))`` rounded to nearest even with saturation. That is
+  kverr's fp4 format with fp8 e4m3 scales, ``scale_rounding="nearest"`` and ``reciprocal``; the
+  tests restate it in plain torch. Not checked: the CUDA kernel's own reciprocal (a
+  ``rcp.approx`` would differ from the IEEE one in the last bit, moving a code only where
+  ``x / block_scale`` sits within that bit of a rounding boundary), and the fp8 query that the
+  trtllm-gen decode path (Blackwell) adds; the FlashInfer FA2 path (sm_80/sm_90/sm_120) keeps
+  the query in the model's dtype. ``nvfp4_4over6`` (each block's scale ``amax / 6`` or
+  ``amax / 4``, whichever reconstructs it with less squared error) is not expressed.
 * ``fp8`` / ``fp8_e4m3`` (``reshape_and_cache_kernel_flash``): static per-tensor fp32 scales
   ``k_scale``/``v_scale`` and ``x / k_scale`` cast with saturation. That is kverr's own
   ``fp8-e4m3-tensor`` preset (the oracle with ``scale=`` given the scale vLLM loads; a test pins
@@ -58,8 +72,10 @@ Not expressed (left out of :data:`PRESETS` rather than approximated):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kverr.config import CacheConfig
-from kverr.quant.formats import PerToken, QuantFormat
+from kverr.quant.formats import PerToken, PerTokenGroup, QuantFormat, fp4_format
 
 #: ``tl.maximum(absmax / QUANT_MAX, 1e-6)`` in ``_reshape_cache_per_token_head``.
 PER_TOKEN_HEAD_SCALE_FLOOR = 1e-6
@@ -92,6 +108,10 @@ def _presets() -> dict[str, tuple[str, CacheConfig]]:
         # max(amax/448, 1e-6) per (token, kv head), codes fp8(clamp(x*(1/s), -448, 448)).
         "vllm-fp8-per-token-head": ("fp8_per_token_head", dict(k=fp8, v=fp8)),
     }
+    # FlashInfer's nvfp4 writer with vLLM's unit global scale: e4m3(amax / 6) per 16 channels,
+    # codes e2m1(x * (1 / s)) (see the module docs)
+    nvfp4 = replace(fp4_format(PerTokenGroup(16)), scale_rounding="nearest", reciprocal=True)
+    presets["vllm-nvfp4"] = ("nvfp4", dict(k=nvfp4, v=nvfp4))
     return {name: (dtype, CacheConfig(name=name, **kw)) for name, (dtype, kw) in presets.items()}
 
 

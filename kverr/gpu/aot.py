@@ -45,6 +45,7 @@ from kverr.gpu.launch import (
 )
 from kverr.gpu.spec import KernelSpec, kernel_spec
 from kverr.quant.formats import (
+    BYTE_SCALE_DTYPES,
     CHANNEL_BITS,
     PerChannel,
     PerHead,
@@ -55,6 +56,7 @@ from kverr.quant.formats import (
     QuantFormat,
     float_format,
     codebook_format,
+    fp4_format,
     fp8_format,
     int_format,
     window_format,
@@ -96,6 +98,8 @@ def _elements():
     for bits in (2, 3, 4):
         for stat in ("absmax", "rms"):
             out.append(lambda g, b=bits, s=stat: codebook_format(b, g, scale_stat=s))
+    for sdt in ("fp8_e4m3", "e8m0"):
+        out.append(lambda g, s=sdt: fp4_format(g, scale_dtype=s))
     return out
 
 
@@ -146,7 +150,7 @@ def formats(full: bool, P: int = 64, D: int = 128) -> list[QuantFormat]:
 
 
 def _sdt_ptr(spec: KernelSpec) -> str:
-    return _PTR[spec.fmt.scale_dtype] if spec.kind != 4 else "*u8"
+    return "*u8" if spec.kind == 4 or spec.fmt.scale_dtype in BYTE_SCALE_DTYPES else _PTR[spec.fmt.scale_dtype]
 
 
 def _codes_ptr(spec: KernelSpec) -> str:

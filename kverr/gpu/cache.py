@@ -410,7 +410,7 @@ class PagedKVCache:
             t = torch.broadcast_to(t.reshape(-1, 1, t.shape[-1]) if t.ndim >= 1 else t.reshape(1, 1, 1), (h, 1, ncol))
         except RuntimeError:
             raise ShapeError(f"{key}: static {what} of shape {tuple(t.shape)} does not fit {h} heads x {ncol} columns") from None
-        return t.reshape(h, ncol).to(spec.scale_dtype).to(self.device).contiguous()
+        return spec.pool_scales(t.reshape(h, ncol)).to(self.device).contiguous()
 
     def _make_launches(self, layer: int, per: dict[str, list[Pool]]) -> list[_Launch]:
         owner = {}
@@ -787,14 +787,14 @@ class PagedKVCache:
                 if spec.static:
                     # a per-tensor block spans the group's heads: one scale (stored per head)
                     hs = 1 if spec.fmt.granularity.kind == "tensor" else len(pool.heads)
-                    scale = pool.scale[:hs, None, :]
+                    scale = spec.oracle_scales(pool.scale[:hs, None, :])
                     zero = None if pool.zero is None else pool.zero[:hs, None, :]
                 else:
                     bt = spec.bts
                     blk = np.arange(-(-n // bt)) * bt if spec.gran == GRAN_BLOCK else i
                     bp = torch.from_numpy(self.block_table[seq, blk // self.P].astype(np.int64)).to(self.device)
                     br = torch.from_numpy((blk % self.P) // bt).to(self.device)
-                    scale = pool.scale[bp, :, br].permute(1, 0, 2)
+                    scale = spec.oracle_scales(pool.scale[bp, :, br].permute(1, 0, 2))
                     zero = None if pool.zero is None else pool.zero[bp, :, br].permute(1, 0, 2)
             fmt = spec.fmt
             qt = QTensor(codes.cpu(), None if scale is None else scale.cpu(), None if zero is None else zero.cpu(),

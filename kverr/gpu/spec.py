@@ -15,6 +15,7 @@ import torch
 
 from kverr.exceptions import KernelError
 from kverr.quant.formats import (
+    BYTE_SCALE_DTYPES,
     TORCH_DTYPES,
     AbsMax,
     MSEClip,
@@ -32,8 +33,10 @@ from kverr.quant.formats import (
 from kverr.quant.codebooks import boundaries, top_level
 from kverr.quant.reference import codes_nbytes, pack_codes
 
-KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT, KIND_CODEBOOK, KIND_CODEBOOK_RMS = range(7)
-SDT = {"fp32": 0, "fp16": 1, "bf16": 2}
+(KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT, KIND_CODEBOOK, KIND_CODEBOOK_RMS,
+ KIND_FP4) = range(8)
+#: Scale dtype codes; the one-byte dtypes (3, 4) live in uint8 pools as their bytes.
+SDT = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "e8m0": 4}
 GRAN_ROW, GRAN_BLOCK, GRAN_STATIC = range(3)
 
 
@@ -102,7 +105,20 @@ class KernelSpec:
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.fmt.scale_dtype]
+        """dtype of the scale pools: the scale dtype, or uint8 (bytes) for fp8 e4m3 and e8m0."""
+        return torch.uint8 if self.fmt.scale_dtype in BYTE_SCALE_DTYPES else TORCH_DTYPES[self.fmt.scale_dtype]
+
+    def pool_scales(self, s: torch.Tensor) -> torch.Tensor:
+        """Scales (fp32 values of the scale dtype, or the oracle's tensor) as a scale pool holds them."""
+        if self.fmt.scale_dtype in BYTE_SCALE_DTYPES:
+            return s.float().to(TORCH_DTYPES[self.fmt.scale_dtype]).view(torch.uint8)
+        return s.to(self.scale_dtype)
+
+    def oracle_scales(self, pool: torch.Tensor) -> torch.Tensor:
+        """A scale pool's entries as the oracle's scale tensor (its dtype)."""
+        if self.fmt.scale_dtype in BYTE_SCALE_DTYPES:
+            return pool.view(TORCH_DTYPES[self.fmt.scale_dtype])
+        return pool
 
 
 def check_head_dim(D: int) -> None:
@@ -119,11 +135,6 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
     check_head_dim(D)
     if fmt.is_float:
         return KernelSpec(KIND_FLOAT, 16, 0, GRAN_ROW, D, 1, 1, D, False, fmt)
-    if fmt.is_fp4 or fmt.scale_dtype not in SDT:
-        raise KernelError(
-            f"{fmt.label()}: fp4 codes and one-byte scales (fp8_e4m3, e8m0) are not implemented by the "
-            "kernels; use the reference path (kverr.quant)"
-        )
     opts = arithmetic_options(fmt)
     if opts:
         raise KernelError(
@@ -154,6 +165,8 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
         )
     if fmt.is_fp8:
         kind = KIND_FP8_E4M3 if fmt.dtype == "fp8_e4m3" else KIND_FP8_E5M2
+    elif fmt.is_fp4:
+        kind = KIND_FP4
     elif fmt.is_codebook:
         kind = KIND_CODEBOOK_RMS if fmt.scale_stat == "rms" else KIND_CODEBOOK
     else:

@@ -70,9 +70,10 @@ def test_calibrated_skip_layers_beat_the_edges_at_equal_memory(result):
 
 def test_families_and_infeasible_budgets(capture):
     names = [f.kv_cache_dtype for f in vllm_families(D)]
-    assert names.count("fp8") == 2 and "int8_per_token_head" in names
-    with pytest.raises(ConfigError, match="below every vLLM cache dtype .* costs 8.0039"):
-        calibrate_for_vllm(capture, CalibrationConfig(budgets=(7.5,), objective="rel", queries=16))
+    assert names.count("fp8") == 2 and "int8_per_token_head" in names and "nvfp4" in names
+    # the cheapest: nvfp4, 4 bits of codes and an 8-bit scale per 16 channels
+    with pytest.raises(ConfigError, match="below every vLLM cache dtype .* costs 4.5000 "):
+        calibrate_for_vllm(capture, CalibrationConfig(budgets=(4.25,), objective="rel", queries=16))
 
 
 def test_a_calibrated_fp8_config_exports_each_layers_own_scale(capture, result, tmp_path):
@@ -114,15 +115,21 @@ def test_projection_within_the_configs_bits_or_to_vllms_cheapest(capture):
     big = project_to_vllm(capture, PRESETS["fp16"], settings)
     assert big.within_budget and big.bits <= big.original_bits == 16.0
     assert big.original_predicted == pytest.approx(predict(capture, PRESETS["fp16"], queries=16)["total"], rel=1e-12)
-    small = project_to_vllm(capture, PRESETS["q4_0"], settings)  # 4.5 bits, no window
-    assert not small.within_budget and small.original_bits < 8
+    small = project_to_vllm(capture, PRESETS["turboquant-mse-2"], settings)  # 2.25 bits
+    assert not small.within_budget and small.original_bits < 4.5
     assert small.bits == pytest.approx(cheapest_bits(capture.kv.shape, 128, settings), abs=1e-12)
     serving(small.config, N_LAYERS, N_KV)
     assert small.config.provenance["predicted_damage"] == small.predicted
-    # vLLM's cheapest is static fp8; within one bit more, int8_per_token_head is less damaging
-    up = small.above
-    assert up is not None and up.provenance["predicted_damage"] < small.predicted
-    assert up.provenance["effective_bits"] <= small.bits + 1.0
+    # vLLM's cheapest is nvfp4 everywhere; one bit more buys nothing on six layers (a skipped
+    # layer costs (16 - 4.5) / 6 bits)
+    assert small.above is None
+    # within the 8 bits of static fp8 (here nvfp4 with a layer skipped is the least damaging);
+    # within one bit more, int8_per_token_head is less damaging still
+    mid = project_to_vllm(capture, PRESETS["fp8-e4m3-tensor"], settings)
+    assert mid.within_budget and mid.bits <= mid.original_bits
+    up = mid.above
+    assert up is not None and up.provenance["predicted_damage"] < mid.predicted
+    assert up.provenance["effective_bits"] <= mid.original_bits + 1.0
     serving(up, N_LAYERS, N_KV)
 
 

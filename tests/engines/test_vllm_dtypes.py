@@ -20,6 +20,7 @@ from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE, PRESETS
 from kverr.exceptions import KernelError
 from kverr.memory import ModelShape, account
 from kverr.quant import dequantize, fake_quantize, quantize
+from specs import E2M1, e2m1_rne
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max, vLLM's FP8_MAX on CUDA
 
@@ -234,7 +235,8 @@ def test_static_fp8_is_kverrs_fp8_tensor_preset():
 def test_presets_are_named_served_and_resolvable():
     assert set(KV_CACHE_DTYPE) == set(PRESETS)
     assert KV_CACHE_DTYPE == {"vllm-int8-per-token-head": "int8_per_token_head",
-                              "vllm-fp8-per-token-head": "fp8_per_token_head"}
+                              "vllm-fp8-per-token-head": "fp8_per_token_head",
+                              "vllm-nvfp4": "nvfp4"}
     for name, cfg in PRESETS.items():
         assert name.startswith("vllm-") and cfg.name == name
         assert VLLM_PRESETS[name] is cfg and resolve(name) is cfg
@@ -246,7 +248,7 @@ def test_memory_is_vllms_per_slot_bytes():
     """``TritonAttentionBackend.customize_spec``: per (token, kv head) a slot holds
     ``(head_size_k + head_size_v) * 1`` bytes of codes and two fp32 scales."""
     L, H, D = 3, 2, 128
-    for name in PRESETS:
+    for name in ("vllm-int8-per-token-head", "vllm-fp8-per-token-head"):
         cfg = PRESETS[name]
         T = 4 * cfg.page_size
         slot = (D + D) * 1 + 2 * 4
@@ -256,11 +258,102 @@ def test_memory_is_vllms_per_slot_bytes():
         assert totals.scales == 2 * L * T * H * 2 * 4 and totals.zeros == 0
 
 
+def test_nvfp4_memory_is_the_packed_head_size():
+    """``nvfp4_kv_cache_full_dim``: per (token, kv head) and side ``head_size // 2`` bytes of fp4
+    data and ``head_size // 16`` fp8 block scales, 4.5 bits per element."""
+    L, H, D = 3, 2, 128
+    cfg = PRESETS["vllm-nvfp4"]
+    T = 4 * cfg.page_size
+    rep = account(cfg, ModelShape(L, H, D), T, batch=2)
+    assert rep.total_bytes == 2 * L * T * H * 2 * (D // 2 + D // 16)
+    assert rep.totals.scales == 2 * L * T * H * 2 * (D // 16) and rep.totals.zeros == 0
+
+
 def test_kernels_refuse_the_per_token_head_arithmetic_in_one_line():
     from kverr.gpu.spec import kernel_spec
 
-    for cfg in PRESETS.values():
+    for name, cfg in PRESETS.items():
         with pytest.raises(KernelError) as exc:
             kernel_spec(cfg.k, 128, 64)
         msg = str(exc.value)
-        assert "\n" not in msg and "not implemented by the kernels" in msg and "reciprocal=True" in msg
+        assert "\n" not in msg and "not implemented by the kernels" in msg
+        assert ("fp4 codes" if name == "vllm-nvfp4" else "reciprocal=True") in msg
+
+
+# --------------------------------------------------------------------------------------------
+# nvfp4
+# --------------------------------------------------------------------------------------------
+
+def flashinfer_nvfp4(x: torch.Tensor):
+    """FlashInfer's NVFP4 cache write with vLLM's unit global scale, for one of K or V:
+    ``x [tokens, kv_heads, head_size]`` -> (codes ``[tokens, kv_heads, head_size]`` uint8,
+    e4m3 block scales ``[tokens, kv_heads, head_size // 16]``). Per 16 channels:
+    ``sf = e4m3(amax / 6)`` (fp32 division, cast to nearest), codes ``e2m1(x * (1 / sf))``, and
+    ``x * 0`` where ``sf`` is 0; a value reads back as ``e2m1 * sf``."""
+    T, H, D = x.shape
+    g = x.to(torch.float32).reshape(T, H, D // 16, 16)
+    sf = (g.abs().amax(-1) / 6.0).to(torch.float8_e4m3fn)
+    sfv = sf.float()
+    inv = torch.where(sfv > 0, torch.tensor(1.0) / sfv, torch.zeros_like(sfv))
+    return e2m1_rne(g * inv[..., None]).reshape(T, H, D), sf
+
+
+def nvfp4_read(codes: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    signed = torch.cat([E2M1, -E2M1])
+    T, H, D = codes.shape
+    return (signed[codes.long()].reshape(T, H, D // 16, 16) * sf.float()[..., None]).reshape(T, H, D)
+
+
+def nvfp4_rows(D: int, seed: int, model_dtype: torch.dtype) -> torch.Tensor:
+    """``[40, 3, D]``: blocks of e2m1 midpoints at scale 1 (ties), saturating blocks (``amax / 6``
+    rounds down in e4m3), all-zero and -0 blocks, blocks whose scale is 0 or an e4m3 subnormal,
+    huge blocks, and random rows over 16 binades."""
+    g = torch.Generator().manual_seed(seed)
+    mid = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -2.5, -5.0, 0.0, -0.0,
+                        0.2499, 4.999])
+    blocks = [mid, mid[torch.randperm(16, generator=g)], -mid,
+              torch.tensor([6.375, 6.2, -6.1, 5.9, *([1.0] * 12)]),  # amax/6 = 1.0625 -> sf 1: clamp
+              torch.zeros(16), torch.full((16,), -0.0),
+              torch.randn(16, generator=g) * 1e-3,  # amax / 6 < 2**-10: sf = 0
+              torch.randn(16, generator=g) * 2e-2,  # subnormal e4m3 scales
+              torch.randn(16, generator=g) * 300.0]
+    rows = torch.cat(blocks)
+    rows = torch.cat([rows, torch.randn(D - len(rows) % D, generator=g)]) if len(rows) % D else rows
+    rows = rows.reshape(-1, D)
+    n = 120 - len(rows)
+    rand = torch.randn(n, D, generator=g) * torch.rand(n, D // 16, generator=g).mul(16).sub(8).exp2().repeat_interleave(16, 1)
+    return torch.cat([rows, rand]).reshape(40, 3, D).to(model_dtype)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nvfp4_is_flashinfers_definition_bit_for_bit(D, model_dtype):
+    fmt = PRESETS["vllm-nvfp4"].k
+    assert PRESETS["vllm-nvfp4"].v == fmt
+    for seed in range(3):
+        x = nvfp4_rows(D, seed, model_dtype)
+        codes, sf = flashinfer_nvfp4(x)
+        kx = x.permute(1, 0, 2)
+        qt = quantize(kx, fmt)
+        assert qt.scale.dtype == torch.float8_e4m3fn and qt.scale.shape == (3, 40, D // 16)
+        assert torch.equal(qt.scale.view(torch.uint8), sf.view(torch.uint8).permute(1, 0, 2))
+        assert torch.equal(qt.unpacked_codes(), codes.permute(1, 0, 2))
+        ref = nvfp4_read(codes, sf).permute(1, 0, 2)
+        assert torch.equal(bits(dequantize(qt)), bits(ref))
+        assert torch.equal(bits(fake_quantize(kx, fmt)), bits(ref))
+
+
+def test_the_nvfp4_rows_reach_every_branch():
+    x = nvfp4_rows(64, 0, torch.float32)
+    g = x.reshape(-1, 16)
+    sf = (g.abs().amax(-1) / 6.0).to(torch.float8_e4m3fn).float()
+    q = g * torch.where(sf > 0, 1.0 / sf, 0.0)[:, None]
+    assert bool((q.abs() > 6).any())  # saturation
+    assert bool((sf == 0).any() & (g.abs().amax(-1)[sf == 0] > 0).any())  # zero scales of nonzero blocks
+    assert bool(((sf > 0) & (sf < 2.0**-6)).any())  # subnormal scales
+    a = q.abs()
+    assert bool(torch.isin(a, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])).any())  # ties
+    # kverr's own nvfp4 preset rounds its scales up instead: never saturates, other scales
+    own = quantize(x.permute(1, 0, 2), KVERR_PRESETS["nvfp4"].k)
+    codes, sf8 = flashinfer_nvfp4(x)
+    assert not torch.equal(own.scale.view(torch.uint8), sf8.view(torch.uint8).permute(1, 0, 2))

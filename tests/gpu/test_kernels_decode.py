@@ -141,6 +141,22 @@ def test_decode_codebooks():
     assert worst <= 1e-3
 
 
+@pytest.mark.float_order
+def test_decode_microscaling():
+    """fp4 codes with fp8 e4m3 scales per 16 channels (NVFP4) and e8m0 scales per page, rotated,
+    then MXFP8 keys with static per-head e8m0 scales: decode matches reference attention over
+    what the oracle reconstructs."""
+    from kverr.quant import fp4_format
+
+    nv = fp4_format(PerTokenGroup(16))
+    mx = fp4_format(PerPage(), scale_dtype="e8m0", rotate="hadamard")
+    worst, _ = run_decode(CacheConfig(k=nv, v=mx, page_size=P, window=4, sinks=1), [50, 37], Hq=4)
+    assert worst <= 1e-3
+    kf = fp8_format(PerHead(), scale_dtype="e8m0")
+    worst, _ = run_decode(CacheConfig(k=kf, v=nv, page_size=P, window=4, sinks=1), [50, 50], static=True, Hq=4)
+    assert worst <= 1e-3
+
+
 def test_decode_fp16_products():
     """fp16 tensor-core products (fp32 accumulation) stay within a looser bound."""
     worst, _ = run_decode(KIVI2, [63, 20], dot_fp16=True)

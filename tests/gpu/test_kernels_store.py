@@ -26,6 +26,7 @@ from kverr.quant import (
     QuantFormat,
     codebook_format,
     float_format,
+    fp4_format,
     fp8_format,
     int_format,
     quantize,
@@ -66,7 +67,7 @@ def sentinel(cache: PagedKVCache) -> None:
                     p.codes.fill_(float("nan"))
                 for t in (p.scale, p.zero):
                     if t is not None and not p.spec.static:
-                        t.fill_(float("nan"))
+                        t.fill_(0xFF if t.dtype == torch.uint8 else float("nan"))  # e4m3 0xff: NaN
                 if p.fp_scale is None:
                     p.fp.fill_(float("nan"))
                 else:  # int8 window
@@ -89,6 +90,8 @@ def fill(cache: PagedKVCache, ks, vs, schedule) -> None:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
+    if t.element_size() == 1:
+        return t.view(torch.uint8)
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
@@ -322,6 +325,36 @@ def test_store_codebooks_bit_exact(kf, vf):
     cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2)
     cache, ks, vs, _ = store_unequal_batch(cfg, 7, 8)
     assert check_exact(cache, cfg, ks, vs) >= 3
+
+
+# fp4 codes and the one-byte scales: NVFP4's and MXFP4's layouts, MXFP8 (fp8 codes, e8m0
+# scales), a two-level integer with fp8 scales; per row, per channel group of rows, per page,
+# rotated, MSE-clipped; the data scaled so that no fp8 e4m3 block scale overflows
+MICROSCALING_PAIRS = [
+    (fp4_format(PerTokenGroup(16)), fp4_format(PerTokenGroup(32), scale_dtype="e8m0")),
+    (fp4_format(PerPage(), scale_dtype="e8m0", rotate="hadamard"),
+     fp4_format(PerChannel(8), clip=MSEClip(grid=4, min_ratio=0.5))),
+    (fp8_format(PerTokenGroup(8), scale_dtype="e8m0"), int_format(2, PerToken(), symmetric=True, scale_dtype="fp8_e4m3")),
+]
+
+
+@pytest.mark.float_order
+@pytest.mark.parametrize("kf,vf", MICROSCALING_PAIRS, ids=[f"{a.label()}+{b.label()}" for a, b in MICROSCALING_PAIRS])
+def test_store_microscaling_bit_exact(kf, vf):
+    """fp4 codes and fp8 e4m3 / e8m0 scale bytes bit-exact with the oracle over prefill chunks and
+    single-token steps of unequal sequences, the tiny token's blocks included (zero and subnormal
+    e4m3 scales, e8m0's 2**-127)."""
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2)
+    lens = UNEQUAL_LENS
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
+    sentinel(cache)
+    x, y = data(3, 63, 9) * 0.125, data(3, 63, 10) * 0.125
+    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
+    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
+    fill(cache, ks, vs, UNEQUAL_SCHEDULE)
+    assert check_exact(cache, cfg, ks, vs) >= 3
+    for which in "kv":
+        assert cache.pools[0][which][0].scale.dtype == torch.uint8
 
 
 def test_static_scales_set_later_and_refused_until_set():
