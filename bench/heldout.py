@@ -18,9 +18,10 @@ the long table are summarised from those two files (:func:`summarise`), so
 
 The full run takes one to two hours on two cores (22 schemes x 8 segments), so ``--quick`` skips it.
 The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`) and with the codebook
-candidates (:data:`CODEBOOK_BUDGETS`) joined it the same way (their ``--config`` options only). The serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8,
-transformers' fp8 and HQQ int8 backends) and TurboQuant's MSE quantizer (:data:`PEER_SCHEMES`) joined
-the table later: measured by the same command with
+candidates (:data:`CODEBOOK_BUDGETS`) joined it the same way (their ``--config`` options only). The
+serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8 and
+its nvfp4, transformers' fp8 and HQQ int8 backends), TurboQuant's MSE quantizer and the NVFP4 and
+MXFP4 layouts (:data:`PEER_SCHEMES`) joined the table later: measured by the same command with
 only their ``--scheme`` options and merged into the committed files (``evaluate(only=...)``,
 ``predicted(only=...)``), which replace the rows of the schemes measured and keep the others.
 """
@@ -44,9 +45,10 @@ CONFIGS = ([ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS
 #: The presets and peers at the calibrated configs' effective bits (at 1280 tokens).
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
 #: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.
-ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8", "hf-hqq-int8")
-#: Today's methods as peers, at their own effective bits: TurboQuant's MSE quantizer.
-PEER_SCHEMES = ("turboquant-mse-2", "turboquant-mse-3", "turboquant-mse-4")
+ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8", "hf-hqq-int8", "vllm-nvfp4")
+#: Today's methods as peers, at their own effective bits: TurboQuant's MSE quantizer, and the
+#: microscaling layouts NVFP4 and MXFP4 (fp4 codes with one-byte block scales).
+PEER_SCHEMES = ("turboquant-mse-2", "turboquant-mse-3", "turboquant-mse-4", "nvfp4", "mxfp4")
 ALL_SCHEMES = SCHEMES + ENGINE_SCHEMES + PEER_SCHEMES
 SEGMENTS_CSV = RESULTS / "heldout.segments.csv"
 PREDICTED_CSV = RESULTS / "heldout-predicted.csv"

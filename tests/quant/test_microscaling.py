@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -119,13 +120,19 @@ def test_bad_microscaling_formats(kw, message):
         QuantFormat(**kw)
 
 
-def test_page_scales_and_the_kernel_refusal():
+def test_page_scales_and_the_kernel_pools():
     fmt = fp4_format(PerPage(), scale_dtype="e8m0")
     x = torch.randn(1, 2, 40, 32)
     qt = quantize(x, fmt, page_size=16)
     assert qt.scale.shape == (1, 2, 3, 1) and qt.scale.dtype == torch.float8_e8m0fnu
-    from kverr.gpu.spec import kernel_spec
+    from kverr.gpu.spec import KIND_FP4, KIND_INT_SYM, SDT, kernel_spec
 
-    for f in (fmt, int_format(2, PerToken(), symmetric=True, scale_dtype="fp8_e4m3")):
-        with pytest.raises(KernelError, match="fp4 codes and one-byte scales"):
-            kernel_spec(f, 64, 16)
+    for f, kind in ((fmt, KIND_FP4), (int_format(2, PerToken(), symmetric=True, scale_dtype="fp8_e4m3"), KIND_INT_SYM)):
+        spec = kernel_spec(f, 64, 16)
+        assert (spec.kind, spec.sdt, spec.scale_dtype) == (kind, SDT[f.scale_dtype], torch.uint8)
+    # the pools hold the scales' bytes, and give the oracle's tensor back
+    spec = kernel_spec(fmt, 64, 16)
+    pool = spec.pool_scales(qt.scale)
+    assert pool.dtype == torch.uint8 and torch.equal(spec.oracle_scales(pool).view(torch.uint8), qt.scale.view(torch.uint8))
+    with pytest.raises(KernelError, match="reciprocal=True"):  # vLLM's arithmetic: the reference path's
+        kernel_spec(dataclasses.replace(PRESETS["nvfp4"].k, reciprocal=True), 64, 16)
