@@ -94,8 +94,12 @@ OVERHEADS = Overheads()
 #: CUDA-core operations per element the decode kernel dequantizes, by storage: a plain float
 #: converts; fp8 converts and scales; an integer code is shifted, masked, converted and scaled,
 #: a codebook code shifted, masked, looked up and scaled, four either way (one more with a zero
-#: point; 3-bit codes and per-channel widths gather two pieces: three more). Leads.
-DEQUANT_OPS = {"float": 1, "fp8": 2, "int": 4, "zero": 1, "int3": 3, "int8_row": 3}
+#: point; 3-bit codes and per-channel widths gather two pieces: three more). An fp4 code is
+#: unpacked (2), its value built from its fields (``kernels.minifloat.fp4_value``: 14) and scaled;
+#: a one-byte scale read per element (channel groups, channel scales) is decoded there too: an
+#: e4m3 byte's fp16 pattern (7), an e8m0 byte's exponent (3). Leads.
+DEQUANT_OPS = {"float": 1, "fp8": 2, "int": 4, "zero": 1, "int3": 3, "int8_row": 3, "fp4": 17,
+               "scale_fp8_e4m3": 7, "scale_e8m0": 3}
 #: Per-channel widths: each program also reads the format's int32 unpack word per channel
 #: (``kverr.gpu.spec.mixed_layout``), counted with the static scales.
 LAYOUT_BYTES_PER_CHANNEL = 4
@@ -312,9 +316,14 @@ def _q_heads(shape: ModelShape) -> int:
 def _dequant_ops(fmt: QuantFormat) -> int:
     if fmt.is_float:
         return DEQUANT_OPS["float"]
+    # a one-byte scale loaded per element is decoded per element (a row's scale: once, not counted)
+    per_element = fmt.granularity.kind in ("token_group", "channel")
+    scale = DEQUANT_OPS.get(f"scale_{fmt.scale_dtype}", 0) if per_element else 0
     if fmt.is_fp8:
-        return DEQUANT_OPS["fp8"]
-    ops = DEQUANT_OPS["int"] + (DEQUANT_OPS["zero"] if fmt.has_zero else 0)
+        return DEQUANT_OPS["fp8"] + scale
+    if fmt.is_fp4:
+        return DEQUANT_OPS["fp4"] + scale
+    ops = DEQUANT_OPS["int"] + (DEQUANT_OPS["zero"] if fmt.has_zero else 0) + scale
     return ops + (DEQUANT_OPS["int3"] if fmt.bits == 3 or fmt.channel_bits is not None else 0)
 
 

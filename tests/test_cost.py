@@ -63,6 +63,16 @@ def test_bytes_equal_hand_counts_kivi_2():
     assert lc.n_launches == pytest.approx(3 + 1 / 32 + 1 + 2 * 2)
 
 
+@pytest.mark.parametrize("name,group", [("nvfp4", 16), ("mxfp4", 32)])
+def test_bytes_equal_hand_counts_microscaling(name, group):
+    """fp4 codes (half a byte an element) and one one-byte scale per group of channels, no window."""
+    plan = step_cost(PRESETS[name], SHAPE, T, B)
+    codes = B * 2 * T * 64 // 2
+    scales = B * 2 * T * (64 // group)
+    for kind, want in (("codes", codes), ("scales", scales), ("zeros", 0), ("window", 0)):
+        assert _per_layer(plan, kind) == {0: 2 * want, 1: 2 * want}, kind
+
+
 def test_static_bytes_of_per_channel_widths_equal_hand_counts():
     """Keys with a width per channel (static channel scales) and int8-token values: each program
     reads the keys' fp16 scale and zero per channel and their int32 unpack word per channel."""

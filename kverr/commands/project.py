@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
     if pr.within_budget:
         print(f"projection cost: {ratio:.3g}x the predicted damage at {pr.bits - pr.original_bits:+.4f} bits")
     else:
-        print(f"vLLM has nothing within {pr.original_bits:.4f} bits: its cheapest config costs "
-              f"{pr.bits - pr.original_bits:.4f} bits more ({pr.bits / pr.original_bits:.2f}x the memory), "
+        # six significant digits: the cheapest config may cost a few bytes more in 10**5
+        print(f"vLLM has nothing within {pr.original_bits:.6g} bits: its cheapest config costs "
+              f"{pr.bits - pr.original_bits:.3g} bits more ({pr.bits / pr.original_bits:.6g}x the memory), "
               f"at {ratio:.3g}x the predicted damage")
     if pr.above is not None:
         up = pr.above.provenance

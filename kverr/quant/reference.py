@@ -147,11 +147,16 @@ _BYTE_SCALE_MAX = {"fp8_e4m3": 448.0, "e8m0": 2.0**127}
 
 def _byte_scale_cast(v: torch.Tensor, dtype: str, *, up: bool, what: str) -> torch.Tensor:
     """Non-negative ``v`` (float32 or float64) as a one-byte scale, rounded up (``up``) or to
-    nearest; above the dtype's largest value it raises (the casts would saturate silently).
+    nearest.
 
     ``fp8_e4m3``: the cast's round-to-nearest-even, then (``up``) one step of the bit pattern
-    where that fell below ``v``. ``e8m0``: a power of two, the least one ``>= v`` (``up``) or the
-    nearest (ties, ``1.5 * 2**k``, upward), at least ``2**-127`` (the dtype has no zero)."""
+    where that fell below ``v``; to nearest it saturates at 448 as the hardware's ``satfinite``
+    conversion does (the block's top is then clamped to the largest code), rounded up it raises
+    above 448 (no grid could cover the block). ``e8m0``: a power of two, the least one ``>= v``
+    (``up``) or the nearest (ties, ``1.5 * 2**k``, upward), at least ``2**-127`` (the dtype has no
+    zero); above ``2**127`` it raises."""
+    if dtype == "fp8_e4m3" and not up:
+        return v.clamp(max=_BYTE_SCALE_MAX[dtype]).to(torch.float8_e4m3fn)
     if bool((v > _BYTE_SCALE_MAX[dtype]).any()):
         raise ConfigError(
             f"a {what} overflows scale_dtype={dtype!r} (largest {_BYTE_SCALE_MAX[dtype]:g}; the data's "
@@ -159,8 +164,6 @@ def _byte_scale_cast(v: torch.Tensor, dtype: str, *, up: bool, what: str) -> tor
         )
     if dtype == "fp8_e4m3":
         r = v.to(torch.float8_e4m3fn)
-        if not up:
-            return r
         bits = r.view(torch.uint8)
         return torch.where(r.double() < v.double(), bits + 1, bits).view(torch.float8_e4m3fn)
     v64 = v.double()

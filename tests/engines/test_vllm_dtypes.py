@@ -17,7 +17,7 @@ from kverr.config import PRESETS as KVERR_PRESETS
 from kverr.config import CacheConfig, resolve
 from kverr.engines.vllm import PRESETS as VLLM_PRESETS
 from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE, PRESETS
-from kverr.exceptions import KernelError
+from kverr.exceptions import ConfigError, KernelError
 from kverr.memory import ModelShape, account
 from kverr.quant import dequantize, fake_quantize, quantize
 from specs import E2M1, e2m1_rne
@@ -306,7 +306,7 @@ def nvfp4_read(codes: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
 def nvfp4_rows(D: int, seed: int, model_dtype: torch.dtype) -> torch.Tensor:
     """``[40, 3, D]``: blocks of e2m1 midpoints at scale 1 (ties), saturating blocks (``amax / 6``
     rounds down in e4m3), all-zero and -0 blocks, blocks whose scale is 0 or an e4m3 subnormal,
-    huge blocks, and random rows over 16 binades."""
+    large blocks and one whose scale saturates at 448, and random rows over 16 binades."""
     g = torch.Generator().manual_seed(seed)
     mid = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -2.5, -5.0, 0.0, -0.0,
                         0.2499, 4.999])
@@ -315,7 +315,8 @@ def nvfp4_rows(D: int, seed: int, model_dtype: torch.dtype) -> torch.Tensor:
               torch.zeros(16), torch.full((16,), -0.0),
               torch.randn(16, generator=g) * 1e-3,  # amax / 6 < 2**-10: sf = 0
               torch.randn(16, generator=g) * 2e-2,  # subnormal e4m3 scales
-              torch.randn(16, generator=g) * 300.0]
+              torch.randn(16, generator=g) * 300.0,
+              torch.randn(16, generator=g) * 3000.0]  # amax / 6 above 448: the scale saturates
     rows = torch.cat(blocks)
     rows = torch.cat([rows, torch.randn(D - len(rows) % D, generator=g)]) if len(rows) % D else rows
     rows = rows.reshape(-1, D)
@@ -350,9 +351,14 @@ def test_the_nvfp4_rows_reach_every_branch():
     assert bool((q.abs() > 6).any())  # saturation
     assert bool((sf == 0).any() & (g.abs().amax(-1)[sf == 0] > 0).any())  # zero scales of nonzero blocks
     assert bool(((sf > 0) & (sf < 2.0**-6)).any())  # subnormal scales
+    assert bool((g.abs().amax(-1) / 6.0 > 448).any())  # saturated scales
     a = q.abs()
     assert bool(torch.isin(a, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])).any())  # ties
-    # kverr's own nvfp4 preset rounds its scales up instead: never saturates, other scales
+    # kverr's own nvfp4 preset rounds its scales up instead: it refuses a block no e4m3 scale
+    # covers, and elsewhere never saturates, with other scales
+    with pytest.raises(ConfigError, match="overflows scale_dtype='fp8_e4m3'"):
+        quantize(x.permute(1, 0, 2), KVERR_PRESETS["nvfp4"].k)
+    x = x.clamp(-2000.0, 2000.0)
     own = quantize(x.permute(1, 0, 2), KVERR_PRESETS["nvfp4"].k)
     codes, sf8 = flashinfer_nvfp4(x)
     assert not torch.equal(own.scale.view(torch.uint8), sf8.view(torch.uint8).permute(1, 0, 2))
