@@ -5,7 +5,7 @@ in the model's dtype (:mod:`kverr.engines.vllm`). So :func:`calibrate_for_vllm` 
 (layer, kv head, K|V), the formats of vLLM's cache dtypes -- fp8 with static scales per tensor or
 per kv head (each with the absmax scale and with the MSE-optimal clip of the capture, chosen per
 layer and side: the scale is data in the checkpoint, so each layer may have its own), the
-per-token-head dtypes, and fp16 -- with the calibration objective (:mod:`.objective`, weighted
+per-token-head dtypes, ``nvfp4``, and fp16 -- with the calibration objective (:mod:`.objective`, weighted
 by the measured layer sensitivity), and then, for each dtype and each budget, keeps in 16 bits
 the layers where the dtype does the most damage. Every quantized layer costs the same bytes and
 every skipped layer the same more, so skipping the ``n`` layers of largest damage is the best
