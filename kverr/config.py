@@ -41,6 +41,7 @@ from typing import Any, Literal
 from kverr.exceptions import ConfigError
 from kverr.quant.formats import (
     WINDOW_DTYPES,
+    MSEClip,
     PerChannel,
     PerHead,
     PerPage,
@@ -441,6 +442,11 @@ def check_model_matches(
 # --------------------------------------------------------------------------------------------
 
 
+#: NVFP4's "four over six" scale choice as clip candidates: the range as it is (the block's
+#: largest magnitude on fp4's 6) or widened by 1.5 (on 4).
+FOUR_OVER_SIX = MSEClip(candidates=(1.0, 1.5))
+
+
 def _presets() -> dict[str, CacheConfig]:
     fp16 = float_format("fp16")
     kivi = lambda bits: dict(  # noqa: E731
@@ -482,6 +488,10 @@ def _presets() -> dict[str, CacheConfig]:
         "nvfp4": dict(k=fp4_format(PerTokenGroup(16)), v=fp4_format(PerTokenGroup(16))),
         "mxfp4": dict(k=fp4_format(PerTokenGroup(32), scale_dtype="e8m0"),
                       v=fp4_format(PerTokenGroup(32), scale_dtype="e8m0")),
+        # NVFP4 with "four over six" (Cook et al., 2025): each block's scale amax / 6 or amax / 4,
+        # whichever reconstructs the block with less squared error (a tie keeps amax / 6).
+        "nvfp4-4over6": dict(k=fp4_format(PerTokenGroup(16), clip=FOUR_OVER_SIX),
+                             v=fp4_format(PerTokenGroup(16), clip=FOUR_OVER_SIX)),
         # vLLM fp8 KV cache with static fp32 scales, per tensor (per layer) or per kv head.
         "fp8-e4m3-tensor": dict(k=fp8_format(PerTensor()), v=fp8_format(PerTensor())),
         "fp8-e4m3-head": dict(k=fp8_format(PerHead()), v=fp8_format(PerHead())),

@@ -44,6 +44,7 @@ clips = st.one_of(
     st.just(AbsMax()),
     st.sampled_from([90.0, 99.0, 99.9]).map(Percentile),
     st.builds(MSEClip, grid=st.integers(2, 12), min_ratio=st.sampled_from([0.3, 0.5, 0.8])),
+    st.sampled_from([(1.0, 1.5), (0.9, 1.0, 1.25)]).map(lambda c: MSEClip(candidates=c)),
 )
 
 

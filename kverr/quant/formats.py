@@ -251,6 +251,12 @@ class MSEClip:
     block's squared reconstruction error (ties go to the larger ratio). The range shrinks about
     its midpoint.
 
+    ``candidates``: the ratios to try instead of the grid, in the order given (a tie keeps the
+    earlier one), each in (0, 4]; a ratio above 1 widens the range, so that the block's largest
+    magnitude lands below the top code: ``(1.0, 1.5)`` on fp4 codes is NVFP4's "four over six",
+    each block's scale ``amax / 6`` or ``amax / 4``. ``grid`` and ``min_ratio`` are then unused
+    (and must keep their defaults).
+
     ``asymmetric`` (formats with a zero point only): the low and the high end shrink by their
     own ratios, ``grid²`` pairs ``(r_low, r_high)`` tried in :meth:`pairs` order, the first of
     least error kept. The kernels run it with static scales only (calibrated by the reference).
@@ -259,6 +265,7 @@ class MSEClip:
     grid: int = 20
     min_ratio: float = 0.5
     asymmetric: bool = False
+    candidates: tuple[float, ...] | None = None
     kind: ClassVar[str] = "mse"
 
     def __post_init__(self) -> None:
@@ -269,9 +276,20 @@ class MSEClip:
             raise _fail("clip.min_ratio", r, "a number in (0, 1)")
         if not isinstance(self.asymmetric, bool):
             raise _fail("clip.asymmetric", self.asymmetric, "true or false")
+        if self.candidates is not None:
+            c = self.candidates
+            ok = (not isinstance(c, (str, bytes)) and hasattr(c, "__iter__")
+                  and all(not isinstance(v, bool) and isinstance(v, (int, float)) and 0.0 < v <= 4.0 for v in c))
+            if not ok or len(tuple(c)) < 2 or len(set(c)) != len(tuple(c)):
+                raise _fail("clip.candidates", c, "a list of at least two distinct ratios, each in (0, 4]")
+            if (self.grid, self.min_ratio) != (20, 0.5):
+                raise _fail("clip.grid", self.grid, "left at its default with candidates (they replace the grid)")
+            object.__setattr__(self, "candidates", tuple(float(v) for v in c))
 
     def ratios(self) -> list[float]:
-        """Candidate clip ratios, largest first."""
+        """Candidate clip ratios in search order: the grid, largest first, or the given candidates."""
+        if self.candidates is not None:
+            return list(self.candidates)
         step = (1.0 - self.min_ratio) / (self.grid - 1)
         return [1.0 - i * step for i in range(self.grid)]
 
@@ -291,6 +309,12 @@ def clip_to_dict(c: Clip) -> dict[str, Any]:
     out.update(dataclasses.asdict(c))
     if isinstance(c, MSEClip) and not c.asymmetric:
         del out["asymmetric"]  # the symmetric search, as written before the field existed
+    if isinstance(c, MSEClip):
+        if c.candidates is None:
+            del out["candidates"]
+        else:
+            out["candidates"] = list(c.candidates)
+            del out["grid"], out["min_ratio"]
     return out
 
 
@@ -623,7 +647,8 @@ class QuantFormat:
         if not isinstance(self.clip, AbsMax):
             parts.append(
                 f"p{self.clip.percentile:g}" if isinstance(self.clip, Percentile)
-                else "amse" if self.clip.asymmetric else "mse"
+                else ("amse" if self.clip.asymmetric else "mse")
+                + ("" if self.clip.candidates is None else ",".join(f"{r:g}" for r in self.clip.candidates))
             )
         if self.rotate != "none":
             parts.append("had")

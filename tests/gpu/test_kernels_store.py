@@ -335,6 +335,9 @@ MICROSCALING_PAIRS = [
     (fp4_format(PerPage(), scale_dtype="e8m0", rotate="hadamard"),
      fp4_format(PerChannel(8), clip=MSEClip(grid=4, min_ratio=0.5))),
     (fp8_format(PerTokenGroup(8), scale_dtype="e8m0"), int_format(2, PerToken(), symmetric=True, scale_dtype="fp8_e4m3")),
+    # "four over six", and clip candidates that widen and shrink the range, in the order given
+    (fp4_format(PerTokenGroup(16), clip=MSEClip(candidates=(1.0, 1.5))),
+     int_format(4, PerTokenGroup(8), symmetric=True, clip=MSEClip(candidates=(0.9, 1.0, 1.25)))),
 ]
 
 
@@ -353,8 +356,9 @@ def test_store_microscaling_bit_exact(kf, vf):
     vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
     fill(cache, ks, vs, UNEQUAL_SCHEDULE)
     assert check_exact(cache, cfg, ks, vs) >= 3
-    for which in "kv":
-        assert cache.pools[0][which][0].scale.dtype == torch.uint8
+    for which, fmt in (("k", kf), ("v", vf)):  # one-byte scales are stored as their bytes
+        want = torch.uint8 if fmt.scale_dtype in ("fp8_e4m3", "e8m0") else torch.float16
+        assert cache.pools[0][which][0].scale.dtype == want
 
 
 def test_static_scales_set_later_and_refused_until_set():
