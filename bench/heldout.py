@@ -47,8 +47,9 @@ SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-
 #: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.
 ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8", "hf-hqq-int8", "vllm-nvfp4")
 #: Today's methods as peers, at their own effective bits: TurboQuant's MSE quantizer, and the
-#: microscaling layouts NVFP4 and MXFP4 (fp4 codes with one-byte block scales).
-PEER_SCHEMES = ("turboquant-mse-2", "turboquant-mse-3", "turboquant-mse-4", "nvfp4", "mxfp4")
+#: microscaling layouts NVFP4 (also with "four over six" scales) and MXFP4 (fp4 codes with
+#: one-byte block scales).
+PEER_SCHEMES = ("turboquant-mse-2", "turboquant-mse-3", "turboquant-mse-4", "nvfp4", "mxfp4", "nvfp4-4over6")
 ALL_SCHEMES = SCHEMES + ENGINE_SCHEMES + PEER_SCHEMES
 SEGMENTS_CSV = RESULTS / "heldout.segments.csv"
 PREDICTED_CSV = RESULTS / "heldout-predicted.csv"

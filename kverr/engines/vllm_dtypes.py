@@ -30,7 +30,9 @@ Expressed exactly:
   ``x / block_scale`` sits within that bit of a rounding boundary), and the fp8 query that the
   trtllm-gen decode path (Blackwell) adds; the FlashInfer FA2 path (sm_80/sm_90/sm_120) keeps
   the query in the model's dtype. ``nvfp4_4over6`` (each block's scale ``amax / 6`` or
-  ``amax / 4``, whichever reconstructs it with less squared error) is not expressed.
+  ``amax / 4``, whichever reconstructs it with less squared error) is not expressed: its tie rule
+  and scale rounding are FlashInfer's CUDA code, not pinned here; kverr's ``nvfp4-4over6`` preset
+  is the rule with kverr's scales.
 * ``fp8`` / ``fp8_e4m3`` (``reshape_and_cache_kernel_flash``): static per-tensor fp32 scales
   ``k_scale``/``v_scale`` and ``x / k_scale`` cast with saturation. That is kverr's own
   ``fp8-e4m3-tensor`` preset (the oracle with ``scale=`` given the scale vLLM loads; a test pins
