@@ -93,43 +93,83 @@ def _round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
+def _cast_near(v, SDT: tl.constexpr):
+    """fp32 ``v`` (>= 0 for the one-byte dtypes) rounded to nearest in the scale dtype, as fp32:
+    ties to even; fp8 e4m3 saturates at 448 (the oracle's ``near_cast``); e8m0 is the power of
+    two nearest by the significand (``1.5 * 2**k`` and up go up), at least 2**-127."""
+    if SDT == 0:
+        return v
+    elif SDT == 1:
+        return _round_to(v, tl.float16)
+    elif SDT == 2:
+        return _round_to(v, tl.bfloat16)
+    elif SDT == 3:
+        return e4m3_value(minifloat_bits(tl.minimum(v, 448.0), 3, -6, 0x80))
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        ex = (bits >> 23) & 0xFF
+        b = tl.where(ex > 0, ex + ((bits & 0x7FFFFF) >= 0x400000).to(tl.int32), (bits >= 0x600000).to(tl.int32))
+        return scale_value(b, 4)
+
+
+@triton.jit
 def _lut(LUT, i):
     """Entry ``i`` of a codebook table (fp32 stored as its int32 bit pattern)."""
     return tl.load(LUT + i).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _encode(x, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
+def _quot(x, s_div, ARITH: tl.constexpr):
+    """``x / s`` in fp32 (IEEE division), or with the reciprocal option (``ARITH & 2``)
+    ``x * (1 / s)``, two roundings, as the oracle's ``reciprocal``."""
+    if ARITH & 2:
+        return x * tl.math.div_rn(tl.full(s_div.shape, 1.0, tl.float32), s_div)
+    else:
+        return tl.math.div_rn(x, s_div)
+
+
+@triton.jit
+def _round_int(y, ARITH: tl.constexpr):
+    """Integer codes (int32) of the clamped fp32 ``y``: half to even, or half away from zero
+    (``ARITH & 4``: ``trunc(y ± 0.5)``, the addition in fp32)."""
+    if ARITH & 4:
+        return (y + tl.where(y >= 0, 0.5, -0.5)).to(tl.int32)  # the conversion truncates
+    else:
+        return _rint(y).to(tl.int32)
+
+
+@triton.jit
+def _encode(x, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr, ARITH: tl.constexpr):
     """Codes (int32) of fp32 ``x`` with stored scale ``s`` and zero ``m`` (fp32, broadcast);
     codebooks: their table ``LUT``."""
     s_div = tl.where(s > 0, s, 1.0)
     if KIND == 5 or KIND == 6:
         NLEV: tl.constexpr = 1 << BITS
-        y = tl.math.div_rn(x, s_div)
+        y = _quot(x, s_div, ARITH)
         u = (y > _lut(LUT, NLEV)).to(tl.int32)
         for i in tl.static_range(1, NLEV - 1):
             u += (y > _lut(LUT, NLEV + i)).to(tl.int32)
         return u
     elif KIND == 0:
         L: tl.constexpr = (1 << (BITS - 1)) - 1
-        y = tl.math.div_rn(x, s_div)
+        y = _quot(x, s_div, ARITH)
         y = tl.minimum(tl.maximum(y, -L), L)
-        return _rint(y).to(tl.int32) + (1 << (BITS - 1))
+        return _round_int(y, ARITH) + (1 << (BITS - 1))
     elif KIND == 1:
         L2: tl.constexpr = (1 << BITS) - 1
-        y = tl.math.div_rn(x - m, s_div)
+        y = _quot(x - m, s_div, ARITH)
         y = tl.minimum(tl.maximum(y, 0.0), L2)
-        return _rint(y).to(tl.int32)
+        return _round_int(y, ARITH)
     elif KIND == 2:
-        y = tl.math.div_rn(x, s_div)
+        y = _quot(x, s_div, ARITH)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         return minifloat_bits(y, 3, -6, 0x80)
     elif KIND == 7:
-        y = tl.math.div_rn(x, s_div)
+        y = _quot(x, s_div, ARITH)
         y = tl.minimum(tl.maximum(y, -6.0), 6.0)
         return minifloat_bits(y, 1, 0, 0x8)
     else:
-        y = tl.math.div_rn(x, s_div)
+        y = _quot(x, s_div, ARITH)
         y = tl.minimum(tl.maximum(y, -57344.0), 57344.0)
         return minifloat_bits(y, 2, -14, 0x80)
 
@@ -158,33 +198,62 @@ def _sub_ru(a, b):
 
 
 @triton.jit
-def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
+def _top(LUT, KIND: tl.constexpr, BITS: tl.constexpr):
+    """The fp32 value the range's top maps to: the largest code or level magnitude."""
+    if KIND == 5:
+        return _lut(LUT, 2 * (1 << BITS) - 1)
+    elif KIND == 0:
+        return ((1 << (BITS - 1)) - 1) * 1.0
+    elif KIND == 1:
+        return ((1 << BITS) - 1) * 1.0
+    elif KIND == 2:
+        return 448.0
+    elif KIND == 7:
+        return 6.0
+    else:
+        return 57344.0
+
+
+@triton.jit
+def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, ARITH: tl.constexpr,
+            SFLOOR):
     """Stored (scale, zero) as fp32 for the block range ``[lo, hi]`` (``hi`` = amax if symmetric).
 
     Every rounding on the way to a scale goes up and the zero point goes down (the oracle's
     ``ceil(div_ru(sub_ru(hi, m), L))``), so the grid covers the block. Codebooks (absmax):
-    ``amax / top``, the table's last entry, through float64 (exact for any fp32 divisor)."""
+    ``amax / top``, the table's last entry, through float64 (exact for any fp32 divisor).
+    With nearest scales (``ARITH & 1``) the zero point is ``lo`` and the scale ``(hi - m) / top``,
+    fp32 operations and the casts to nearest. ``SFLOOR`` (fp32, 0 for none) raises the fp32
+    scale before its cast."""
+    if ARITH & 1:
+        if KIND == 1:
+            m = _cast_near(lo, SDT)
+            s = _cast_near(tl.maximum(tl.math.div_rn(hi - m, _top(LUT, KIND, BITS)), SFLOOR), SDT)
+        else:
+            s = _cast_near(tl.maximum(tl.math.div_rn(hi, _top(LUT, KIND, BITS)), SFLOOR), SDT)
+            m = s * 0.0
+        return s, m
     if KIND == 5:
         top = _lut(LUT, 2 * (1 << BITS) - 1)
-        s = _cast_step(_ceil_f32(hi.to(tl.float64) / top.to(tl.float64)), SDT, True)
+        s = _cast_step(tl.maximum(_ceil_f32(hi.to(tl.float64) / top.to(tl.float64)), SFLOOR), SDT, True)
         return s, s * 0.0
     elif KIND == 0:
         L: tl.constexpr = (1 << (BITS - 1)) - 1
-        s = _cast_step(_div_ru(hi, L * 1.0), SDT, True)
+        s = _cast_step(tl.maximum(_div_ru(hi, L * 1.0), SFLOOR), SDT, True)
         return s, s * 0.0
     elif KIND == 1:
         L2: tl.constexpr = (1 << BITS) - 1
         m = _cast_step(lo, SDT, False)
-        s = _cast_step(_div_ru(_sub_ru(hi, m), L2 * 1.0), SDT, True)
+        s = _cast_step(tl.maximum(_div_ru(_sub_ru(hi, m), L2 * 1.0), SFLOOR), SDT, True)
         return s, m
     elif KIND == 2:
-        s = _cast_step(_div_ru(hi, 448.0), SDT, True)
+        s = _cast_step(tl.maximum(_div_ru(hi, 448.0), SFLOOR), SDT, True)
         return s, s * 0.0
     elif KIND == 7:
-        s = _cast_step(_div_ru(hi, 6.0), SDT, True)
+        s = _cast_step(tl.maximum(_div_ru(hi, 6.0), SFLOOR), SDT, True)
         return s, s * 0.0
     else:
-        s = _cast_step(_div_ru(hi, 57344.0), SDT, True)
+        s = _cast_step(tl.maximum(_div_ru(hi, 57344.0), SFLOOR), SDT, True)
         return s, s * 0.0
 
 
@@ -208,14 +277,14 @@ def _decode(u, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _sq_err(x3, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr):
+def _sq_err(x3, s, m, LUT, KIND: tl.constexpr, BITS: tl.constexpr, ARITH: tl.constexpr):
     """float64 squared reconstruction error of every element (exact squares of fp32 differences)."""
-    d = (_decode(_encode(x3, s, m, LUT, KIND, BITS), s, m, LUT, KIND, BITS) - x3).to(tl.float64)
+    d = (_decode(_encode(x3, s, m, LUT, KIND, BITS, ARITH), s, m, LUT, KIND, BITS) - x3).to(tl.float64)
     return d * d
 
 
 @triton.jit
-def _rms_scale(x3, r3, SDT: tl.constexpr, PER_ROW: tl.constexpr):
+def _rms_scale(x3, r3, SDT: tl.constexpr, PER_ROW: tl.constexpr, ARITH: tl.constexpr, SFLOOR):
     """The rms scale of every block of the ``[R, NG, BD]`` tile, rounded up to fp32 and to the scale
     dtype: per (row, group) (``PER_ROW``), or per group over the valid rows ``r3``; float64 sums of
     the exact squares, as the oracle's ``rms_params``."""
@@ -228,50 +297,56 @@ def _rms_scale(x3, r3, SDT: tl.constexpr, PER_ROW: tl.constexpr):
         n = tl.maximum(tl.sum(tl.where(r3, 1.0, 0.0)), 1.0).to(tl.float64) * BD  # the block's real elements
         ms = tl.sum(tl.sum(tl.where(r3, sq, 0.0), axis=2), axis=0) / n
     # float64 square roots are IEEE round-to-nearest on the GPU (PTX has no approximate one)
-    return _cast_step(_ceil_f32(tl.sqrt(ms)), SDT, True)
+    if ARITH & 1:
+        s = _cast_near(tl.maximum(tl.sqrt(ms).to(tl.float32), SFLOOR), SDT)
+    else:
+        s = _cast_step(tl.maximum(_ceil_f32(tl.sqrt(ms)), SFLOOR), SDT, True)
+    return s
 
 
 @triton.jit
-def _clip_params(lo, hi, r, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr):
+def _clip_params(lo, hi, r, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
+                 ARITH: tl.constexpr, SFLOOR):
     """(scale, zero) of the block range shrunk by ratio ``r`` (the oracle's MSE candidates)."""
     if KIND == 1:
         mid = (hi + lo) * 0.5
         half = (hi - lo) * 0.5
-        return _params(mid - half * r, mid + half * r, LUT, KIND, BITS, SDT)
-    return _params(-(hi * r), hi * r, LUT, KIND, BITS, SDT)
+        return _params(mid - half * r, mid + half * r, LUT, KIND, BITS, SDT, ARITH, SFLOOR)
+    return _params(-(hi * r), hi * r, LUT, KIND, BITS, SDT, ARITH, SFLOOR)
 
 
 
 @triton.jit
-def _block_err(x3, s, m, r3, LUT, KIND: tl.constexpr, BITS: tl.constexpr, PER_ROW: tl.constexpr):
+def _block_err(x3, s, m, r3, LUT, KIND: tl.constexpr, BITS: tl.constexpr, PER_ROW: tl.constexpr,
+               ARITH: tl.constexpr):
     """float64 squared error of each block of the ``[R, NG, BD]`` tile: per (row, group) with
     ``s, m [R, NG]`` (``PER_ROW``), or per group over the valid rows ``r3`` with ``s, m [NG]``."""
     # one return: the compiler types every return of a function, constexpr branches included
     if PER_ROW:
-        err = tl.sum(_sq_err(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS), axis=2)
+        err = tl.sum(_sq_err(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS, ARITH), axis=2)
     else:
-        err = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS), 0.0),
+        err = tl.sum(tl.sum(tl.where(r3, _sq_err(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS, ARITH), 0.0),
                             axis=2), axis=0)
     return err
 
 
 @triton.jit
 def _choose_params(x3, lo, hi, r3, RATIOS, LUT, CLIP_N: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                   SDT: tl.constexpr, PER_ROW: tl.constexpr):
+                   SDT: tl.constexpr, PER_ROW: tl.constexpr, ARITH: tl.constexpr, SFLOOR):
     """Stored (scale, zero) of every block: the range ``[lo, hi]`` (absmax), the root mean square
     (rms codebooks), or with an MSE clip the first of the ``CLIP_N`` ratios of least squared error
     (the oracle's ``mse_search``)."""
     if KIND == 6:
-        s = _rms_scale(x3, r3, SDT, PER_ROW)
+        s = _rms_scale(x3, r3, SDT, PER_ROW, ARITH, SFLOOR)
         m = s * 0.0
     elif CLIP_N == 0:
-        s, m = _params(lo, hi, LUT, KIND, BITS, SDT)
+        s, m = _params(lo, hi, LUT, KIND, BITS, SDT, ARITH, SFLOOR)
     else:
-        s, m = _clip_params(lo, hi, tl.load(RATIOS), LUT, KIND, BITS, SDT)
-        err = _block_err(x3, s, m, r3, LUT, KIND, BITS, PER_ROW)
+        s, m = _clip_params(lo, hi, tl.load(RATIOS), LUT, KIND, BITS, SDT, ARITH, SFLOOR)
+        err = _block_err(x3, s, m, r3, LUT, KIND, BITS, PER_ROW, ARITH)
         for i in range(1, CLIP_N):
-            s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), LUT, KIND, BITS, SDT)
-            e_i = _block_err(x3, s_i, m_i, r3, LUT, KIND, BITS, PER_ROW)
+            s_i, m_i = _clip_params(lo, hi, tl.load(RATIOS + i), LUT, KIND, BITS, SDT, ARITH, SFLOOR)
+            e_i = _block_err(x3, s_i, m_i, r3, LUT, KIND, BITS, PER_ROW, ARITH)
             better = e_i < err  # strict: ties keep the larger ratio
             err = tl.where(better, e_i, err)
             s = tl.where(better, s_i, s)
@@ -294,11 +369,12 @@ def quant_store_kernel(
     LAY, PACK, cb,  # BITS == 0: the layout words of per-channel widths, [D] and [8, D] int32, and
     # the bytes of a code row (CB is 0 then: one specialisation serves every layout of widths);
     # codebooks (KIND 5, 6): LAY is their table (int32 bit patterns of fp32), PACK unread
+    SFLOOR,  # fp32 scale floor (0: none)
     D: tl.constexpr, CB: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
     GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
     ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, CLIP_N: tl.constexpr,
-    FP_Q: tl.constexpr,
+    FP_Q: tl.constexpr, ARITH: tl.constexpr,
 ):
     """One program quantizes the rows of one job (consecutive tokens of one page) for one head.
 
@@ -360,15 +436,15 @@ def quant_store_kernel(
                               ZERO + hl * ss_h, LAY, PACK, cb, D, BLOCK_R)
         else:
             _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h,
-                        SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS, LAY,
-                        D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N)
+                        SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS, LAY, SFLOOR,
+                        D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N, ARITH)
 
 
 @triton.jit
 def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, static_z, row0, RATIOS, LUT,
-                D: tl.constexpr, BLOCK_R: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                SFLOOR, D: tl.constexpr, BLOCK_R: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                 SDT: tl.constexpr, GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
-                CLIP_N: tl.constexpr):
+                CLIP_N: tl.constexpr, ARITH: tl.constexpr):
     """Scales, codes and packing of a ``[BLOCK_R, D]`` tile (integer, fp8 and codebook formats)."""
 
     NG: tl.constexpr = D // BD
@@ -383,8 +459,9 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
         else:
             lo = tl.min(x3, axis=2)
             hi = tl.max(x3, axis=2)
-        s, m = _choose_params(x3, lo, hi, rmask[:, None, None], RATIOS, LUT, CLIP_N, KIND, BITS, SDT, True)
-        u3 = _encode(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS)
+        s, m = _choose_params(x3, lo, hi, rmask[:, None, None], RATIOS, LUT, CLIP_N, KIND, BITS, SDT, True,
+                              ARITH, SFLOOR)
+        u3 = _encode(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS, ARITH)
         soff = rows[:, None] * NG + g[None, :]
         tl.store(scale_base + soff, scale_bits(s, SDT), mask=rmask[:, None])
         if KIND == 1:
@@ -399,7 +476,7 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
             else:
                 lo = tl.min(tl.min(tl.where(r3, x3, float("inf")), axis=2), axis=0)
                 hi = tl.max(tl.max(tl.where(r3, x3, float("-inf")), axis=2), axis=0)
-            s, m = _choose_params(x3, lo, hi, r3, RATIOS, LUT, CLIP_N, KIND, BITS, SDT, False)
+            s, m = _choose_params(x3, lo, hi, r3, RATIOS, LUT, CLIP_N, KIND, BITS, SDT, False, ARITH, SFLOOR)
             soff = (row0 // BT_S) * NG + g
             tl.store(scale_base + soff, scale_bits(s, SDT))
             if KIND == 1:
@@ -411,7 +488,7 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
                 m = tl.load(static_z + g).to(tl.float32)
             else:
                 m = s * 0.0
-        u3 = _encode(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS)
+        u3 = _encode(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS, ARITH)
     u = tl.reshape(u3, (BLOCK_R, D))
 
     if BITS == 8:

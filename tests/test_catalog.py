@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kverr import catalog as cat
-from kverr.config import PRESETS
+from kverr.config import PRESETS, named_presets
 from kverr.gpu import aot
 from kverr.gpu.spec import kernel_spec
 
@@ -28,3 +28,6 @@ def test_every_format_offered_has_a_kernel_and_is_compiled_ahead_of_time(head_di
     compiled = {kernel_spec(f, head_dim, 64) for f in aot.formats(True, 64, head_dim)}
     missing = [f.label() for f in fmts if kernel_spec(f, head_dim, 64) not in compiled]
     assert missing == []
+    # the serving engines' formats run on the kernels too, their arithmetic options included
+    engines = {f for c in named_presets().values() for _, f in c._all_formats()} - set(fmts)
+    assert engines and all(kernel_spec(f, head_dim, 64) in compiled for f in engines)

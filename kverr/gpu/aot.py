@@ -122,8 +122,8 @@ def _mixed_widths(D: int) -> list[QuantFormat]:
 
 def formats(full: bool, P: int = 64, D: int = 128) -> list[QuantFormat]:
     """With ``full``: every format of the catalog (:func:`kverr.catalog.catalog`: presets,
-    calibration candidates, window formats) and every element format x every granularity, each
-    also rotated with an MSE clip. Otherwise each element format at per-token scales plus each
+    calibration candidates, window formats), the serving engines' presets, and every element
+    format x every granularity, each also rotated with an MSE clip. Otherwise each element format at per-token scales plus each
     granularity with int4, and the rotated/MSE branches on each scale layout (the test set)."""
     from kverr.catalog import catalog
 
@@ -131,8 +131,12 @@ def formats(full: bool, P: int = 64, D: int = 128) -> list[QuantFormat]:
     grans = _granularities(P)
     elems = _elements()
     if full:
+        from kverr.config import named_presets
+
         plain = [e(g) for e in elems for _, g in grans]
-        fmts += [*catalog(D), *plain, *(_rotated_mse(f) for f in plain), *_mixed_widths(D)]
+        # the engines' presets too: their arithmetic options (nearest scales, floors, reciprocals)
+        engines = [f for cfg in named_presets().values() for _, f in cfg._all_formats()]
+        fmts += [*catalog(D), *plain, *(_rotated_mse(f) for f in plain), *_mixed_widths(D), *engines]
     else:
         fmts += [e(PerToken()) for e in elems]
         fmts += [int_format(4, g) for name, g in grans if name != "tok"]
@@ -165,7 +169,7 @@ def store_signature(spec: KernelSpec, fp_q: bool = False) -> dict:
            "HEADS": "*i32", "JOB_PAGE": "*i32", "JOB_ROW0": "*i32", "JOB_NROWS": "*i32", "JOB_B": "*i32",
            "SRC_NEW": "*i32", "SRC_SLOT": "*i32", "CODES": _codes_ptr(spec), "sc_p": "i32", "sc_h": "i32",
            "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32", "RATIOS": "*fp32",
-           "LAY": "*i32", "PACK": "*i32", "cb": "i32"}
+           "LAY": "*i32", "PACK": "*i32", "cb": "i32", "SFLOOR": "fp32"}
     return sig
 
 

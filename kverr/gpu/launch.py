@@ -48,7 +48,7 @@ def rotation_constexprs(D: int) -> dict:
 def store_constexprs(spec: KernelSpec, D: int, block_r: int, fp_q: bool = False) -> dict:
     return dict(D=D, CB=spec.cb_const, BLOCK_R=block_r, KIND=spec.kind, BITS=spec.bits, SDT=spec.sdt,
                 GRAN=spec.gran, BD=spec.bd, BT_S=spec.bts, ROT=spec.rot, CLIP_N=spec.clip_n,
-                **rotation_constexprs(D), FP_Q=fp_q)
+                **rotation_constexprs(D), FP_Q=fp_q, ARITH=spec.arith)
 
 
 def _fp_scale_args(pool) -> tuple:
@@ -83,7 +83,7 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor |
         pool.heads_t,
         jobs.page, jobs.row0, jobs.nrows, jobs.seq, jobs.src_new, jobs.src_slot,
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),
-        scale, zero, ss_p, ss_h, pool.ratios, *_layout_args(pool), spec.cb,
+        scale, zero, ss_p, ss_h, pool.ratios, *_layout_args(pool), spec.cb, spec.scale_floor,
         **store_constexprs(spec, D, jobs.block_r, pool.fp_scale is not None),
         num_warps=store_warps(jobs.block_r, D), maxnreg=DECODE_MAXNREG, **STORE_OPTIONS,
     )

@@ -35,6 +35,9 @@ from kverr.quant.reference import codes_nbytes, pack_codes
 
 (KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT, KIND_CODEBOOK, KIND_CODEBOOK_RMS,
  KIND_FP4) = range(8)
+#: The store kernel's ``ARITH`` bits: scales rounded to nearest, codes from the reciprocal,
+#: integer codes rounded half away from zero.
+ARITH_NEAREST, ARITH_RECIPROCAL, ARITH_HALF_AWAY = 1, 2, 4
 #: Scale dtype codes; the one-byte dtypes (3, 4) live in uint8 pools as their bytes.
 SDT = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "e8m0": 4}
 GRAN_ROW, GRAN_BLOCK, GRAN_STATIC = range(3)
@@ -67,7 +70,11 @@ class KernelSpec:
         Codes hold the Hadamard-rotated head dimension (the store kernel rotates; the decode
         kernel rotates the query and un-rotates the value accumulator instead of every row).
     clip_ratios
-        fp32 clip ratios of an MSE clip, largest first (empty for absmax).
+        fp32 clip ratios of an MSE clip, in search order (empty for absmax).
+    arith, scale_floor
+        The format's arithmetic options (:func:`~kverr.quant.formats.arithmetic_options`) as the
+        store kernel's ``ARITH`` bits (:data:`ARITH_NEAREST`, :data:`ARITH_RECIPROCAL`,
+        :data:`ARITH_HALF_AWAY`) and its fp32 scale floor (0: none).
     """
 
     kind: int
@@ -82,6 +89,8 @@ class KernelSpec:
     fmt: QuantFormat
     rot: bool = False
     clip_ratios: tuple[float, ...] = ()
+    arith: int = 0
+    scale_floor: float = 0.0
 
     @property
     def clip_n(self) -> int:
@@ -136,12 +145,14 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
     if fmt.is_float:
         return KernelSpec(KIND_FLOAT, 16, 0, GRAN_ROW, D, 1, 1, D, False, fmt)
     opts = arithmetic_options(fmt)
-    if opts:
+    if opts and fmt.channel_bits is not None:
         raise KernelError(
-            f"{fmt.label()}: {', '.join(f'{k}={v!r}' for k, v in opts.items())} is not implemented by the "
-            "kernels (they round scales outward, divide, and round codes half to even); use the reference "
-            "path (kverr.quant)"
+            f"{fmt.label()}: {', '.join(f'{k}={v!r}' for k, v in opts.items())} with per-channel widths is not "
+            "implemented by the kernels (their channel codes round half to even); use the reference path (kverr.quant)"
         )
+    arith = ((ARITH_NEAREST if fmt.scale_rounding == "nearest" else 0)
+             | (ARITH_RECIPROCAL if fmt.reciprocal else 0) | (ARITH_HALF_AWAY if fmt.rounding == "half_away" else 0))
+    sfloor = float(np.float32(fmt.scale_floor))
     g = fmt.granularity
     if fmt.channel_bits is not None and not is_static(g):
         raise KernelError(
@@ -197,7 +208,7 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
         )
     bits = 0 if fmt.channel_bits is not None else fmt.bits  # 0: each channel's width in the layout tables
     return KernelSpec(kind, bits, SDT[fmt.scale_dtype], gran, bd, bts, tb, codes_nbytes(fmt, D), static, fmt,
-                      rot=fmt.rotate == "hadamard", clip_ratios=ratios)
+                      rot=fmt.rotate == "hadamard", clip_ratios=ratios, arith=arith, scale_floor=sfloor)
 
 
 def codebook_table(fmt: QuantFormat) -> np.ndarray:

@@ -8,8 +8,6 @@ rows, rows under the scale floor, rows whose scaled maximum rounds above the lar
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -20,10 +18,7 @@ from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE, PRESETS
 from kverr.exceptions import ConfigError, KernelError
 from kverr.memory import ModelShape, account
 from kverr.quant import dequantize, fake_quantize, quantize
-from specs import E2M1, e2m1_rne
-
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max, vLLM's FP8_MAX on CUDA
-
+from specs import E2M1, FP8_MAX, e2m1_rne, reciprocal_split_rows
 
 # --------------------------------------------------------------------------------------------
 # vLLM's arithmetic, restated
@@ -73,44 +68,6 @@ TIE_ROW_INT8 = [127.0, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 3.5, -3.5
 # amax 448 -> scale 1: e4m3 midpoints (1.0625 between 1 and 1.125, 17 between 16 and 18, ...)
 TIE_ROW_FP8 = [448.0, -448.0, 1.0625, -1.0625, 1.1875, 17.0, -17.0, 0.0009765625, 0.0029296875,
                0.0, -0.0, 232.0, 240.0, -208.0, 0.4375 + 0.03125, 2e-30, 1.0, -1.0]
-
-
-@functools.lru_cache(maxsize=None)
-def reciprocal_split_rows(cache_dtype: torch.dtype, model_dtype: torch.dtype, D: int) -> torch.Tensor:
-    """Two rows (``[2, D]`` fp32, values of ``model_dtype``) in which ``x * (1 / s)`` and ``x / s``
-    round some elements to different codes: the first maxima in ``[1, 2)`` (16-bit grid) for
-    which such values exist, the row then scaled by 1 and by 64 (exact: ``s`` and ``1 / s``
-    scale by the same power of two)."""
-    quant_max = 127.0 if cache_dtype == torch.int8 else FP8_MAX
-    if cache_dtype == torch.int8:
-        code = lambda q: (q + 0.5).trunc()  # noqa: E731
-        bounds = torch.arange(0, 127, dtype=torch.float32) + 0.5
-    else:
-        code = lambda q: q.to(torch.float8_e4m3fn).float()  # noqa: E731
-        grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-        bounds = (grid[:-1] + grid[1:]) / 2
-    grid16 = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.bfloat16 if model_dtype == torch.bfloat16
-                                                              else torch.float16).float()
-    rows = []
-    for amax in grid16[(grid16 >= 1) & (grid16 < 2)]:
-        s = amax / quant_max
-        if model_dtype == torch.float32:  # fp32 neighbours (up to 4 ulps) of the code boundaries
-            x, step = [bounds * s], bounds * s
-            for direction in (float("inf"), 0.0):
-                step = bounds * s
-                for _ in range(4):
-                    step = torch.nextafter(step, torch.full_like(step, direction))
-                    x.append(step)
-            x = torch.cat(x)
-        else:  # every 16-bit value
-            x = grid16
-        x = x[x < amax]
-        split = x[code(x * (torch.tensor(1.0) / s)) != code(x / s)][: D - 1]
-        if len(split):
-            rows.append(torch.cat([amax.reshape(1), split, torch.zeros(D - 1 - len(split))]))
-        if len(rows) == 2:
-            return torch.stack([rows[0], rows[1] * 64])
-    raise AssertionError("no maximum in [1, 2) separates division from the reciprocal")  # pragma: no cover
 
 
 def adversarial(D: int, cache_dtype: torch.dtype, seed: int, model_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -269,14 +226,19 @@ def test_nvfp4_memory_is_the_packed_head_size():
     assert rep.totals.scales == 2 * L * T * H * 2 * (D // 16) and rep.totals.zeros == 0
 
 
-def test_kernels_refuse_the_per_token_head_arithmetic_in_one_line():
-    from kverr.gpu.spec import kernel_spec
+def test_the_kernels_take_the_engines_arithmetic():
+    """The store kernel runs vLLM's arithmetic (``tests/gpu/test_kernels_store.py`` checks its
+    codes against the oracle's): the options become its ``ARITH`` bits and scale floor."""
+    import numpy as np
 
-    for cfg in PRESETS.values():
-        with pytest.raises(KernelError) as exc:
-            kernel_spec(cfg.k, 128, 64)
-        msg = str(exc.value)
-        assert "\n" not in msg and "not implemented by the kernels" in msg and "reciprocal=True" in msg
+    from kverr.gpu.spec import ARITH_HALF_AWAY, ARITH_NEAREST, ARITH_RECIPROCAL, kernel_spec
+
+    want = {"vllm-int8-per-token-head": (ARITH_NEAREST | ARITH_RECIPROCAL | ARITH_HALF_AWAY, 1e-6),
+            "vllm-fp8-per-token-head": (ARITH_NEAREST | ARITH_RECIPROCAL, 1e-6),
+            "vllm-nvfp4": (ARITH_NEAREST | ARITH_RECIPROCAL, 0.0)}
+    for name, cfg in PRESETS.items():
+        spec = kernel_spec(cfg.k, 128, 64)
+        assert (spec.arith, spec.scale_floor) == (want[name][0], float(np.float32(want[name][1])))
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ lengths filled in prefill chunks and single-token steps. Every pool is pre-fille
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ from kverr.quant import (
     quantize,
     reconstruct,
 )
+from kverr.engines.vllm_dtypes import PRESETS as VLLM_PRESETS
 from kverr.quant.store import receive
 
 # Bit-exact claims (the store kernel against the oracle) must hold whichever kernels torch
@@ -222,7 +225,6 @@ MSE_PAIRS = [
 @pytest.mark.float_order
 @pytest.mark.parametrize("kf,vf", MSE_PAIRS, ids=[f"{a.label()}+{b.label()}" for a, b in MSE_PAIRS])
 def test_store_mse_clip_search_bit_exact(kf, vf):
-    import dataclasses
 
     from kverr.quant import AbsMax
 
@@ -359,6 +361,58 @@ def test_store_microscaling_bit_exact(kf, vf):
     for which, fmt in (("k", kf), ("v", vf)):  # one-byte scales are stored as their bytes
         want = torch.uint8 if fmt.scale_dtype in ("fp8_e4m3", "e8m0") else torch.float16
         assert cache.pools[0][which][0].scale.dtype == want
+
+
+# The serving engines' arithmetic (scales rounded to nearest, a floor, codes from the reciprocal,
+# integer codes rounded half away from zero): vLLM's per-token-head dtypes and nvfp4 as kverr
+# defines them, quanto's nearest fp32 scales with a zero point, and the options on other layouts
+# (channel groups of tokens, pages, rms codebooks, the MSE clip search)
+ARITH_PAIRS = [
+    (VLLM_PRESETS["vllm-int8-per-token-head"].k, VLLM_PRESETS["vllm-fp8-per-token-head"].v),
+    (VLLM_PRESETS["vllm-nvfp4"].k, dataclasses.replace(int_format(4, PerTokenGroup(16), scale_dtype="fp32"),
+                                                        scale_rounding="nearest")),
+    (dataclasses.replace(int_format(2, PerChannel(8), clip=MSEClip(grid=4, min_ratio=0.5)), scale_rounding="nearest",
+                         reciprocal=True, rounding="half_away"),
+     dataclasses.replace(codebook_format(3, PerPage(), scale_stat="rms", rotate="hadamard"), scale_rounding="nearest",
+                         scale_floor=1e-3)),
+    (dataclasses.replace(fp4_format(PerTokenGroup(16), scale_dtype="e8m0", clip=MSEClip(candidates=(1.0, 1.5))),
+                         scale_rounding="nearest"),
+     dataclasses.replace(int_format(3, PerToken(), symmetric=True, scale_dtype="bf16"), scale_rounding="nearest",
+                         rounding="half_away", scale_floor=0.5)),
+]
+
+
+@pytest.mark.float_order
+@pytest.mark.parametrize("kf,vf", ARITH_PAIRS, ids=[f"{a.label()}+{b.label()}" for a, b in ARITH_PAIRS])
+def test_store_engine_arithmetic_bit_exact(kf, vf):
+    """The arithmetic options on the store kernel: codes and scales bit for bit the oracle's over
+    prefill chunks and single-token steps of unequal sequences."""
+    cfg = CacheConfig(k=kf, v=vf, page_size=P, window=5, sinks=2)
+    cache, ks, vs, _ = store_unequal_batch(cfg, 11, 12)
+    assert {p.spec.arith for w in "kv" for p in cache.pools[0][w]} != {0}
+    assert check_exact(cache, cfg, ks, vs) >= 3
+
+
+@pytest.mark.float_order
+def test_store_reciprocal_rows_bit_exact():
+    """Rows in which ``x * (1 / s)`` and ``x / s`` round some elements to different codes (for
+    int8 and for fp8 per-token scales): the kernel takes the reciprocal where the format says so."""
+    from specs import reciprocal_split_rows
+
+    x = torch.stack([reciprocal_split_rows(torch.int8, torch.float16, D), reciprocal_split_rows(torch.float8_e4m3fn,
+                                                                                               torch.float16, D)])
+    x = x.reshape(1, 1, 4, D).expand(1, H, 4, D).contiguous()  # [B, H, T, D]: four split rows per head
+    cfg = CacheConfig(k=VLLM_PRESETS["vllm-int8-per-token-head"].k, v=VLLM_PRESETS["vllm-fp8-per-token-head"].v,
+                      page_size=P)
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=1, max_tokens=16,
+                         device="cpu")
+    sentinel(cache)
+    fill(cache, [[x[0]]], [[x[0]]], [[4]])
+    assert check_exact(cache, cfg, [[x[0]]], [[x[0]]]) == 2
+    # and the rows do tell the two apart: dividing gives other codes
+    for which, fmt in (("k", cfg.k), ("v", cfg.v)):
+        divided = quantize(x[0], dataclasses.replace(fmt, reciprocal=False)).codes
+        assert not torch.equal(cache.quantized(0, which, 0)[0][0].codes, divided)
 
 
 def test_static_scales_set_later_and_refused_until_set():
