@@ -152,6 +152,21 @@ def _dtype_pairs() -> dict[tuple[QuantFormat, QuantFormat], str]:
     return out
 
 
+def _same_layout(fmt: QuantFormat) -> tuple[str, str, dict] | None:
+    """``(preset, kv_cache_dtype, options)`` of a vLLM dtype whose format is ``fmt`` but for the
+    arithmetic options (``options``: vLLM's values of those that differ), else None."""
+    from kverr.quant.formats import ARITHMETIC_DEFAULTS, arithmetic_options
+
+    plain = replace(fmt, **ARITHMETIC_DEFAULTS)
+    for name, cfg in _DTYPE_PRESETS.items():
+        for f in (cfg.k, cfg.v):
+            if not f.is_float and replace(f, **ARITHMETIC_DEFAULTS) == plain:
+                ours, theirs = arithmetic_options(fmt), arithmetic_options(f)
+                return name, _DTYPE_OF_PRESET[name], {o: getattr(f, o) for o in sorted({*ours, *theirs})
+                                                       if getattr(f, o) != getattr(fmt, o)}
+    return None
+
+
 def _pair_problems(k: QuantFormat, v: QuantFormat) -> tuple[str | None, str | None, list[str]]:
     """(kv_cache_dtype, strategy, problems) for the formats of the quantized layers."""
     dtype = _dtype_pairs().get((k, v))
@@ -163,8 +178,11 @@ def _pair_problems(k: QuantFormat, v: QuantFormat) -> tuple[str | None, str | No
                  "stores that pair")
     for f in dict.fromkeys((k, v)):
         if f.dtype != "fp8_e4m3":
+            near = _same_layout(f)
+            hint = (f"; the preset {near[0]} (--kv-cache-dtype {near[1]}) is this layout with vLLM's arithmetic "
+                    f"({', '.join(f'{o}={val!r}' for o, val in near[2].items())})" if near else "")
             p.append(f"{f.label()}: not a vLLM cache dtype (fp8 e4m3 with static scales per tensor or "
-                     f"per kv head, or one of {', '.join(sorted(set(_DTYPE_OF_PRESET.values()))) or 'none'})")
+                     f"per kv head, or one of {', '.join(sorted(set(_DTYPE_OF_PRESET.values()))) or 'none'}){hint}")
         elif not isinstance(f.granularity, (PerTensor, PerHead)):
             p.append(f"{f.label()}: '{f.granularity.kind}' scales are dynamic; vLLM's fp8 takes static "
                      "scales per tensor or per kv head")

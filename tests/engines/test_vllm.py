@@ -86,6 +86,8 @@ def test_layers_kept_in_16_bits_become_skip_layers():
     "cfg,needle",
     [
         (PRESETS["kivi-4"], "not a vLLM cache dtype"),
+        (PRESETS["nvfp4"], "the preset vllm-nvfp4 (--kv-cache-dtype nvfp4) is this layout with vLLM's arithmetic "
+                           "(reciprocal=True, scale_rounding='nearest')"),
         (CacheConfig(k=fp8_format(PerToken()), v=fp8_format(PerToken())), "'token' scales are dynamic"),
         (PRESETS["fp8-e4m3-head"].with_(window=128), "window=128"),
         (PRESETS["fp8-e4m3-head"].with_(sinks=4), "sinks=4"),
