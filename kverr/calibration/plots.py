@@ -69,6 +69,35 @@ def bits_heatmaps(choices: Any, title: str = ""):
     return fig
 
 
+def family_heatmaps(choices: Any, title: str = ""):
+    """The format family of every layer x kv head (:func:`format_family`), keys and values side by
+    side, each cell annotated with its code bits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import seaborn as sns
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    colors = sns.color_palette("Set2", len(FAMILIES))
+    fig, axes = plt.subplots(1, 2, figsize=(7, 8), sharey=True)
+    for ax, w in zip(axes, ("k", "v")):
+        c = choices[choices.which == w]
+        fam = c.pivot(index="layer", columns="kv_head", values="family").map(FAMILIES.index)
+        bits = c.pivot(index="layer", columns="kv_head", values="bits")
+        sns.heatmap(fam, annot=bits.to_numpy(), fmt=".3g", cbar=False, ax=ax, cmap=ListedColormap(colors),
+                    vmin=-0.5, vmax=len(FAMILIES) - 0.5)
+        ax.set_title(f"{'keys' if w == 'k' else 'values'}: family (bits)")
+    present = [f for f in FAMILIES if f in set(np.asarray(choices.family))]
+    fig.legend(handles=[Patch(color=colors[FAMILIES.index(f)], label=f) for f in present],
+               loc="lower center", ncol=len(present), frameon=False)
+    fig.suptitle(title or "format family per layer and kv head")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
 def predicted_vs_measured(table: Any, x: str = "predicted", y: str = "mean_kl", *, hue: str | None = None,
                           identity: bool = False, xlabel: str | None = None, title: str = ""):
     """Scatter of predicted damage against measured KL (log-log), one marker per scheme.
@@ -105,10 +134,27 @@ def predicted_vs_measured(table: Any, x: str = "predicted", y: str = "mean_kl", 
     return fig
 
 
+#: The format families :func:`format_family` names, in the order figures list them.
+FAMILIES = ("uniform", "fitted widths", "codebook", "minifloat", "float")
+
+
+def format_family(fmt: Any) -> str:
+    """The family of a format: ``uniform`` (integer codes, one width), ``fitted widths`` (a width
+    per channel), ``codebook``, ``minifloat`` (scaled fp8 or fp4 codes) or ``float`` (stored as it is)."""
+    if fmt.is_float:
+        return "float"
+    if fmt.channel_bits is not None:
+        return "fitted widths"
+    if fmt.is_codebook:
+        return "codebook"
+    if fmt.is_minifloat:
+        return "minifloat"
+    return "uniform"
+
+
 def config_choices(config: Any, n_layers: int, n_kv: int):
     """One row per (layer, kv_head, which) of a config: format label, code bits per element (the
-    mean of per-channel widths), family (``uniform``, ``fitted widths`` or ``float``),
-    granularity, rotate."""
+    mean of per-channel widths), family (:func:`format_family`), granularity, rotate."""
     import pandas as pd
 
     rows = []
@@ -116,7 +162,7 @@ def config_choices(config: Any, n_layers: int, n_kv: int):
         for h in range(n_kv):
             for w in ("k", "v"):
                 f = config.format_for(layer, h, w)
-                family = "float" if f.is_float else "uniform" if f.channel_bits is None else "fitted widths"
+                family = format_family(f)
                 rows.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), bits=f.element_bits,
                                  family=family, dtype=f.dtype, granularity=f.granularity.kind, rotate=f.rotate,
                                  clip=f.clip.kind))
