@@ -16,8 +16,8 @@ import sys
 from bench.common import ROOT
 
 POINTS = ((4096, 1), (32768, 1), (32768, 16), (131072, 16), (131072, 64))
-LLAMA_PRESETS = ("int8-token", "vllm-int8-per-token-head", "fp8-e4m3-head", "q4_0", "int4-token-g64", "kivi-4",
-                 "kivi-2")
+LLAMA_PRESETS = ("int8-token", "vllm-int8-per-token-head", "fp8-e4m3-head", "q4_0", "nvfp4", "mxfp4", "int4-token-g64",
+                 "kivi-4", "kivi-2")
 MODEL_PRESETS = ("int8-token", "q4_0", "kivi-2")
 MODEL_CONFIGS = ("3b", "3b-g2", "3b-g1", "4.5b", "4.5b-g2", "4.5b-g1", "5b", "8b")
 DOC = ROOT / "docs" / "performance.md"

@@ -53,13 +53,11 @@ def e4m3_value(u):
 
 @triton.jit
 def fp4_value(u):
-    """fp32 value of the e2m1 code ``u`` (int32 in [0, 16)): ``m / 2`` for exponent 0, else
-    ``(2 + m) * 2**(e - 2)``; code 8 is -0."""
-    e = (u >> 1) & 3
-    m = (u & 1).to(tl.float32)
-    p = ((e + 125) << 23).to(tl.float32, bitcast=True)  # 2**(e - 2)
-    mag = tl.where(e == 0, m * 0.5, (2.0 + m) * p)
-    return tl.where((u & 8) != 0, -mag, mag)
+    """fp32 value of the e2m1 code ``u`` (int32 in [0, 16)): its sign, exponent and mantissa bits
+    placed in an fp16 pattern (exponent rebased by 2**-14; e2m1's subnormal 0.5 is fp16's
+    subnormal 2**-15), times 2**14, exact; code 8 is -0."""
+    h = (((u & 8) << 12) | ((u & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+    return h.to(tl.float32) * 16384.0
 
 
 @triton.jit

@@ -95,11 +95,11 @@ OVERHEADS = Overheads()
 #: converts; fp8 converts and scales; an integer code is shifted, masked, converted and scaled,
 #: a codebook code shifted, masked, looked up and scaled, four either way (one more with a zero
 #: point; 3-bit codes and per-channel widths gather two pieces: three more). An fp4 code is
-#: unpacked (2), its value built from its fields (``kernels.minifloat.fp4_value``: 14) and scaled;
-#: a one-byte scale read per element (channel groups, channel scales) is decoded there too: an
-#: e4m3 byte's fp16 pattern (7), an e8m0 byte's exponent (3). Leads.
-DEQUANT_OPS = {"float": 1, "fp8": 2, "int": 4, "zero": 1, "int3": 3, "int8_row": 3, "fp4": 17,
-               "scale_fp8_e4m3": 7, "scale_e8m0": 3}
+#: unpacked (2), placed in an fp16 pattern and converted (``kernels.minifloat.fp4_value``: 8) and
+#: scaled (1); a one-byte scale read per element (channel groups, channel scales) is decoded there
+#: too: an e4m3 byte's fp16 pattern (8), an e8m0 byte's exponent (3). Leads.
+DEQUANT_OPS = {"float": 1, "fp8": 2, "int": 4, "zero": 1, "int3": 3, "int8_row": 3, "fp4": 11,
+               "scale_fp8_e4m3": 8, "scale_e8m0": 3}
 #: Per-channel widths: each program also reads the format's int32 unpack word per channel
 #: (``kverr.gpu.spec.mixed_layout``), counted with the static scales.
 LAYOUT_BYTES_PER_CHANNEL = 4
