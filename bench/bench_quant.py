@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import subprocess
 import time
 from pathlib import Path
 

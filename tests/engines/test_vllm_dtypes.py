@@ -15,7 +15,7 @@ from kverr.config import PRESETS as KVERR_PRESETS
 from kverr.config import CacheConfig, resolve
 from kverr.engines.vllm import PRESETS as VLLM_PRESETS
 from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE, PRESETS
-from kverr.exceptions import ConfigError, KernelError
+from kverr.exceptions import ConfigError
 from kverr.memory import ModelShape, account
 from kverr.quant import dequantize, fake_quantize, quantize
 from specs import E2M1, FP8_MAX, e2m1_rne, reciprocal_split_rows

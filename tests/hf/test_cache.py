@@ -11,18 +11,7 @@ from kverr.hf import KverrCache
 from kverr.config import PRESETS, CacheConfig, Override
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.memory import ModelShape, account
-from kverr.quant import (
-    PerChannel,
-    PerHead,
-    PerToken,
-    PerTokenGroup,
-    float_format,
-    fp8_format,
-    int_format,
-    is_static,
-    quantize,
-    reconstruct,
-)
+from kverr.quant import PerHead, float_format, fp8_format, is_static, quantize, reconstruct
 from kverr.rope import rotate, unrotate
 
 from bounds import gamma
