@@ -10,8 +10,8 @@ the interpreter runs them:
 * :func:`scale_value`, :func:`scale_bits`: a stored scale's fp32 value from its pool entry, and
   the pool entry of an fp32 scale: the float dtypes as they are, fp8 e4m3 and e8m0 scales as
   their bytes (``SDT`` 3 and 4 of :mod:`kernels.quant_store`);
-* :func:`byte_scale_up`: an fp32 value rounded up to an e4m3 or e8m0 scale, as the oracle's
-  ``ceil_cast`` does.
+* :func:`byte_scale_up`, :func:`byte_scale_near`: an fp32 value rounded up or to nearest to an
+  e4m3 or e8m0 scale, as the oracle's ``ceil_cast`` and ``near_cast`` do.
 """
 
 import triton
@@ -86,17 +86,31 @@ def scale_bits(s, SDT: tl.constexpr):
 
 @triton.jit
 def byte_scale_up(v, SDT: tl.constexpr):
-    """Non-negative fp32 ``v`` rounded up to an e4m3 (``SDT`` 3) or e8m0 (4) scale, as fp32.
-    Above the dtype's largest value the result is undefined (the oracle raises there)."""
+    """Non-negative fp32 ``v`` rounded up to an e4m3 (``SDT`` 3) or e8m0 (4) scale, as fp32 (the
+    oracle's ``ceil_cast``). Above the dtype's largest value the result is undefined (the oracle
+    raises there)."""
     if SDT == 3:
-        r = e4m3_value(minifloat_bits(v, 3, -6, 0x80))
-        nxt = e4m3_value(minifloat_bits(v, 3, -6, 0x80) + 1)
-        return tl.where(r < v, nxt, r)
+        u = minifloat_bits(v, 3, -6, 0x80)
+        r = e4m3_value(u)
+        return tl.where(r < v, e4m3_value(u + 1), r)
     else:
         bits = v.to(tl.int32, bitcast=True)
         ex = (bits >> 23) & 0xFF
-        frac = bits & 0x7FFFFF
         # normal v: its binade's power of two if v is one, else the next; subnormal or zero v:
         # 2**-127 (byte 0) up to it, else 2**-126
-        b = tl.where(ex > 0, ex + (frac != 0).to(tl.int32), (bits > 0x400000).to(tl.int32))
-        return tl.where(b == 0, _E8M0_MIN, (b << 23).to(tl.float32, bitcast=True))
+        b = tl.where(ex > 0, ex + ((bits & 0x7FFFFF) != 0).to(tl.int32), (bits > 0x400000).to(tl.int32))
+        return scale_value(b, 4)
+
+
+@triton.jit
+def byte_scale_near(v, SDT: tl.constexpr):
+    """Non-negative fp32 ``v`` rounded to nearest as an e4m3 (``SDT`` 3) or e8m0 (4) scale, as fp32
+    (the oracle's ``near_cast``): e4m3 ties to even and saturates at 448; e8m0 is the power of two
+    nearest by the significand (``1.5 * 2**k`` and up go up), at least 2**-127."""
+    if SDT == 3:
+        return e4m3_value(minifloat_bits(tl.minimum(v, 448.0), 3, -6, 0x80))
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        ex = (bits >> 23) & 0xFF
+        b = tl.where(ex > 0, ex + ((bits & 0x7FFFFF) >= 0x400000).to(tl.int32), (bits >= 0x600000).to(tl.int32))
+        return scale_value(b, 4)

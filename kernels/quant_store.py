@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from kverr_kernels.hadamard import fwht
-from kverr_kernels.minifloat import (byte_scale_up, e4m3_value, fp4_value, minifloat_bits, scale_bits,
-                                     scale_value)
+from kverr_kernels.minifloat import (byte_scale_near, byte_scale_up, e4m3_value, fp4_value, minifloat_bits,
+                                     scale_bits, scale_value)
 from kverr_kernels.minifloat import rint as _rint
 from kverr_kernels.packing import piece, top_code
 
@@ -94,22 +94,16 @@ def _round_to(x, DT: tl.constexpr):
 
 @triton.jit
 def _cast_near(v, SDT: tl.constexpr):
-    """fp32 ``v`` (>= 0 for the one-byte dtypes) rounded to nearest in the scale dtype, as fp32:
-    ties to even; fp8 e4m3 saturates at 448 (the oracle's ``near_cast``); e8m0 is the power of
-    two nearest by the significand (``1.5 * 2**k`` and up go up), at least 2**-127."""
+    """fp32 ``v`` (>= 0 for the one-byte dtypes) rounded to nearest in the scale dtype, as fp32
+    (the oracle's ``near_cast``): ties to even; the one-byte dtypes as :func:`byte_scale_near`."""
     if SDT == 0:
         return v
     elif SDT == 1:
         return _round_to(v, tl.float16)
     elif SDT == 2:
         return _round_to(v, tl.bfloat16)
-    elif SDT == 3:
-        return e4m3_value(minifloat_bits(tl.minimum(v, 448.0), 3, -6, 0x80))
     else:
-        bits = v.to(tl.int32, bitcast=True)
-        ex = (bits >> 23) & 0xFF
-        b = tl.where(ex > 0, ex + ((bits & 0x7FFFFF) >= 0x400000).to(tl.int32), (bits >= 0x600000).to(tl.int32))
-        return scale_value(b, 4)
+        return byte_scale_near(v, SDT)
 
 
 @triton.jit
@@ -184,10 +178,10 @@ def _ceil_f32(v64):
 
 
 @triton.jit
-def _div_ru(a, den: tl.constexpr):
+def _div_ru(a, den):
     """fp32 ``a / den`` rounded toward +inf (CUDA ``__fdiv_ru``), through float64 as the oracle
-    does: the float64 quotient of an fp32 number by a small constant is never within float64
-    rounding of an fp32 value it does not equal."""
+    does: the float64 quotient of two fp32 numbers is never within float64 rounding of an fp32
+    value it does not equal."""
     return _ceil_f32(a.to(tl.float64) / den)
 
 
@@ -219,42 +213,29 @@ def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constex
             SFLOOR):
     """Stored (scale, zero) as fp32 for the block range ``[lo, hi]`` (``hi`` = amax if symmetric).
 
-    Every rounding on the way to a scale goes up and the zero point goes down (the oracle's
-    ``ceil(div_ru(sub_ru(hi, m), L))``), so the grid covers the block. Codebooks (absmax):
-    ``amax / top``, the table's last entry, through float64 (exact for any fp32 divisor).
-    With nearest scales (``ARITH & 1``) the zero point is ``lo`` and the scale ``(hi - m) / top``,
+    ``top`` is the largest code or level magnitude (:func:`_top`). Every rounding on the way to a
+    scale goes up and the zero point goes down (the oracle's ``ceil(div_ru(sub_ru(hi, m), top))``),
+    so the grid covers the block. With nearest scales (``ARITH & 1``) the zero point is ``lo`` and the scale ``(hi - m) / top``,
     fp32 operations and the casts to nearest. ``SFLOOR`` (fp32, 0 for none) raises the fp32
     scale before its cast."""
+    top = _top(LUT, KIND, BITS)
     if ARITH & 1:
         if KIND == 1:
             m = _cast_near(lo, SDT)
-            s = _cast_near(tl.maximum(tl.math.div_rn(hi - m, _top(LUT, KIND, BITS)), SFLOOR), SDT)
+            span = hi - m
         else:
-            s = _cast_near(tl.maximum(tl.math.div_rn(hi, _top(LUT, KIND, BITS)), SFLOOR), SDT)
-            m = s * 0.0
-        return s, m
-    if KIND == 5:
-        top = _lut(LUT, 2 * (1 << BITS) - 1)
-        s = _cast_step(tl.maximum(_ceil_f32(hi.to(tl.float64) / top.to(tl.float64)), SFLOOR), SDT, True)
-        return s, s * 0.0
-    elif KIND == 0:
-        L: tl.constexpr = (1 << (BITS - 1)) - 1
-        s = _cast_step(tl.maximum(_div_ru(hi, L * 1.0), SFLOOR), SDT, True)
-        return s, s * 0.0
-    elif KIND == 1:
-        L2: tl.constexpr = (1 << BITS) - 1
-        m = _cast_step(lo, SDT, False)
-        s = _cast_step(tl.maximum(_div_ru(_sub_ru(hi, m), L2 * 1.0), SFLOOR), SDT, True)
-        return s, m
-    elif KIND == 2:
-        s = _cast_step(tl.maximum(_div_ru(hi, 448.0), SFLOOR), SDT, True)
-        return s, s * 0.0
-    elif KIND == 7:
-        s = _cast_step(tl.maximum(_div_ru(hi, 6.0), SFLOOR), SDT, True)
-        return s, s * 0.0
+            m = hi * 0.0
+            span = hi
+        s = _cast_near(tl.maximum(tl.math.div_rn(span, top), SFLOOR), SDT)
     else:
-        s = _cast_step(tl.maximum(_div_ru(hi, 57344.0), SFLOOR), SDT, True)
-        return s, s * 0.0
+        if KIND == 1:
+            m = _cast_step(lo, SDT, False)
+            span = _sub_ru(hi, m)
+        else:
+            m = hi * 0.0
+            span = hi
+        s = _cast_step(tl.maximum(_div_ru(span, top), SFLOOR), SDT, True)
+    return s, m
 
 
 @triton.jit
