@@ -155,14 +155,13 @@ def _dtype_pairs() -> dict[tuple[QuantFormat, QuantFormat], str]:
 def _same_layout(fmt: QuantFormat) -> tuple[str, str, dict] | None:
     """``(preset, kv_cache_dtype, options)`` of a vLLM dtype whose format is ``fmt`` but for the
     arithmetic options (``options``: vLLM's values of those that differ), else None."""
-    from kverr.quant.formats import ARITHMETIC_DEFAULTS, arithmetic_options
+    from kverr.quant.formats import ARITHMETIC_DEFAULTS
 
     plain = replace(fmt, **ARITHMETIC_DEFAULTS)
     for name, cfg in _DTYPE_PRESETS.items():
         for f in (cfg.k, cfg.v):
             if not f.is_float and replace(f, **ARITHMETIC_DEFAULTS) == plain:
-                ours, theirs = arithmetic_options(fmt), arithmetic_options(f)
-                return name, _DTYPE_OF_PRESET[name], {o: getattr(f, o) for o in sorted({*ours, *theirs})
+                return name, _DTYPE_OF_PRESET[name], {o: getattr(f, o) for o in sorted(ARITHMETIC_DEFAULTS)
                                                        if getattr(f, o) != getattr(fmt, o)}
     return None
 

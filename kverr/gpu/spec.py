@@ -31,7 +31,7 @@ from kverr.quant.formats import (
     token_block,
 )
 from kverr.quant.codebooks import boundaries, top_level
-from kverr.quant.reference import codes_nbytes, pack_codes
+from kverr.quant.reference import codes_nbytes, near_cast, pack_codes
 
 (KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT, KIND_CODEBOOK, KIND_CODEBOOK_RMS,
  KIND_FP4) = range(8)
@@ -118,10 +118,10 @@ class KernelSpec:
         return torch.uint8 if self.fmt.scale_dtype in BYTE_SCALE_DTYPES else TORCH_DTYPES[self.fmt.scale_dtype]
 
     def pool_scales(self, s: torch.Tensor) -> torch.Tensor:
-        """Scales (fp32 values of the scale dtype, or the oracle's tensor) as a scale pool holds them."""
-        if self.fmt.scale_dtype in BYTE_SCALE_DTYPES:
-            return s.float().to(TORCH_DTYPES[self.fmt.scale_dtype]).view(torch.uint8)
-        return s.to(self.scale_dtype)
+        """Scales (the oracle's tensor, or fp32 values cast to nearest as the oracle's static
+        scales are) as a scale pool holds them."""
+        r = near_cast(s.float(), self.fmt.scale_dtype, "static scale")
+        return r.view(torch.uint8) if self.fmt.scale_dtype in BYTE_SCALE_DTYPES else r
 
     def oracle_scales(self, pool: torch.Tensor) -> torch.Tensor:
         """A scale pool's entries as the oracle's scale tensor (its dtype)."""

@@ -825,7 +825,6 @@ def _zero_width_point(fmt: QuantFormat, blocks: Blocks) -> torch.Tensor:
 
 def _static_params(fmt, scale, zero, group_shape, lead):
     want = tuple(group_shape)  # [B, nH, nT, nD]
-    target = TORCH_DTYPES[fmt.scale_dtype]
 
     def prep(v, name):
         t = torch.as_tensor(v).to(torch.float32)
@@ -838,7 +837,7 @@ def _static_params(fmt, scale, zero, group_shape, lead):
                 f"static {name} of shape {tuple(t.shape)} does not broadcast to the "
                 f"{fmt.granularity.kind} metadata shape {(*lead, *want[1:])}"
             ) from None
-        return t.to(target)
+        return near_cast(t, fmt.scale_dtype, f"static {name}")
 
     s = prep(scale, "scale")
     if bool((s.float() < 0).any()):

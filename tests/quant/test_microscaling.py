@@ -136,3 +136,21 @@ def test_page_scales_and_the_kernel_pools():
     assert pool.dtype == torch.uint8 and torch.equal(spec.oracle_scales(pool).view(torch.uint8), qt.scale.view(torch.uint8))
     # vLLM's arithmetic on the same layout: the store kernel's ARITH bits (nearest, reciprocal)
     assert kernel_spec(dataclasses.replace(PRESETS["nvfp4"].k, scale_rounding="nearest", reciprocal=True), 64, 16).arith == 3
+
+
+def test_static_one_byte_scales_are_cast_as_the_oracle_casts():
+    """A static scale given as an fp32 value is rounded to nearest in its dtype by the oracle's own
+    cast (e4m3: ties to even, saturating at 448; e8m0: by the significand, raising above 2**127),
+    and a kernel pool holds the same bytes."""
+    from kverr.gpu.spec import kernel_spec
+    from kverr.quant import PerHead
+
+    x = torch.randn(1, 2, 8, 32)
+    for sdt, given, want in (("fp8_e4m3", [0.3, 1000.0], [0.3125, 448.0]), ("e8m0", [0.74, 0.75], [0.5, 1.0])):
+        fmt = fp4_format(PerHead(), scale_dtype=sdt)
+        qt = quantize(x, fmt, scale=torch.tensor(given).reshape(2, 1, 1))
+        assert qt.scale.float().flatten().tolist() == want
+        pool = kernel_spec(fmt, 32, 16).pool_scales(torch.tensor(given))
+        assert torch.equal(pool, qt.scale.flatten().view(torch.uint8))
+    with pytest.raises(ConfigError, match="static scale overflows scale_dtype='e8m0'"):
+        quantize(x, fp4_format(PerHead(), scale_dtype="e8m0"), scale=torch.tensor(2.0**127 * 1.5))
