@@ -23,7 +23,9 @@ serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head
 its nvfp4, transformers' fp8 and HQQ int8 backends), TurboQuant's MSE quantizer and the NVFP4 and
 MXFP4 layouts (:data:`PEER_SCHEMES`) joined the table later: measured by the same command with
 only their ``--scheme`` options and merged into the committed files (``evaluate(only=...)``,
-``predicted(only=...)``), which replace the rows of the schemes measured and keep the others.
+``predicted(only=...)``), which replace the rows of the schemes measured and keep the others;
+vLLM's ``turboquant_k8v4`` likewise, as vLLM runs it on the bundled model (its boundary layers
+in 16 bits: :data:`BOUNDARY_SCHEMES`, a ``--config`` file written by :func:`served_configs`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8
 #: one-byte block scales).
 PEER_SCHEMES = ("turboquant-mse-2", "turboquant-mse-3", "turboquant-mse-4", "nvfp4", "mxfp4", "nvfp4-4over6")
 ALL_SCHEMES = SCHEMES + ENGINE_SCHEMES + PEER_SCHEMES
+#: Engine dtypes vLLM runs with its boundary layers unquantized, evaluated as vLLM runs them on
+#: the bundled model (:func:`kverr.engines.vllm_dtypes.with_boundary_skip`), as configs named
+#: ``<preset>-edges`` written next to the run's output.
+BOUNDARY_SCHEMES = ("vllm-turboquant-k8v4",)
+SERVED_SCHEMES = tuple(f"{name}-edges" for name in BOUNDARY_SCHEMES)
 SEGMENTS_CSV = RESULTS / "heldout.segments.csv"
 PREDICTED_CSV = RESULTS / "heldout-predicted.csv"
 SEGMENTS, PREFILL, DECODE = 8, 1024, 256
@@ -75,6 +82,23 @@ def _merged(path: Path, new, only) -> str:
     return pd.concat([old[~old.scheme.isin(list(only))], new], ignore_index=True).to_csv(index=False)
 
 
+def served_configs() -> list[Path]:
+    """The :data:`BOUNDARY_SCHEMES` as vLLM runs them on the bundled model, written to
+    ``WORK`` as config files (``<preset>-edges.json``)."""
+    from kverr.config import atomic_write_text, resolve
+    from kverr.engines.vllm_dtypes import with_boundary_skip
+    from kverr.memory import DEFAULT_SHAPE
+
+    paths = []
+    for name in BOUNDARY_SCHEMES:
+        cfg = with_boundary_skip(resolve(name), DEFAULT_SHAPE.n_layers)
+        path = WORK / f"{cfg.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, cfg.to_json())
+        paths.append(path)
+    return paths
+
+
 def evaluate(only=None) -> None:
     """Run ``kverr evaluate`` and keep its per-segment rows, stamped, in :data:`SEGMENTS_CSV`
     (``only``: just these schemes, merged into the committed rows)."""
@@ -85,8 +109,8 @@ def evaluate(only=None) -> None:
     argv = ["evaluate", "--threads", "1", "--greedy", "0", "--text", str(typing_py()), "--offset", "0",
             "--prefill", str(PREFILL), "--decode", str(DECODE), "--segments", str(SEGMENTS), "--overwrite",
             "--out", str(out)]
-    names = {json.loads(c.read_text())["name"]: c for c in CONFIGS}
-    for c in CONFIGS if only is None else [names[s] for s in only if s in names]:
+    names = {json.loads(c.read_text())["name"]: c for c in [*CONFIGS, *served_configs()]}
+    for c in list(names.values()) if only is None else [names[s] for s in only if s in names]:
         argv += ["--config", str(c)]
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in names]:
         argv += ["--scheme", s]
@@ -121,7 +145,7 @@ def predicted(only=None) -> None:
     torch.set_num_threads(1)
     cap = open_capture(pydoc_capture(4096))
     sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
-    configs = {c.name: c for c in map(CacheConfig.load, CONFIGS)}
+    configs = {c.name: c for c in map(CacheConfig.load, [*CONFIGS, *served_configs()])}
     cfgs = dict(configs) if only is None else {s: configs[s] for s in only if s in configs}
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in configs]:
         cfgs[s] = Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32) if s in PEERS else resolve(s)
@@ -145,7 +169,7 @@ def summarise() -> list[Row]:
     configs = {json.loads(c.read_text())["name"]: json.loads(c.read_text()) for c in CONFIGS}
     rows: list[Row] = []
     for name, g in seg.groupby("scheme", sort=False):
-        if name not in configs and name not in ALL_SCHEMES:
+        if name not in configs and name not in ALL_SCHEMES + SERVED_SCHEMES:
             continue
         m, d = g["machine"].iloc[0], g["date"].max()
         kind = "calibrated" if name in configs else ("peer" if name.startswith(("quanto", "turboquant")) else "preset")

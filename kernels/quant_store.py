@@ -217,9 +217,19 @@ def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constex
     scale goes up and the zero point goes down (the oracle's ``ceil(div_ru(sub_ru(hi, m), top))``),
     so the grid covers the block. With nearest scales (``ARITH & 1``) the zero point is ``lo`` and the scale ``(hi - m) / top``,
     fp32 operations and the casts to nearest. ``SFLOOR`` (fp32, 0 for none) raises the fp32
-    scale before its cast."""
+    scale before its cast. With ``ARITH & 8`` (codes from the fp32 metadata) the pair is
+    ``((hi - lo) / top, lo)`` before any cast: the codes' pair, which :func:`_stored` rounds
+    for the pools."""
     top = _top(LUT, KIND, BITS)
-    if ARITH & 1:
+    if ARITH & 8:
+        if KIND == 1:
+            m = lo
+            span = hi - lo
+        else:
+            m = hi * 0.0
+            span = hi
+        s = tl.maximum(tl.math.div_rn(span, top), SFLOOR)
+    elif ARITH & 1:
         if KIND == 1:
             m = _cast_near(lo, SDT)
             span = hi - m
@@ -236,6 +246,16 @@ def _params(lo, hi, LUT, KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constex
             span = hi
         s = _cast_step(tl.maximum(_div_ru(span, top), SFLOOR), SDT, True)
     return s, m
+
+
+@triton.jit
+def _stored(v, SDT: tl.constexpr, ARITH: tl.constexpr):
+    """The scale or zero point a pool holds for the pair :func:`_params` gave: ``v`` itself, or
+    with codes from the fp32 metadata (``ARITH & 8``) ``v`` rounded to nearest in the scale dtype."""
+    if ARITH & 8:
+        return _cast_near(v, SDT)
+    else:
+        return v
 
 
 @triton.jit
@@ -444,9 +464,9 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
                               ARITH, SFLOOR)
         u3 = _encode(x3, s[:, :, None], m[:, :, None], LUT, KIND, BITS, ARITH)
         soff = rows[:, None] * NG + g[None, :]
-        tl.store(scale_base + soff, scale_bits(s, SDT), mask=rmask[:, None])
+        tl.store(scale_base + soff, scale_bits(_stored(s, SDT, ARITH), SDT), mask=rmask[:, None])
         if KIND == 1:
-            tl.store(zero_base + soff, m, mask=rmask[:, None])
+            tl.store(zero_base + soff, _stored(m, SDT, ARITH), mask=rmask[:, None])
     else:
         if GRAN == 1:
             # one scale per channel group over all rows of the job (a whole token block)
@@ -459,9 +479,9 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
                 hi = tl.max(tl.max(tl.where(r3, x3, float("-inf")), axis=2), axis=0)
             s, m = _choose_params(x3, lo, hi, r3, RATIOS, LUT, CLIP_N, KIND, BITS, SDT, False, ARITH, SFLOOR)
             soff = (row0 // BT_S) * NG + g
-            tl.store(scale_base + soff, scale_bits(s, SDT))
+            tl.store(scale_base + soff, scale_bits(_stored(s, SDT, ARITH), SDT))
             if KIND == 1:
-                tl.store(zero_base + soff, m)
+                tl.store(zero_base + soff, _stored(m, SDT, ARITH))
         else:
             # static: calibrated scales [h, NG]
             s = scale_value(tl.load(static_s + g), SDT)

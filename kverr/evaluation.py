@@ -145,7 +145,8 @@ def _static_layers(config: CacheConfig, n_layers: int, n_kv: int, what: str) -> 
     for layer in range(n_layers):
         for w in WHICH:
             groups = [(f, h) for f, h in config.head_groups(layer, n_kv, w) if not f.is_float]
-            static = [f for f, _ in groups if is_static(f.granularity)]
+            # a fixed scale is the format's own: nothing to give
+            static = [f for f, _ in groups if is_static(f.granularity) and f.fixed_scale is None]
             if not static:
                 continue
             side = "keys" if w == "k" else "values"
@@ -252,7 +253,7 @@ def _scales_column(scheme: Scheme) -> str:
     if scheme.scales is not None:
         return scheme.scales
     static = scheme.config is not None and any(
-        not f.is_float and is_static(f.granularity) for _, f in scheme.config._all_formats())
+        not f.is_float and is_static(f.granularity) and f.fixed_scale is None for _, f in scheme.config._all_formats())
     return PREFILL_SCALES if static else ""
 
 

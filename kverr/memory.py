@@ -301,7 +301,8 @@ def group_bytes(
         n_meta = 2 if fmt.has_zero else 1
         if is_static(fmt.granularity):
             nH, nT, nD = scale_shape(fmt, h, n_q, D, P)
-            b.static = nH * nT * nD * sb * n_meta
+            # a fixed scale is a constant of the format: nothing is stored
+            b.static = 0 if fmt.fixed_scale is not None else nH * nT * nD * sb * n_meta
         else:
             _, bt, bd = block_shape(fmt, h, n_q, D, P)
             nD = D // bd

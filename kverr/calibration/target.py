@@ -5,12 +5,13 @@ in the model's dtype (:mod:`kverr.engines.vllm`). So :func:`calibrate_for_vllm` 
 (layer, kv head, K|V), the formats of vLLM's cache dtypes -- fp8 with static scales per tensor or
 per kv head (each with the absmax scale and with the MSE-optimal clip of the capture, chosen per
 layer and side: the scale is data in the checkpoint, so each layer may have its own), the
-per-token-head dtypes, ``nvfp4``, and fp16 -- with the calibration objective (:mod:`.objective`, weighted
+per-token-head dtypes, ``nvfp4``, ``turboquant_k8v4``, and fp16 -- with the calibration objective (:mod:`.objective`, weighted
 by the measured layer sensitivity), and then, for each dtype and each budget, keeps in 16 bits
 the layers where the dtype does the most damage. Every quantized layer costs the same bytes and
 every skipped layer the same more, so skipping the ``n`` layers of largest damage is the best
-choice of ``n`` layers; ``n`` is the most the budget allows. The dtype of least predicted damage
-wins.
+choice of ``n`` layers; ``n`` is the most the budget allows. A TurboQuant dtype's boundary layers
+(:func:`~kverr.engines.vllm_dtypes.boundary_layers`) are skipped by vLLM itself, so they are
+always among its skipped layers. The dtype of least predicted damage wins.
 
 Beside each choice, :attr:`VllmCalibration.table` gives every dtype's predicted damage at each
 budget with the calibrated skip layers, and, at equal memory, with the convention of vLLM's
@@ -28,6 +29,7 @@ import numpy as np
 
 from kverr.catalog import STATIC_MSE_CLIP
 from kverr.config import CacheConfig, Override
+from kverr.engines.vllm_dtypes import TURBOQUANT_EDGE_LAYERS, boundary_layers, has_boundary_skip  # noqa: F401
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import PerHead, PerTensor, QuantFormat, float_format, fp8_format
 
@@ -37,8 +39,6 @@ from .search import bits_of
 
 #: The outer option vLLM serves: no sinks, no window, keys after RoPE.
 VLLM_OPTION = OuterOption(window=0, sinks=0, key_pre_rope=False)
-#: Layers vLLM's TurboQuant path keeps unquantized at each end of a dense model.
-TURBOQUANT_EDGE_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ class Family:
     kv_cache_dtype: str
     k: tuple[QuantFormat, ...]
     v: tuple[QuantFormat, ...]
+
+    @property
+    def boundary(self) -> bool:
+        """Whether vLLM itself keeps the boundary layers unquantized with this dtype."""
+        return has_boundary_skip(self.kv_cache_dtype)
 
 
 def vllm_families(head_dim: int) -> tuple[Family, ...]:
@@ -206,8 +211,7 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
 
     keep = side("k", fp16) + side("v", fp16)  # damage of a skipped layer (fp16 rounding: tiny)
     keep_bytes = nbytes(fp16) * 2
-    n_edge = min(TURBOQUANT_EDGE_LAYERS, n_layers // 2)
-    edges = sorted({*range(n_edge), *range(n_layers - n_edge, n_layers)})
+    edges = boundary_layers(n_layers)
     rows, plans = [], {}
     for fam in fams:
         dk = np.stack([side("k", f) for f in fam.k])  # [clip, layer]
@@ -216,13 +220,19 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
         quant = dk.min(axis=0) + dv.min(axis=0)
         q_bytes = nbytes(fam.k[0]) + nbytes(fam.v[0])
         gain_order = np.argsort(-(quant - keep), kind="stable")  # layers where quantizing hurts most first
+        forced = edges if fam.boundary else []  # vLLM skips these itself
+        free = [int(x) for x in gain_order if int(x) not in forced]
         for budget in settings.budgets:
             budget_bytes = math.floor(budget * 2 * n_layers * n_kv * D * context / 8 + 1e-9)
             n_skip = (budget_bytes - q_bytes * n_layers) // (keep_bytes - q_bytes) if keep_bytes > q_bytes else n_layers
             n_skip = int(min(max(n_skip, -1), n_layers))
-            for rule, skip in (("calibrated", sorted(int(x) for x in gain_order[:max(n_skip, 0)])),
-                               ("turboquant-edges", edges),
-                               ("calibrated-as-many", sorted(int(x) for x in gain_order[:len(edges)]))):
+            if n_skip < len(forced):
+                n_skip = -1  # the boundary layers alone are over the budget
+            rules = [("calibrated", sorted(forced + free[:max(n_skip - len(forced), 0)])),
+                     ("turboquant-edges", edges)]
+            if not fam.boundary:  # a boundary dtype cannot choose which layers to skip instead
+                rules.append(("calibrated-as-many", sorted(free[:len(edges)])))
+            for rule, skip in rules:
                 skip_set = set(skip)
                 total = sum(keep_bytes if l in skip_set else q_bytes for l in range(n_layers))
                 dmg = float(sum(keep[l] if l in skip_set else quant[l] for l in range(n_layers)))

@@ -52,6 +52,7 @@ import numpy as np
 from kverr.config import WHICH, CacheConfig, check_model_matches
 from kverr.engines.common import common_refusals, refuse, shape_of
 from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE as _DTYPE_OF_PRESET
+from kverr.engines.vllm_dtypes import boundary_layers, has_boundary_skip
 from kverr.engines.vllm_dtypes import PRESETS as _DTYPE_PRESETS
 from kverr.exceptions import CaptureError, ConfigError, ModelError
 from kverr.io import atomic_dir, check_output_path
@@ -229,6 +230,12 @@ def serving(config: CacheConfig, n_layers: int | None = None, n_kv: int | None =
         (k, v), = pairs
         dtype, strategy, more = _pair_problems(k, v)
         p += more
+        if dtype is not None and has_boundary_skip(dtype):
+            quantized = [l for l in boundary_layers(n_layers) if l not in skip]
+            if quantized:
+                p.append(f"layers {_ranges(quantized)}: vLLM keeps layers {_ranges(boundary_layers(n_layers))} in the "
+                         f"model's dtype with {dtype} (its boundary skip), so they cannot be quantized "
+                         "(kverr.engines.vllm_dtypes.with_boundary_skip gives the config vLLM runs)")
     refuse("vLLM", p, "`kverr project CONFIG --target vllm --capture CAPTURE` finds the nearest config vLLM "
                       "serves and its predicted cost")
     return VllmServing(dtype, tuple(skip) if pairs else (), strategy, k, v)

@@ -51,36 +51,79 @@ Not expressed (left out of :data:`PRESETS` rather than approximated):
   (``zp = clamp(round(-min / s), 0, 15)``, codes ``clamp(round(x * (1/s) + zp), 0, 15)``,
   ``s = max((max - min) / 15, 1e-6)``), not kverr's real-valued block minimum. (3) The stored fp32
   scale carries ``zp`` in its low four mantissa bits, so the scale the reader multiplies by is not
-  the one that encoded. (2) and (3) would be general options (an integer zero point; a scale
-  stored after encoding with its own rounding); (1) needs the rotation's arithmetic defined.
-* ``turboquant_*`` (``model_executor/layers/quantization/turboquant/``,
-  ``v1/attention/ops/triton_turboquant_store.py``). Keys at 3/4 bits are Lloyd-Max codebook
-  indices of the Hadamard-rotated unit vector with an fp16 vector norm (and, ``_nc``, the norm
-  corrected on decode). kverr's codebook format with the ``"normal"`` levels and an rms scale is
-  that quantizer (the ``turboquant-mse-*`` presets), but not bit for bit: vLLM's levels come
-  from a trapezoid-rule Lloyd-Max solve for ``N(0, 1/d)``, not the exact normal centroids, its
-  rotation rounds as its kernel's product does, and the norm correction rescales on decode,
-  which no kverr format does. Values (all four dtypes) are
-  uniform 3/4-bit with ``s = (max - min) / L`` floored at 1e-8 and codes
-  ``trunc((x - min) / s + 0.5)`` computed with the fp32 ``s`` and ``min``, but stored as fp16
-  scale and fp16 zero, which the reader uses: again a stored scale that differs from the encoding
-  one. ``turboquant_k8v4`` keys are a plain fp8 cast (no scale: kverr's fp8 with a static scale
-  of 1; e4m3 on Hopper, ``e4b15`` on Ampere/Ada, which kverr lacks). And ``arg_utils`` adds
-  ``TurboQuantConfig.get_boundary_skip_layers`` to the skipped layers: the first and last
-  ``min(2, num_layers // 2)`` layers of a dense model stay in the model dtype (none in a hybrid
-  one), which depends on the model's layer count, so a model-independent preset cannot hold it
-  (a config built for a known layer count can, with ``layers`` overrides).
+  the one that encoded. (2) would be a general option (an integer zero point) and (3) a variant
+  of ``encode_with="fp32"`` (the stored scale's low bits replaced, not rounded); (1) needs the
+  rotation's arithmetic defined.
+* ``turboquant_3bit_nc``, ``turboquant_4bit_nc``, ``turboquant_k3v4_nc``
+  (``model_executor/layers/quantization/turboquant/``). Keys at 3/4 bits are Lloyd-Max codebook
+  indices of the rotated unit vector with an fp16 vector norm, the norm corrected on decode.
+  kverr's codebook format with the ``"normal"`` levels and an rms scale is that quantizer (the
+  ``turboquant-mse-*`` presets), but not bit for bit: vLLM's levels come from a trapezoid-rule
+  Lloyd-Max solve for ``N(0, 1/d)``, not the exact normal centroids; the norm and the rotation
+  are a torch norm and a cuBLAS product (``x_hat @ PiT``), whose summation order is the
+  library's; and the norm correction rescales on decode, which no kverr format does. Their
+  values are the ``turboquant_k8v4`` values below (3 bits for ``3bit_nc``).
+
+Expressed, with what the restatement cannot see:
+
+* ``turboquant_k8v4`` (vLLM 0.34, ``v1/attention/ops/triton_turboquant_store.py``,
+  ``_tq_fused_store_fp8``): keys cast to fp8 e4m3 with no scale (kverr's fp8 per tensor with
+  ``fixed_scale=1.0``; Triton's conversion saturates at ±448), values asymmetric int4 per (token,
+  kv head) with ``s = max((max - min) / 15, 1e-8)`` and codes ``trunc((x - min) / s + 0.5)``
+  from the fp32 ``s`` and ``min`` (``encode_with="fp32"``), stored as an fp16 scale and an fp16
+  zero, which the decode kernel reads (``code * s + zero``). The tests restate it in plain torch
+  with IEEE division; Triton compiles the kernel's ``/`` to ``div.full.f32`` (within 2 ulp), so
+  a GPU code can differ where a quotient lies within 2 ulp of a half step, and an fp16 scale
+  where ``(max - min) / 15`` lies within 2 ulp of an fp16 rounding boundary. Keys are e4m3 on
+  sm_89 and later; Ampere and Ada before sm_89 use ``e4b15``, which kverr lacks. vLLM also keeps
+  the first and last ``min(2, num_layers // 2)`` layers of a dense model (none of a hybrid) in the
+  model's dtype (``TurboQuantConfig.get_boundary_skip_layers``): that depends on the layer
+  count, so the preset quantizes every layer, :func:`with_boundary_skip` gives the config vLLM
+  runs on a model, and :func:`kverr.engines.vllm.serving` refuses a config that quantizes those
+  layers with this dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from kverr.config import CacheConfig
-from kverr.quant.formats import PerToken, PerTokenGroup, QuantFormat, fp4_format
+from kverr.config import CacheConfig, Override
+from kverr.quant.formats import (PerTensor, PerToken, PerTokenGroup, QuantFormat, float_format, fp4_format, fp8_format,
+                                 int_format)
 
 #: ``tl.maximum(absmax / QUANT_MAX, 1e-6)`` in ``_reshape_cache_per_token_head``.
 PER_TOKEN_HEAD_SCALE_FLOOR = 1e-6
+#: ``tl.where(v_scale > 1e-8, v_scale, 1e-8)`` in TurboQuant's ``_store_quantized_value``.
+TURBOQUANT_SCALE_FLOOR = 1e-8
+#: Layers vLLM keeps in the model's dtype at each end of a dense model for the TurboQuant dtypes
+#: (``TurboQuantConfig.get_boundary_skip_layers``, ``n=2``).
+TURBOQUANT_EDGE_LAYERS = 2
+
+
+def boundary_layers(n_layers: int) -> list[int]:
+    """The layers vLLM keeps unquantized for a TurboQuant dtype on a dense model of ``n_layers``:
+    the first and last ``min(2, n_layers // 2)``."""
+    n = min(TURBOQUANT_EDGE_LAYERS, n_layers // 2)
+    return sorted({*range(n), *range(n_layers - n, n_layers)})
+
+
+def has_boundary_skip(kv_cache_dtype: str) -> bool:
+    """Whether vLLM adds :func:`boundary_layers` to the skipped layers for this cache dtype."""
+    return kv_cache_dtype.startswith("turboquant_")
+
+
+def with_boundary_skip(config: CacheConfig, n_layers: int) -> CacheConfig:
+    """``config`` with :func:`boundary_layers` kept in fp16 (the model's 16-bit dtype), as vLLM
+    runs a TurboQuant dtype on a dense model of ``n_layers`` (a hybrid model keeps none: there
+    the preset itself is what vLLM runs); other overrides of those layers are replaced, the
+    rest kept."""
+    fp16 = float_format("fp16")
+    layers = dict(config.layers)
+    for layer in boundary_layers(n_layers):
+        layers[layer] = Override(k=fp16, v=fp16)
+    heads = {key: o for key, o in config.heads.items() if key[0] not in set(boundary_layers(n_layers))}
+    return replace(config, layers=layers, heads=heads,
+                   name=f"{config.name}-edges" if config.name else config.name)
 
 
 def _per_token_head(dtype: str) -> QuantFormat:
@@ -114,6 +157,14 @@ def _presets() -> dict[str, tuple[str, CacheConfig]]:
     # codes e2m1(x * (1 / s)) (see the module docs)
     nvfp4 = replace(fp4_format(PerTokenGroup(16)), scale_rounding="nearest", reciprocal=True)
     presets["vllm-nvfp4"] = ("nvfp4", dict(k=nvfp4, v=nvfp4))
+    # _tq_fused_store_fp8: keys cast to fp8 e4m3 with no scale (saturating); values
+    # (_store_quantized_value, VQB=4) asymmetric int4 per (token, kv head) from the fp32
+    # s = max((max - min) / 15, 1e-8) and min, codes trunc((x - min) / s + 0.5), stored as fp16
+    # scale and fp16 zero; vLLM also keeps the boundary layers (with_boundary_skip) unquantized.
+    tq_key = replace(fp8_format(PerTensor()), fixed_scale=1.0)
+    tq_value = replace(int_format(4, PerToken()), scale_rounding="nearest", scale_floor=TURBOQUANT_SCALE_FLOOR,
+                       rounding="half_away", encode_with="fp32")
+    presets["vllm-turboquant-k8v4"] = ("turboquant_k8v4", dict(k=tq_key, v=tq_value))
     return {name: (dtype, CacheConfig(name=name, **kw)) for name, (dtype, kw) in presets.items()}
 
 

@@ -178,8 +178,8 @@ def layer_static_scales(config, layer: int, k, v) -> dict[tuple[int, str, int], 
         x = receive(torch.as_tensor(x).float(), config.window_dtype)  # the cache receives K/V in window_dtype
         H, T = x.shape[1], x.shape[2]
         for fmt, heads in config.head_groups(layer, H, which):
-            if fmt.is_float or not is_static(fmt.granularity):
-                continue
+            if fmt.is_float or not is_static(fmt.granularity) or fmt.fixed_scale is not None:
+                continue  # a fixed scale is the format's own, set by the cache
             start, end = token_regions(T, config, fmt)
             region = x[:, heads, start:end] if end > start else x[:, heads]
             qt = quantize_region(region, fmt, config.page_size)
@@ -308,7 +308,10 @@ class PagedKVCache:
                     scale = zero = None
                     if spec.kind != KIND_FLOAT:
                         ncol = head_dim // spec.bd
-                        if spec.static:
+                        if spec.static and fmt.fixed_scale is not None:  # the format's constant
+                            scale, zero = self._static_pair((torch.tensor(fmt.fixed_scale), None), h, ncol, spec,
+                                                            (layer, which, heads[0]), fmt)
+                        elif spec.static:
                             key = (layer, which, heads[0])
                             if deferred:
                                 self.unset_static.add(key)

@@ -36,8 +36,8 @@ from kverr.quant.reference import codes_nbytes, near_cast, pack_codes
 (KIND_INT_SYM, KIND_INT_ASYM, KIND_FP8_E4M3, KIND_FP8_E5M2, KIND_FLOAT, KIND_CODEBOOK, KIND_CODEBOOK_RMS,
  KIND_FP4) = range(8)
 #: The store kernel's ``ARITH`` bits: scales rounded to nearest, codes from the reciprocal,
-#: integer codes rounded half away from zero.
-ARITH_NEAREST, ARITH_RECIPROCAL, ARITH_HALF_AWAY = 1, 2, 4
+#: integer codes rounded half away from zero, codes from the fp32 scale and zero point.
+ARITH_NEAREST, ARITH_RECIPROCAL, ARITH_HALF_AWAY, ARITH_FP32_ENCODE = 1, 2, 4, 8
 #: Scale dtype codes; the one-byte dtypes (3, 4) live in uint8 pools as their bytes.
 SDT = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "e8m0": 4}
 GRAN_ROW, GRAN_BLOCK, GRAN_STATIC = range(3)
@@ -74,7 +74,7 @@ class KernelSpec:
     arith, scale_floor
         The format's arithmetic options (:func:`~kverr.quant.formats.arithmetic_options`) as the
         store kernel's ``ARITH`` bits (:data:`ARITH_NEAREST`, :data:`ARITH_RECIPROCAL`,
-        :data:`ARITH_HALF_AWAY`) and its fp32 scale floor (0: none).
+        :data:`ARITH_HALF_AWAY`, :data:`ARITH_FP32_ENCODE`) and its fp32 scale floor (0: none).
     """
 
     kind: int
@@ -151,7 +151,8 @@ def kernel_spec(fmt: QuantFormat, D: int, P: int) -> KernelSpec:
             "implemented by the kernels (their channel codes round half to even); use the reference path (kverr.quant)"
         )
     arith = ((ARITH_NEAREST if fmt.scale_rounding == "nearest" else 0)
-             | (ARITH_RECIPROCAL if fmt.reciprocal else 0) | (ARITH_HALF_AWAY if fmt.rounding == "half_away" else 0))
+             | (ARITH_RECIPROCAL if fmt.reciprocal else 0) | (ARITH_HALF_AWAY if fmt.rounding == "half_away" else 0)
+             | (ARITH_FP32_ENCODE if fmt.encode_with == "fp32" else 0))
     sfloor = float(np.float32(fmt.scale_floor))
     g = fmt.granularity
     if fmt.channel_bits is not None and not is_static(g):

@@ -44,6 +44,7 @@ from kverr.quant.reference import (
     hadamard_scale,
     mse_search,
     quantize,
+    encoding_params,
     range_params,
     scale_shape,
     to_blocks,
@@ -58,7 +59,7 @@ __all__ = [
 ]
 # the oracle's stages, for callers that share statistics across many formats
 __all__ += ["Blocks", "clip_range", "decode_blocks", "encode_blocks", "fake_quantize_blocks", "fit_params",
-            "mse_search", "range_params", "to_blocks"]
+            "encoding_params", "mse_search", "range_params", "to_blocks"]
 
 from kverr.quant.store import ReferenceStore, align_up, quantize_region, reconstruct, token_regions  # noqa: E402
 

@@ -343,6 +343,11 @@ ROUNDINGS = ("half_even", "half_away")
 #: down) so that the grid covers the range; ``nearest`` is the plain fp32 quotient
 #: ``amax / L`` (``(hi - m) / L``), each operation and the cast to the scale dtype to nearest.
 SCALE_ROUNDINGS = ("outward", "nearest")
+#: Which scale and zero point the codes are computed from: ``stored`` (the values in the scale
+#: dtype, which the decoder reads back) or ``fp32`` (the fp32 values before their cast to the
+#: scale dtype, which only storage rounds: a code then sits on the stored grid up to that
+#: rounding, as vLLM's TurboQuant values are written).
+ENCODE_WITH = ("stored", "fp32")
 
 
 @dataclass(frozen=True)
@@ -395,9 +400,17 @@ class QuantFormat:
         ``"normal"``) or the ``2**bits`` levels, ascending (stored as fp32).
     scale_stat
         Codebooks only: :data:`SCALE_STATS` (default ``"absmax"``); ``"rms"`` takes no clip.
+    encode_with
+        :data:`ENCODE_WITH` (default ``"stored"``). ``"fp32"`` only for integers with
+        ``scale_rounding="nearest"``, the absmax clip and one width for every channel.
+    fixed_scale
+        A scale that is not a statistic of the data: every value is divided by this constant (as
+        vLLM's fp8 cache does without checkpoint scales, 1.0). Only for symmetric formats with one
+        static scale per tensor (granularity ``tensor``), the absmax clip, and a value exact in
+        ``scale_dtype``; nothing is stored for it. None (default): the scale is computed.
 
-    ``rounding``, ``scale_rounding``, ``scale_floor``, ``reciprocal`` and ``channel_bits``
-    default to kverr's own arithmetic and are written to JSON only when they differ from it, so
+    ``rounding``, ``scale_rounding``, ``scale_floor``, ``reciprocal``, ``encode_with``,
+    ``fixed_scale`` and ``channel_bits`` default to kverr's own arithmetic and are written to JSON only when they differ from it, so
     configs written before they existed read (and hash) the same; ``codebook`` and
     ``scale_stat`` are written for codebook formats only.
     """
@@ -416,6 +429,8 @@ class QuantFormat:
     channel_bits: tuple[int, ...] | None = None
     codebook: str | tuple[float, ...] | None = None
     scale_stat: str = "absmax"
+    encode_with: str = "stored"
+    fixed_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BITS:
@@ -449,6 +464,12 @@ class QuantFormat:
         object.__setattr__(self, "scale_floor", float(f))
         if not isinstance(self.reciprocal, bool):
             raise _fail("reciprocal", self.reciprocal, "true or false")
+        if self.encode_with not in ENCODE_WITH:
+            raise _fail("encode_with", self.encode_with, f"one of {', '.join(ENCODE_WITH)}")
+        fs = self.fixed_scale
+        if fs is not None and (isinstance(fs, bool) or not isinstance(fs, (int, float))
+                               or not 0.0 < fs < float("inf")):
+            raise _fail("fixed_scale", fs, "a finite number > 0, or null (a computed scale)")
         if self.is_float:
             # Plain floats carry no scale: normalise the unused fields so equality is meaningful.
             for name, default in (
@@ -461,6 +482,8 @@ class QuantFormat:
                 ("scale_rounding", "outward"),
                 ("scale_floor", 0.0),
                 ("reciprocal", False),
+                ("encode_with", "stored"),
+                ("fixed_scale", None),
             ):
                 object.__setattr__(self, name, default)
             return
@@ -468,6 +491,12 @@ class QuantFormat:
             raise _fail("rounding", self.rounding, f"{self.dtype} codes are the cast's round-half-to-even")
         if (self.is_minifloat or self.is_codebook) and not self.symmetric:
             raise _fail("symmetric", False, f"{self.dtype} is symmetric (a scale, no zero point)")
+        if self.encode_with == "fp32" and (self.dtype != "int" or self.scale_rounding != "nearest"
+                                           or not isinstance(self.clip, AbsMax) or self.channel_bits is not None):
+            raise _fail("encode_with", "fp32", "only for integers with scale_rounding 'nearest' and clip absmax "
+                        "(codes from the fp32 scale of the block's range)")
+        if self.fixed_scale is not None:
+            self._check_fixed_scale()
         if isinstance(self.clip, MSEClip) and self.clip.asymmetric and not self.has_zero:
             raise _fail("clip.asymmetric", True, "only for integer formats with a zero point (symmetric: false)")
         if self.dtype == "int":
@@ -513,6 +542,14 @@ class QuantFormat:
         object.__setattr__(self, "codebook", cb)
         if self.scale_stat == "rms" and not isinstance(self.clip, AbsMax):
             raise _fail("clip", self.clip.kind, "absmax only with scale_stat 'rms' (the scale is not a range)")
+
+    def _check_fixed_scale(self) -> None:
+        fs = float(self.fixed_scale)
+        if not isinstance(self.granularity, PerTensor) or self.has_zero or not isinstance(self.clip, AbsMax):
+            raise _fail("fixed_scale", fs, "only for symmetric formats with granularity tensor and clip absmax")
+        if float(torch.tensor(fs, dtype=torch.float64).to(TORCH_DTYPES[self.scale_dtype]).double()) != fs:
+            raise _fail("fixed_scale", fs, f"a value exact in scale_dtype {self.scale_dtype!r}")
+        object.__setattr__(self, "fixed_scale", fs)
 
     def _check_channel_bits(self) -> None:
         cb = self.channel_bits
@@ -661,6 +698,8 @@ class QuantFormat:
                 "rn" if "scale_rounding" in opts else "",
                 f"f{self.scale_floor:g}" if "scale_floor" in opts else "",
                 "rcp" if "reciprocal" in opts else "",
+                "e32" if "encode_with" in opts else "",
+                f"s{self.fixed_scale:g}" if "fixed_scale" in opts else "",
             )))
         return "/".join(parts)
 
@@ -750,6 +789,8 @@ ARITHMETIC_DEFAULTS: dict[str, Any] = {
     "scale_rounding": "outward",
     "scale_floor": 0.0,
     "reciprocal": False,
+    "encode_with": "stored",
+    "fixed_scale": None,
 }
 
 

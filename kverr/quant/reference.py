@@ -39,11 +39,13 @@ it, ``|x - x_hat| <= s / 2`` for integer codes. ``rint`` is round-half-to-even; 
 (all-zero, or constant for asymmetric) divides by one instead, stores ``s = 0`` and reconstructs
 exactly ``m`` (or zero).
 
-Formats may change four of these steps (:class:`~kverr.quant.formats.QuantFormat`'s arithmetic
+Formats may change six of these steps (:class:`~kverr.quant.formats.QuantFormat`'s arithmetic
 options, each defaulting to the above), as serving engines compute them: ``scale_rounding=
 "nearest"`` (``s = amax / L`` in fp32, rounded to nearest), ``scale_floor`` (``s = max(s,
 floor)`` in fp32 before the cast to the scale dtype), ``reciprocal`` (``x * (1 / s)`` instead of
-``x / s``) and ``rounding="half_away"`` (``trunc(q ± 0.5)`` instead of ``rint(q)``).
+``x / s``), ``rounding="half_away"`` (``trunc(q ± 0.5)`` instead of ``rint(q)``),
+``encode_with="fp32"`` (codes from the fp32 ``s`` and ``m = lo`` before their casts, which only
+storage rounds: :func:`encoding_params`) and ``fixed_scale`` (``s`` a constant, no statistic).
 
 The Hadamard rotation is the fast Walsh-Hadamard transform in a fixed butterfly order
 (:func:`hadamard_rotate`), not a matrix product, whose summation order would be the BLAS's: the
@@ -410,8 +412,12 @@ def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[
     sit a rounding above the grid's and be clamped. A ``scale_floor`` raises the fp32 scale to
     it before the cast to the scale dtype.
     """
-    top = (minifloat_max(fmt.dtype) if fmt.is_minifloat else top_level(fmt.codebook_levels) if fmt.is_codebook
-           else fmt.levels)
+    if fmt.fixed_scale is not None:
+        return torch.full_like(hi, fmt.fixed_scale).to(TORCH_DTYPES[fmt.scale_dtype]), None
+    if fmt.encode_with == "fp32":
+        s32, m32 = encoding_params(fmt, lo, hi)
+        return near_cast(s32, fmt.scale_dtype), None if m32 is None else near_cast(m32, fmt.scale_dtype, "zero point")
+    top = _range_top(fmt)
     sym = fmt.is_minifloat or fmt.symmetric
     if fmt.scale_rounding == "nearest":
         if sym:
@@ -423,6 +429,29 @@ def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[
     m = floor_cast(lo, fmt.scale_dtype)
     s = ceil_cast(_floored(fmt, _div_up(_sub_up(hi, m.float()), top)), fmt.scale_dtype)
     return s, m
+
+
+def _range_top(fmt: QuantFormat) -> float:
+    """The value the top of a block's range maps to: the largest code step count or level."""
+    return (minifloat_max(fmt.dtype) if fmt.is_minifloat else top_level(fmt.codebook_levels) if fmt.is_codebook
+            else fmt.levels)
+
+
+def encoding_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 (scale, zero) the codes are computed from, for clip range ``[lo, hi]``.
+
+    With ``encode_with="stored"`` these are the stored values (:func:`range_params`) in fp32.
+    With ``"fp32"``: ``s = max(hi / L, floor)`` (symmetric) or ``s = max((hi - lo) / L, floor)``
+    and ``m = lo`` (asymmetric), fp32 operations rounded to nearest, before any cast; the stored
+    ones are their casts to the scale dtype (nearest).
+    """
+    if fmt.encode_with == "stored":
+        s, m = range_params(fmt, lo, hi)
+        return s.float(), None if m is None else m.float()
+    top = _range_top(fmt)
+    if fmt.symmetric:
+        return _floored(fmt, hi / top), None
+    return _floored(fmt, (hi - lo) / top), lo.float()
 
 
 def rms_params(fmt: QuantFormat, blocks: Blocks) -> torch.Tensor:
@@ -627,7 +656,8 @@ def fake_quantize_blocks(fmt: QuantFormat, blocks: Blocks,
     if isinstance(fmt.clip, MSEClip):
         return mse_search(fmt, blocks.values, blocks.mask, lo, hi, values=True)[2]
     s, m = range_params(fmt, lo, hi)
-    return decode_blocks(fmt, encode_blocks(fmt, blocks.values, s, m), s, m)
+    es, em = (s, m) if fmt.encode_with == "stored" else encoding_params(fmt, lo, hi)
+    return decode_blocks(fmt, encode_blocks(fmt, blocks.values, es, em), s, m)
 
 
 def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
@@ -803,6 +833,9 @@ def _encode_grouped(x, fmt, page_size, scale, zero) -> _Grouped:
         if zero is not None:
             raise ConfigError("zero was given without scale; pass both or neither")
         s, m = fit_params(fmt, blocks)
+        if fmt.encode_with == "fp32":
+            es, em = encoding_params(fmt, *clip_range(fmt, blocks))
+            return _Grouped(shape, blocks.block, encode_blocks(fmt, blocks.values, es, em), s, m)
     return _Grouped(shape, blocks.block, encode_blocks(fmt, blocks.values, s, m), s, m)
 
 

@@ -193,7 +193,7 @@ def test_presets_are_named_served_and_resolvable():
     assert set(KV_CACHE_DTYPE) == set(PRESETS)
     assert KV_CACHE_DTYPE == {"vllm-int8-per-token-head": "int8_per_token_head",
                               "vllm-fp8-per-token-head": "fp8_per_token_head",
-                              "vllm-nvfp4": "nvfp4"}
+                              "vllm-nvfp4": "nvfp4", "vllm-turboquant-k8v4": "turboquant_k8v4"}
     for name, cfg in PRESETS.items():
         assert name.startswith("vllm-") and cfg.name == name
         assert VLLM_PRESETS[name] is cfg and resolve(name) is cfg
@@ -231,13 +231,14 @@ def test_the_kernels_take_the_engines_arithmetic():
     codes against the oracle's): the options become its ``ARITH`` bits and scale floor."""
     import numpy as np
 
-    from kverr.gpu.spec import ARITH_HALF_AWAY, ARITH_NEAREST, ARITH_RECIPROCAL, kernel_spec
+    from kverr.gpu.spec import ARITH_FP32_ENCODE, ARITH_HALF_AWAY, ARITH_NEAREST, ARITH_RECIPROCAL, kernel_spec
 
     want = {"vllm-int8-per-token-head": (ARITH_NEAREST | ARITH_RECIPROCAL | ARITH_HALF_AWAY, 1e-6),
             "vllm-fp8-per-token-head": (ARITH_NEAREST | ARITH_RECIPROCAL, 1e-6),
-            "vllm-nvfp4": (ARITH_NEAREST | ARITH_RECIPROCAL, 0.0)}
+            "vllm-nvfp4": (ARITH_NEAREST | ARITH_RECIPROCAL, 0.0),
+            "vllm-turboquant-k8v4": (ARITH_NEAREST | ARITH_HALF_AWAY | ARITH_FP32_ENCODE, 1e-8)}
     for name, cfg in PRESETS.items():
-        spec = kernel_spec(cfg.k, 128, 64)
+        spec = kernel_spec(cfg.v if cfg.v.dtype == "int" and cfg.k.dtype != "int" else cfg.k, 128, 64)
         assert (spec.arith, spec.scale_floor) == (want[name][0], float(np.float32(want[name][1])))
 
 
@@ -324,3 +325,106 @@ def test_the_nvfp4_rows_reach_every_branch():
     own = quantize(x.permute(1, 0, 2), KVERR_PRESETS["nvfp4"].k)
     codes, sf8 = flashinfer_nvfp4(x)
     assert not torch.equal(own.scale.view(torch.uint8), sf8.view(torch.uint8).permute(1, 0, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# turboquant_k8v4
+# --------------------------------------------------------------------------------------------
+
+
+def turboquant_k8v4(k: torch.Tensor, v: torch.Tensor):
+    """``_tq_fused_store_fp8`` for ``k, v [tokens, kv_heads, head_size]`` in the model dtype.
+
+    Keys: the fp32 row cast to e4m3 (Triton's conversion saturates at ±448, nearest even), no
+    scale. Values (``_store_quantized_value``, ``VQB=4``): per (token, head) ``lo = min``,
+    ``hi = max`` of the fp32 row, ``s = (hi - lo) / 15`` then ``s if s > 1e-8 else 1e-8``,
+    codes ``int32((x - lo) / s + 0.5)`` (truncation) clamped to ``[0, 15]``, all fp32 with
+    IEEE division; the slot stores ``fp16(s)`` and ``fp16(lo)``, and the decode kernel reads
+    ``code * fp16(s) + fp16(lo)`` in fp32. Returns (key codes uint8, value codes, fp16 scale,
+    fp16 zero)."""
+    key = k.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    rows = v.to(torch.float32)
+    lo, hi = rows.amin(-1), rows.amax(-1)
+    s = (hi - lo) / 15.0
+    s = torch.where(s > 1e-8, s, torch.tensor(1e-8, dtype=torch.float32))
+    q = ((rows - lo[..., None]) / s[..., None] + 0.5).to(torch.int32).clamp(0, 15)
+    return key, q.to(torch.uint8), s.to(torch.float16), lo.to(torch.float16)
+
+
+def turboquant_rows(D: int, seed: int, model_dtype: torch.dtype) -> torch.Tensor:
+    """``[40, 3, D]``: keys past ±448 (saturation) and on e4m3 midpoints; value rows that are
+    constant (the 1e-8 floor), zero, tiny, on half-step ties, and random over 16 binades (whose
+    fp32 ``lo`` and ``s`` round in fp16, so codes from the stored pair would differ)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.zeros(D), torch.full((D,), 3.0), torch.randn(D, generator=g) * 1e-9,
+            torch.linspace(-1.0, 1.0, D), torch.arange(D, dtype=torch.float32) * 0.5 % 7.5]
+    sat = torch.randn(D, generator=g) * 100.0
+    sat[:4] = torch.tensor([1000.0, -1000.0, 1.0625, 17.0])
+    rows.append(sat)
+    n = 120 - len(rows)
+    rand = torch.randn(n, D, generator=g) * torch.rand(n, 1, generator=g).mul(16).sub(8).exp2()
+    rand[::3] += torch.randn(len(rand[::3]), 1, generator=g) * 10.0  # offset rows: lo far from 0
+    return torch.cat([torch.stack(rows), rand]).reshape(40, 3, D).to(model_dtype)
+
+
+@pytest.mark.parametrize("D", [64, 128, 80])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_turboquant_k8v4_is_vllms_arithmetic_bit_for_bit(D, model_dtype):
+    cfg = PRESETS["vllm-turboquant-k8v4"]
+    for seed in range(3):
+        k = turboquant_rows(D, seed, model_dtype)
+        v = turboquant_rows(D, seed + 7, model_dtype)
+        key, codes, s16, z16 = turboquant_k8v4(k, v)
+        qk = quantize(k.permute(1, 0, 2), cfg.k)
+        assert torch.equal(qk.unpacked_codes(), key.permute(1, 0, 2)) and float(qk.scale.flatten()[0]) == 1.0
+        assert torch.equal(bits(qk.dequantize()), bits(key.view(torch.float8_e4m3fn).float().permute(1, 0, 2)))
+        qv = quantize(v.permute(1, 0, 2), cfg.v)
+        assert qv.scale.dtype == qv.zero.dtype == torch.float16
+        assert torch.equal(qv.scale[..., 0].view(torch.int16), s16.T.contiguous().view(torch.int16))
+        assert torch.equal(qv.zero[..., 0].view(torch.int16), z16.T.contiguous().view(torch.int16))
+        assert torch.equal(qv.unpacked_codes(), codes.permute(1, 0, 2))
+        ref = (codes.float() * s16.float()[..., None] + z16.float()[..., None]).permute(1, 0, 2)
+        assert torch.equal(bits(dequantize(qv)), bits(ref))
+        assert torch.equal(bits(fake_quantize(v.permute(1, 0, 2), cfg.v)), bits(ref))
+
+
+def test_turboquant_rows_tell_the_encodings_apart():
+    """On these rows, codes from the stored fp16 pair (kverr's default) differ from vLLM's, and
+    keys saturate: the bit-for-bit test checks what it says."""
+    import dataclasses
+
+    cfg = PRESETS["vllm-turboquant-k8v4"]
+    v = turboquant_rows(64, 7, torch.float32).permute(1, 0, 2)
+    stored = dataclasses.replace(cfg.v, encode_with="stored")
+    assert not torch.equal(quantize(v, stored).unpacked_codes(), quantize(v, cfg.v).unpacked_codes())
+    assert bool((turboquant_rows(64, 0, torch.float32).abs() > FP8_MAX).any())
+    s = (v.amax(-1) - v.amin(-1)) / 15.0
+    assert bool((s <= 1e-8).any())  # the floor
+
+
+def test_turboquant_memory_is_vllms_slot():
+    """``TurboQuantConfig.slot_size``: per (token, kv head) ``head_dim`` fp8 key bytes, then
+    ``head_dim / 2`` bytes of int4 values and an fp16 scale and zero (even, so no padding)."""
+    L, H, D = 4, 2, 128
+    cfg = PRESETS["vllm-turboquant-k8v4"]
+    T = 4 * cfg.page_size
+    rep = account(cfg, ModelShape(L, H, D), T, batch=2)
+    assert rep.total_bytes == 2 * L * T * H * (D + D // 2 + 4)
+    assert rep.totals.static == 0  # the unit key scale is not stored
+
+
+def test_turboquant_boundary_layers_are_vllms():
+    """``get_boundary_skip_layers``: the first and last min(2, n // 2) layers of a dense model;
+    vLLM serves the preset only with them kept, and with_boundary_skip gives that config."""
+    from kverr.engines.vllm import serving
+    from kverr.engines.vllm_dtypes import boundary_layers, with_boundary_skip
+
+    assert boundary_layers(30) == [0, 1, 28, 29] and boundary_layers(3) == [0, 2] and boundary_layers(1) == []
+    cfg = PRESETS["vllm-turboquant-k8v4"]
+    with pytest.raises(ConfigError, match="boundary skip"):
+        serving(cfg, 30, 3)
+    run = with_boundary_skip(cfg, 30)
+    plan = serving(run, 30, 3)
+    assert plan.kv_cache_dtype == "turboquant_k8v4" and plan.skip_layers == (0, 1, 28, 29)
+    assert "--kv-cache-dtype turboquant_k8v4" in plan.command("./m")
+    assert all(run.format_for(layer, 0, w).is_float == (layer in (0, 1, 28, 29)) for layer in range(30) for w in "kv")

@@ -58,6 +58,7 @@ def test_defaults_are_not_written_and_committed_configs_keep_their_bytes():
     dict(rounding="half_away"), dict(scale_rounding="nearest"), dict(scale_floor=1e-6),
     dict(reciprocal=True),
     dict(rounding="half_away", scale_rounding="nearest", scale_floor=0.5, reciprocal=True),
+    dict(scale_rounding="nearest", encode_with="fp32"),
 ])
 def test_options_round_trip_through_json_and_show_in_the_label(option):
     base = int_format(8, PerToken(), symmetric=True, scale_dtype="fp32")
@@ -77,6 +78,10 @@ def test_options_round_trip_through_json_and_show_in_the_label(option):
     (dict(scale_floor=float("nan")), "scale_floor=nan"),
     (dict(scale_floor=True), "scale_floor=True"),
     (dict(reciprocal="yes"), "reciprocal='yes' is not allowed; true or false"),
+    (dict(encode_with="exact"), "encode_with='exact' is not allowed; one of stored, fp32"),
+    (dict(encode_with="fp32"), "encode_with='fp32' is not allowed; only for integers with scale_rounding 'nearest'"),
+    (dict(fixed_scale=0.0), "fixed_scale=0.0 is not allowed; a finite number > 0"),
+    (dict(fixed_scale=1.0), "fixed_scale=1.0 is not allowed; only for symmetric formats with granularity tensor"),
 ])
 def test_bad_options_are_refused_naming_the_field(bad, match):
     with pytest.raises(ConfigError, match=match):
@@ -182,3 +187,46 @@ def test_every_option_keeps_fake_quantize_equal_to_dequantize_of_quantize(
         assert int(codes.min()) >= 1  # symmetric codes stay in [-L, L] (u = code + 2**(b-1))
     for key, value in ARITHMETIC_DEFAULTS.items():
         assert (getattr(fmt, key) == value) == (key not in fmt.to_dict())
+
+
+def test_fixed_scale_is_the_formats_constant_and_stores_nothing():
+    """``fixed_scale``: every value divided by the constant (vLLM's fp8 without checkpoint
+    scales), whatever the data; JSON round trip; refused where it is not exact in the scale
+    dtype or the granularity is not one static scale per tensor."""
+    from kverr.memory import ModelShape, account
+    from kverr.quant import PerHead, PerTensor
+
+    fmt = dataclasses.replace(fp8_format(PerTensor()), fixed_scale=1.0)
+    assert fmt.label().endswith("/s1") and QuantFormat.from_dict(fmt.to_dict()) == fmt
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 20, 16, generator=g) * 300
+    qt = quantize(x, fmt)
+    assert torch.equal(qt.scale.float().unique(), torch.tensor([1.0]))
+    assert torch.equal(qt.unpacked_codes(), x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+    half = dataclasses.replace(fmt, fixed_scale=0.5)
+    assert torch.equal(dequantize(quantize(x, half)), (x / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.5)
+    with pytest.raises(ConfigError, match="a value exact in scale_dtype 'fp16'"):
+        dataclasses.replace(fmt, scale_dtype="fp16", fixed_scale=0.1)
+    with pytest.raises(ConfigError, match="granularity tensor"):
+        dataclasses.replace(fp8_format(PerHead()), fixed_scale=1.0)
+    cfg = CacheConfig(k=fmt, v=fp8_format(PerTensor()))
+    rep = account(cfg, ModelShape(2, 3, 64), 256)
+    assert rep.totals.static == 2 * 4  # one fp32 value scale per layer; the keys' fixed scale stores nothing
+
+
+def test_encode_with_fp32_codes_from_the_unrounded_pair():
+    """``encode_with="fp32"``: codes from ``(x - lo) / s32`` with ``s32 = (hi - lo) / L`` in fp32;
+    stored: the pair rounded to nearest in the scale dtype. Codes differ from kverr's default
+    (from the stored pair) somewhere on random rows; decoding reads the stored pair."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 2, 64, 32, generator=g) * 3 + 5
+    base = dataclasses.replace(int_format(4, PerToken(), scale_dtype="fp16"), scale_rounding="nearest")
+    fmt = dataclasses.replace(base, encode_with="fp32")
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    s32 = (hi - lo) / 15.0
+    want = torch.round((x - lo) / s32).clamp(0, 15)
+    qt = quantize(x, fmt)
+    assert torch.equal(qt.unpacked_codes().float(), want)
+    assert torch.equal(qt.scale, s32.to(torch.float16)) and torch.equal(qt.zero, lo.to(torch.float16))
+    assert torch.equal(dequantize(qt), want * s32.to(torch.float16).float() + lo.to(torch.float16).float())
+    assert not torch.equal(quantize(x, base).unpacked_codes(), qt.unpacked_codes())
