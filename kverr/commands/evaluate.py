@@ -4,6 +4,7 @@ perplexity on running text (``--task text``), or pass-key retrieval (``--task pa
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from kverr.commands._common import non_negative_int, positive_int
@@ -179,6 +180,8 @@ def _check_schemes(schemes, shape) -> None:
     from kverr.config import check_model_matches
     from kverr.evaluation import read_scales
 
+    from kverr.engines.vllm_dtypes import KV_CACHE_DTYPE, boundary_layers, has_boundary_skip
+
     dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim)
     for s in schemes:
         if s.config is not None:
@@ -186,6 +189,11 @@ def _check_schemes(schemes, shape) -> None:
             check_model_matches(s.config, shape=dims)
             if s.scales is not None:
                 read_scales(s.scales, s.config, shape.n_layers, shape.n_kv_heads)
+        dtype = KV_CACHE_DTYPE.get(s.name)
+        if dtype and has_boundary_skip(dtype) and boundary_layers(shape.n_layers):
+            print(f"note: {s.name} quantizes every layer; vLLM's {dtype} keeps layers "
+                  f"{', '.join(map(str, boundary_layers(shape.n_layers)))} of this model in 16 bits "
+                  "(kverr.engines.vllm_dtypes.with_boundary_skip writes that config)", file=sys.stderr)
 
 
 def _passkey(args: argparse.Namespace) -> int:

@@ -428,3 +428,14 @@ def test_turboquant_boundary_layers_are_vllms():
     assert plan.kv_cache_dtype == "turboquant_k8v4" and plan.skip_layers == (0, 1, 28, 29)
     assert "--kv-cache-dtype turboquant_k8v4" in plan.command("./m")
     assert all(run.format_for(layer, 0, w).is_float == (layer in (0, 1, 28, 29)) for layer in range(30) for w in "kv")
+
+
+def test_turboquant_export_reads_back(tmp_path):
+    """The config vLLM runs exports as a dtype and its skip layers, and reads back the same."""
+    from kverr.engines.vllm import export_vllm, import_vllm
+    from kverr.engines.vllm_dtypes import with_boundary_skip
+
+    cfg = with_boundary_skip(PRESETS["vllm-turboquant-k8v4"], 6)
+    res = export_vllm(cfg, tmp_path / "v", n_layers=6, n_kv=2)
+    assert res.command.endswith("--kv-cache-dtype turboquant_k8v4 --kv-cache-dtype-skip-layers 0 1 4 5")
+    assert import_vllm(tmp_path / "v") == cfg.with_(name=None)
