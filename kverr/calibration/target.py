@@ -29,7 +29,7 @@ import numpy as np
 
 from kverr.catalog import STATIC_MSE_CLIP
 from kverr.config import CacheConfig, Override
-from kverr.engines.vllm_dtypes import TURBOQUANT_EDGE_LAYERS, boundary_layers, has_boundary_skip  # noqa: F401
+from kverr.engines.vllm_dtypes import boundary_layers, has_boundary_skip
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import PerHead, PerTensor, QuantFormat, float_format, fp8_format
 
@@ -105,7 +105,7 @@ class VllmCalibration:
         skip_rule, skip_layers, effective_bits, predicted`` (the objective's units), ``feasible``
         (within the budget), ``bytes``. Skip rules: ``calibrated`` (the most layers the budget
         allows, those of most damage), ``turboquant-edges`` (the first and last
-        :data:`TURBOQUANT_EDGE_LAYERS`) and ``calibrated-as-many`` (as many layers as the edges,
+        :data:`~kverr.engines.vllm_dtypes.TURBOQUANT_EDGE_LAYERS`) and ``calibrated-as-many`` (as many layers as the edges,
         those of most damage: the same memory).
     sensitivity : Sensitivity or None
         The layer sensitivity the damage was weighted by (``objective="kl"``).

@@ -410,9 +410,9 @@ class QuantFormat:
         ``scale_dtype``; nothing is stored for it. None (default): the scale is computed.
 
     ``rounding``, ``scale_rounding``, ``scale_floor``, ``reciprocal``, ``encode_with``,
-    ``fixed_scale`` and ``channel_bits`` default to kverr's own arithmetic and are written to JSON only when they differ from it, so
-    configs written before they existed read (and hash) the same; ``codebook`` and
-    ``scale_stat`` are written for codebook formats only.
+    ``fixed_scale`` and ``channel_bits`` default to kverr's own arithmetic and are written to
+    JSON only when they differ from it, so configs written before they existed read (and hash)
+    the same; ``codebook`` and ``scale_stat`` are written for codebook formats only.
     """
 
     dtype: str = "int"

@@ -8,13 +8,13 @@ from captures import synthetic_capture
 
 from kverr.calibration import CalibrationConfig, predict
 from kverr.calibration.target import (
-    TURBOQUANT_EDGE_LAYERS,
     calibrate_for_vllm,
     cheapest_bits,
     project_to_vllm,
     vllm_families,
 )
 from kverr.engines.vllm import export_vllm, serving
+from kverr.engines.vllm_dtypes import TURBOQUANT_EDGE_LAYERS
 from kverr.exceptions import ConfigError
 
 N_LAYERS, N_KV, D = 6, 2, 64
