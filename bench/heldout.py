@@ -19,8 +19,9 @@ the long table are summarised from those two files (:func:`summarise`), so
 The full run takes one to two hours on two cores (22 schemes x 8 segments), so ``--quick`` skips it.
 The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`) and with the codebook
 candidates (:data:`CODEBOOK_BUDGETS`) joined it the same way (their ``--config`` options only). The
-serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8 and
-its nvfp4, transformers' fp8 and HQQ int8 backends), TurboQuant's MSE quantizer and the NVFP4 and
+serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8, its
+nvfp4 and its int4 (emulated, no prediction), transformers' fp8 and HQQ int8 backends), TurboQuant's
+MSE quantizer and the NVFP4 and
 MXFP4 layouts (:data:`PEER_SCHEMES`) joined the table later: measured by the same command with
 only their ``--scheme`` options and merged into the committed files (``evaluate(only=...)``,
 ``predicted(only=...)``), which replace the rows of the schemes measured and keep the others;
@@ -47,7 +48,8 @@ CONFIGS = ([ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS
 #: The presets and peers at the calibrated configs' effective bits (at 1280 tokens).
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
 #: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.
-ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8", "hf-hqq-int8", "vllm-nvfp4")
+ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8", "hf-hqq-int8", "vllm-nvfp4",
+                  "vllm-int4-per-token-head")
 #: Today's methods as peers, at their own effective bits: TurboQuant's MSE quantizer, and the
 #: microscaling layouts NVFP4 (also with "four over six" scales) and MXFP4 (fp4 codes with
 #: one-byte block scales).
@@ -139,7 +141,7 @@ def predicted(only=None) -> None:
 
     from kverr.calibration import Sensitivity, predict
     from kverr.config import CacheConfig, atomic_write_text, resolve
-    from kverr.evaluation import PEERS, Scheme
+    from kverr.evaluation import EMULATED, PEERS, Scheme
     from kverr.io import open_capture
 
     torch.set_num_threads(1)
@@ -148,6 +150,8 @@ def predicted(only=None) -> None:
     configs = {c.name: c for c in map(CacheConfig.load, [*CONFIGS, *served_configs()])}
     cfgs = dict(configs) if only is None else {s: configs[s] for s in only if s in configs}
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in configs]:
+        if s in EMULATED:
+            continue  # not a kverr format: the objective cannot predict it
         cfgs[s] = Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32) if s in PEERS else resolve(s)
     rows = []
     for name, cfg in cfgs.items():
@@ -172,7 +176,8 @@ def summarise() -> list[Row]:
         if name not in configs and name not in ALL_SCHEMES + SERVED_SCHEMES:
             continue
         m, d = g["machine"].iloc[0], g["date"].max()
-        kind = "calibrated" if name in configs else ("peer" if name.startswith(("quanto", "turboquant")) else "preset")
+        kind = ("calibrated" if name in configs
+                else "peer" if name.startswith(("quanto", "turboquant", "vllm-int4")) else "preset")
         n = g["segment"].nunique()
         rows += [Row(name, "kind", kind, "label", m, d),
                  Row(name, "effective_bits", float(g["effective_bits"].iloc[0]), "bits", m, d),
@@ -180,8 +185,9 @@ def summarise() -> list[Row]:
                  Row(name, "mean_kl_se", float(g["mean_kl"].std(ddof=1) / n**0.5), "nats", m, d),
                  Row(name, "top1", float(g["top1"].mean()), "fraction", m, d),
                  Row(name, "segments", n, "count", m, d)]
-        p = pred.loc[name]
-        rows.append(Row(name, "predicted", float(p["predicted"]), "nats", p["machine"], p["date"]))
+        if name in pred.index:  # an emulated peer has no prediction
+            p = pred.loc[name]
+            rows.append(Row(name, "predicted", float(p["predicted"]), "nats", p["machine"], p["date"]))
         if name in configs:
             c = configs[name]
             rows += [Row(name, "outer_option", c["provenance"]["outer_option"], "label", m, d),

@@ -52,7 +52,7 @@ def render(table: Path = TABLE) -> str:
                      f"{r.effective_bits:.2f}", (f"**{kl}**" if bold else kl) + f" ({r.mean_kl_se:#.2g})"]
         else:
             cells = [name, "", "", f"{r.effective_bits:.2f}", f"{r.mean_kl:#.3g} ({r.mean_kl_se:#.2g})"]
-        cells += [f"{r.top1:.3f}", f"{r.predicted:#.3g}"]
+        cells += [f"{r.top1:.3f}", "–" if r.predicted != r.predicted else f"{r.predicted:#.3g}"]  # NaN: none
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -14,7 +14,8 @@ Protocol (:func:`evaluate`), for every text segment and prefill length ``P``:
 
 Schemes: every kverr config (presets or JSON files), and the peers — transformers'
 ``QuantizedCache`` with the quanto backend (``quanto-int4``, ``quanto-int2``: group 64,
-residual 128) — each at its effective bits including metadata.
+residual 128) and vLLM's ``int4_per_token_head`` emulated (``vllm-int4-per-token-head``,
+:mod:`kverr.engines.vllm_int4`) — each at its effective bits including metadata.
 
 Static scales (per tensor or per kv head, over all tokens): by default the cache takes them from
 the first chunk it quantizes, the prefill (``scales="prefill"``). A deployed engine uses scales
@@ -46,6 +47,9 @@ from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format, is_static
 log = logging.getLogger(__name__)
 
 PEERS = {"quanto-int4": 4, "quanto-int2": 2}
+#: Peers kverr's formats cannot express, emulated by a cache of their own: vLLM's
+#: ``int4_per_token_head`` (:mod:`kverr.engines.vllm_int4`).
+EMULATED = ("vllm-int4-per-token-head",)
 QUANTO_GROUP, QUANTO_RESIDUAL = 64, 128
 
 #: ``scales`` values that are not files: every static scale 1.0 (what vLLM uses when the
@@ -58,7 +62,7 @@ class Scheme:
     """A cache to evaluate: a kverr config, a quanto peer, or the unquantized reference."""
 
     name: str
-    kind: str  # "kverr" | "quanto" | "reference"
+    kind: str  # "kverr" | "quanto" | "emulated" | "reference"
     config: CacheConfig | None = None
     nbits: int | None = None
     #: static scales: None or "prefill" (the first chunk's), "unit", or a vLLM export directory
@@ -74,6 +78,10 @@ class Scheme:
             sdt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model_dtype, "fp32")
             fmt = int_format(self.nbits, PerTokenGroup(QUANTO_GROUP), scale_dtype=sdt)
             return CacheConfig(k=fmt, v=fmt, window=QUANTO_RESIDUAL, name=self.name)
+        if self.kind == "emulated":
+            from kverr.engines import vllm_int4
+
+            return vllm_int4.EQUIVALENT  # the same bytes
         return None
 
 
@@ -95,11 +103,13 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     for s in schemes:
         if s in PEERS:
             out.append(Scheme(s, "quanto", nbits=PEERS[s]))
+        elif s in EMULATED:
+            out.append(Scheme(s, "emulated"))
         elif s in named:
             out.append(Scheme(s, "kverr", named[s]))
         else:
             raise ConfigError(
-                f"--scheme {s!r} is not known; schemes: {', '.join([*named, *PEERS])}{hint}"
+                f"--scheme {s!r} is not known; schemes: {', '.join([*named, *PEERS, *EMULATED])}{hint}"
             )
     n_named = len(out)
     for path in configs:
@@ -269,6 +279,10 @@ def make_cache(scheme: Scheme, model: Any, static_scales: dict | None = None) ->
 
     if scheme.kind == "reference":
         return DynamicCache()
+    if scheme.kind == "emulated":
+        from kverr.engines import vllm_int4
+
+        return vllm_int4.make_cache()
     from transformers import QuantizedCache
 
     return QuantizedCache(

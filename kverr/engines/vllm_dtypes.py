@@ -53,7 +53,8 @@ Not expressed (left out of :data:`PRESETS` rather than approximated):
   scale carries ``zp`` in its low four mantissa bits, so the scale the reader multiplies by is not
   the one that encoded. (2) would be a general option (an integer zero point) and (3) a variant
   of ``encode_with="fp32"`` (the stored scale's low bits replaced, not rounded); (1) needs the
-  rotation's arithmetic defined.
+  rotation's arithmetic defined. :mod:`kverr.engines.vllm_int4` emulates it as an evaluation
+  peer (``kverr evaluate --scheme vllm-int4-per-token-head``), not as a format.
 * ``turboquant_3bit_nc``, ``turboquant_4bit_nc``, ``turboquant_k3v4_nc``
   (``model_executor/layers/quantization/turboquant/``). Keys at 3/4 bits are Lloyd-Max codebook
   indices of the rotated unit vector with an fp16 vector norm, the norm corrected on decode.
