@@ -14,8 +14,8 @@ Protocol (:func:`evaluate`), for every text segment and prefill length ``P``:
 
 Schemes: every kverr config (presets or JSON files), and the peers — transformers'
 ``QuantizedCache`` with the quanto backend (``quanto-int4``, ``quanto-int2``: group 64,
-residual 128) and vLLM's ``int4_per_token_head`` emulated (``vllm-int4-per-token-head``,
-:mod:`kverr.engines.vllm_int4`) — each at its effective bits including metadata.
+residual 128) and the vLLM cache dtypes kverr's formats cannot express, emulated
+(:data:`EMULATED`, :mod:`kverr.engines.emulated`) — each at its effective bits including metadata.
 
 Static scales (per tensor or per kv head, over all tokens): by default the cache takes them from
 the first chunk it quantizes, the prefill (``scales="prefill"``). A deployed engine uses scales
@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 
 PEERS = {"quanto-int4": 4, "quanto-int2": 2}
 #: Peers kverr's formats cannot express, emulated by a cache of their own: vLLM's
-#: ``int4_per_token_head`` (:mod:`kverr.engines.vllm_int4`).
-EMULATED = ("vllm-int4-per-token-head",)
+#: ``int4_per_token_head`` and Lloyd-Max TurboQuant dtypes (:mod:`kverr.engines.emulated`).
+EMULATED = ("vllm-int4-per-token-head", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
+            "vllm-turboquant-3bit-nc")
 QUANTO_GROUP, QUANTO_RESIDUAL = 64, 128
 
 #: ``scales`` values that are not files: every static scale 1.0 (what vLLM uses when the
@@ -69,8 +70,9 @@ class Scheme:
     #: or safetensors file (:func:`read_scales`)
     scales: str | None = None
 
-    def equivalent_config(self, model_dtype: torch.dtype) -> CacheConfig | None:
-        """A kverr config that stores what this scheme stores (for effective bits)."""
+    def equivalent_config(self, model_dtype: torch.dtype, n_layers: int | None = None) -> CacheConfig | None:
+        """A kverr config that stores what this scheme stores (for effective bits; an emulated
+        peer needs the model's ``n_layers``)."""
         if self.kind == "kverr":
             return self.config
         if self.kind == "quanto":
@@ -79,9 +81,11 @@ class Scheme:
             fmt = int_format(self.nbits, PerTokenGroup(QUANTO_GROUP), scale_dtype=sdt)
             return CacheConfig(k=fmt, v=fmt, window=QUANTO_RESIDUAL, name=self.name)
         if self.kind == "emulated":
-            from kverr.engines import vllm_int4
+            from kverr.engines.emulated import emulated_peers
 
-            return vllm_int4.EQUIVALENT  # the same bytes
+            if n_layers is None:
+                raise ConfigError(f"{self.name}: its bytes depend on the model's layer count; give n_layers")
+            return emulated_peers()[self.name].equivalent(n_layers)
         return None
 
 
@@ -280,9 +284,9 @@ def make_cache(scheme: Scheme, model: Any, static_scales: dict | None = None) ->
     if scheme.kind == "reference":
         return DynamicCache()
     if scheme.kind == "emulated":
-        from kverr.engines import vllm_int4
+        from kverr.engines.emulated import emulated_peers
 
-        return vllm_int4.make_cache()
+        return emulated_peers()[scheme.name].make_cache(model.config.get_text_config().num_hidden_layers)
     from transformers import QuantizedCache
 
     return QuantizedCache(
@@ -488,7 +492,7 @@ def evaluate(
             logp = teacher_forced(model, cache, ids, p, flush=flush)
             row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off,
                    "scales": _scales_column(s)}
-            eq = s.equivalent_config(model.dtype)
+            eq = s.equivalent_config(model.dtype, shape.n_layers)
             # What the cache held at the end of this run: the P + N tokens fed, the prefill
             # quantized whole when the run flushed it (teacher_forced flushes caches that can;
             # quanto always quantizes its prefill whole).
