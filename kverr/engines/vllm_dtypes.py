@@ -64,6 +64,8 @@ Not expressed (left out of :data:`PRESETS` rather than approximated):
   are a torch norm and a cuBLAS product (``x_hat @ PiT``), whose summation order is the
   library's; and the norm correction rescales on decode, which no kverr format does. Their
   values are the ``turboquant_k8v4`` values below (3 bits for ``3bit_nc``).
+  :mod:`kverr.engines.vllm_turboquant` emulates them as evaluation peers
+  (``vllm-turboquant-4bit-nc``, ``-k3v4-nc``, ``-3bit-nc``), with vLLM's levels.
 
 Expressed, with what the restatement cannot see:
 
