@@ -29,10 +29,7 @@ Expressed exactly:
   ``rcp.approx`` would differ from the IEEE one in the last bit, moving a code only where
   ``x / block_scale`` sits within that bit of a rounding boundary), and the fp8 query that the
   trtllm-gen decode path (Blackwell) adds; the FlashInfer FA2 path (sm_80/sm_90/sm_120) keeps
-  the query in the model's dtype. ``nvfp4_4over6`` (each block's scale ``amax / 6`` or
-  ``amax / 4``, whichever reconstructs it with less squared error) is not expressed: its tie rule
-  and scale rounding are FlashInfer's CUDA code, not pinned here; kverr's ``nvfp4-4over6`` preset
-  is the rule with kverr's scales.
+  the query in the model's dtype.
 * ``fp8`` / ``fp8_e4m3`` (``reshape_and_cache_kernel_flash``): static per-tensor fp32 scales
   ``k_scale``/``v_scale`` and ``x / k_scale`` cast with saturation. That is kverr's own
   ``fp8-e4m3-tensor`` preset (the oracle with ``scale=`` given the scale vLLM loads; a test pins
@@ -69,6 +66,14 @@ Not expressed (left out of :data:`PRESETS` rather than approximated):
 
 Expressed, with what the restatement cannot see:
 
+* ``nvfp4_4over6`` (the trtllm-gen path on Blackwell only; vLLM's ``CacheConfig`` documents it as
+  the NVFP4 layout choosing ``max / 6`` or ``max / 4`` scales per 16 values by least squared
+  reconstruction error): ``vllm-nvfp4``'s arithmetic with kverr's four-over-six choice (the
+  clip candidates 1.0 and 1.5 of :data:`kverr.config.FOUR_OVER_SIX`, each block's squared error
+  summed in float64, a tie keeping ``max / 6``). The writer is CUDA code outside the wheel, so
+  its tie rule and the order and precision of its error sum are not restated: a block whose two
+  errors are within rounding of each other may choose the other scale there.
+
 * ``turboquant_k8v4`` (vLLM 0.34, ``v1/attention/ops/triton_turboquant_store.py``,
   ``_tq_fused_store_fp8``): keys cast to fp8 e4m3 with no scale (kverr's fp8 per tensor with
   ``fixed_scale=1.0``; Triton's conversion saturates at ±448), values asymmetric int4 per (token,
@@ -90,7 +95,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kverr.config import CacheConfig, Override
+from kverr.config import FOUR_OVER_SIX, CacheConfig, Override
 from kverr.quant.formats import (PerTensor, PerToken, PerTokenGroup, QuantFormat, float_format, fp4_format, fp8_format,
                                  int_format)
 
@@ -160,6 +165,10 @@ def _presets() -> dict[str, tuple[str, CacheConfig]]:
     # codes e2m1(x * (1 / s)) (see the module docs)
     nvfp4 = replace(fp4_format(PerTokenGroup(16)), scale_rounding="nearest", reciprocal=True)
     presets["vllm-nvfp4"] = ("nvfp4", dict(k=nvfp4, v=nvfp4))
+    # nvfp4_4over6 (vLLM's CacheConfig docs; the writer is CUDA code outside the wheel): the nvfp4
+    # layout, each block's scale amax / 6 or amax / 4 by least squared reconstruction error
+    four_over_six = replace(nvfp4, clip=FOUR_OVER_SIX)
+    presets["vllm-nvfp4-4over6"] = ("nvfp4_4over6", dict(k=four_over_six, v=four_over_six))
     # _tq_fused_store_fp8: keys cast to fp8 e4m3 with no scale (saturating); values
     # (_store_quantized_value, VQB=4) asymmetric int4 per (token, kv head) from the fp32
     # s = max((max - min) / 15, 1e-8) and min, codes trunc((x - min) / s + 0.5), stored as fp16

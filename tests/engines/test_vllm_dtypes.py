@@ -193,7 +193,8 @@ def test_presets_are_named_served_and_resolvable():
     assert set(KV_CACHE_DTYPE) == set(PRESETS)
     assert KV_CACHE_DTYPE == {"vllm-int8-per-token-head": "int8_per_token_head",
                               "vllm-fp8-per-token-head": "fp8_per_token_head",
-                              "vllm-nvfp4": "nvfp4", "vllm-turboquant-k8v4": "turboquant_k8v4"}
+                              "vllm-nvfp4": "nvfp4", "vllm-nvfp4-4over6": "nvfp4_4over6",
+                              "vllm-turboquant-k8v4": "turboquant_k8v4"}
     for name, cfg in PRESETS.items():
         assert name.startswith("vllm-") and cfg.name == name
         assert VLLM_PRESETS[name] is cfg and resolve(name) is cfg
@@ -236,6 +237,7 @@ def test_the_kernels_take_the_engines_arithmetic():
     want = {"vllm-int8-per-token-head": (ARITH_NEAREST | ARITH_RECIPROCAL | ARITH_HALF_AWAY, 1e-6),
             "vllm-fp8-per-token-head": (ARITH_NEAREST | ARITH_RECIPROCAL, 1e-6),
             "vllm-nvfp4": (ARITH_NEAREST | ARITH_RECIPROCAL, 0.0),
+            "vllm-nvfp4-4over6": (ARITH_NEAREST | ARITH_RECIPROCAL, 0.0),
             "vllm-turboquant-k8v4": (ARITH_NEAREST | ARITH_HALF_AWAY | ARITH_FP32_ENCODE, 1e-8)}
     for name, cfg in PRESETS.items():
         spec = kernel_spec(cfg.v if cfg.v.dtype == "int" and cfg.k.dtype != "int" else cfg.k, 128, 64)
@@ -439,3 +441,27 @@ def test_turboquant_export_reads_back(tmp_path):
     res = export_vllm(cfg, tmp_path / "v", n_layers=6, n_kv=2)
     assert res.command.endswith("--kv-cache-dtype turboquant_k8v4 --kv-cache-dtype-skip-layers 0 1 4 5")
     assert import_vllm(tmp_path / "v") == cfg.with_(name=None)
+
+
+def test_nvfp4_4over6_is_nvfp4_choosing_the_better_of_two_scales_per_block():
+    """Each block: ``vllm-nvfp4``'s codes with ``e4m3(amax / 6)`` or with ``e4m3(amax / 4)``, whichever
+    reconstructs the block with less squared error (a tie keeps amax / 6)."""
+    D = 64
+    x = nvfp4_rows(D, 0, torch.float32).clamp(-2000.0, 2000.0)
+    kx = x.permute(1, 0, 2)
+    both = []
+    for widen in (1.0, 1.5):
+        g = x.reshape(40, 3, D // 16, 16)
+        sf = (g.abs().amax(-1) * widen / 6.0).to(torch.float8_e4m3fn)
+        sfv = sf.float()
+        inv = torch.where(sfv > 0, torch.tensor(1.0) / sfv, torch.zeros_like(sfv))
+        codes = e2m1_rne(g * inv[..., None])
+        back = nvfp4_read(codes.reshape(40, 3, D), sf)
+        err = ((back.double() - x.double()) ** 2).reshape(40, 3, D // 16, 16).sum(-1)
+        both.append((back, err))
+    (b6, e6), (b4, e4) = both
+    pick4 = (e4 < e6).repeat_interleave(16, dim=-1).reshape(40, 3, D)
+    want = torch.where(pick4, b4, b6).permute(1, 0, 2)
+    assert bool(pick4.any()) and not bool(pick4.all())
+    got = fake_quantize(kx, PRESETS["vllm-nvfp4-4over6"].k)
+    assert torch.equal(bits(got), bits(want))

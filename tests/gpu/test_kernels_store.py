@@ -379,9 +379,10 @@ ARITH_PAIRS = [
                          scale_rounding="nearest"),
      dataclasses.replace(int_format(3, PerToken(), symmetric=True, scale_dtype="bf16"), scale_rounding="nearest",
                          rounding="half_away", scale_floor=0.5)),
-    # vLLM's turboquant_k8v4 (a fixed unit fp8 scale; int4 codes from the fp32 scale and zero),
-    # and codes from fp32 metadata stored in bf16 on channel groups of tokens
+    # vLLM's turboquant_k8v4 (a fixed unit fp8 scale; int4 codes from the fp32 scale and zero), its
+    # nvfp4_4over6, and codes from fp32 metadata stored in bf16 on channel groups of tokens
     (VLLM_PRESETS["vllm-turboquant-k8v4"].k, VLLM_PRESETS["vllm-turboquant-k8v4"].v),
+    (VLLM_PRESETS["vllm-nvfp4-4over6"].k, VLLM_PRESETS["vllm-turboquant-k8v4"].v),
     (dataclasses.replace(int_format(3, PerTokenGroup(16), symmetric=True, scale_dtype="bf16"),
                          scale_rounding="nearest", encode_with="fp32"),
      dataclasses.replace(int_format(2, PerChannel(8), scale_dtype="bf16"), scale_rounding="nearest",
