@@ -20,7 +20,7 @@ The full run takes one to two hours on two cores (22 schemes x 8 segments), so `
 The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`) and with the codebook
 candidates (:data:`CODEBOOK_BUDGETS`) joined it the same way (their ``--config`` options only). The
 serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8, its
-nvfp4, its int4 and its Lloyd-Max TurboQuant dtypes (emulated, no prediction), transformers' fp8 and
+nvfp4 (also with four-over-six scales), its int4 and its Lloyd-Max TurboQuant dtypes (emulated, no prediction), transformers' fp8 and
 HQQ int8 backends), TurboQuant's
 MSE quantizer and the NVFP4 and
 MXFP4 layouts (:data:`PEER_SCHEMES`) joined the table later: measured by the same command with
@@ -50,7 +50,7 @@ CONFIGS = ([ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
 #: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.
 ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8", "hf-hqq-int8", "vllm-nvfp4",
-                  "vllm-int4-per-token-head", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
+                  "vllm-nvfp4-4over6", "vllm-int4-per-token-head", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
                   "vllm-turboquant-3bit-nc")
 #: Today's methods as peers, at their own effective bits: TurboQuant's MSE quantizer, and the
 #: microscaling layouts NVFP4 (also with "four over six" scales) and MXFP4 (fp4 codes with
