@@ -82,8 +82,8 @@ def test_installed_command_has_no_traceback_on_bad_config(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(
-        "unknown field k.colour; allowed fields: bits, channel_bits, clip, codebook, dtype, granularity, reciprocal, rotate, "
-        "rounding, scale_dtype, scale_floor, scale_rounding, scale_stat, symmetric")
+        "unknown field k.colour; allowed fields: bits, channel_bits, clip, codebook, dtype, encode_with, fixed_scale, "
+        "granularity, reciprocal, rotate, rounding, scale_dtype, scale_floor, scale_rounding, scale_stat, symmetric")
     assert "Traceback" not in proc.stderr
 
 

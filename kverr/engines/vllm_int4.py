@@ -41,7 +41,7 @@ import torch
 
 from kverr.config import CacheConfig
 from kverr.quant.formats import PerToken, int_format
-from kverr.quant.reference import hadamard
+from kverr.quant.reference import hadamard, half_away
 
 #: The peer's name in ``kverr evaluate --scheme``.
 NAME = "vllm-int4-per-token-head"
@@ -93,21 +93,17 @@ def unrotate(y: torch.Tensor) -> torch.Tensor:
     return (back * rht_signs(d).double()).float()
 
 
-def _half_away(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
-
-
 def quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2 on rotated rows ``y [..., D]`` (fp32): (codes uint8 ``[..., D]``, stored fp32 word
     ``[...]``, whose low four bits are the zero point)."""
     y = y.float()
     lo, hi = y.amin(-1), y.amax(-1)
     s = torch.maximum((hi - lo) / 15.0, torch.tensor(SCALE_FLOOR, dtype=torch.float32))
-    zp = _half_away(-lo / s).clamp(0.0, 15.0)
+    zp = half_away(-lo / s).clamp(0.0, 15.0)
     inv = torch.ones_like(s) / s
     # y * inv + zp with one rounding: the product of two fp32 numbers is exact in float64
     v = (y.double() * inv.double()[..., None] + zp.double()[..., None]).float()
-    q = _half_away(v).clamp(0.0, 15.0).to(torch.uint8)
+    q = half_away(v).clamp(0.0, 15.0).to(torch.uint8)
     word = (s.view(torch.int32) & -16) | zp.to(torch.int32)
     return q, word.view(torch.float32)
 

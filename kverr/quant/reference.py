@@ -487,11 +487,16 @@ def fp4_codes(q: torch.Tensor) -> torch.Tensor:
     return (mag + torch.where(torch.signbit(q), 8.0, 0.0)).to(torch.uint8)
 
 
+def half_away(q: torch.Tensor) -> torch.Tensor:
+    """``trunc(q ± 0.5)``, the ``± 0.5`` an fp32 addition (``+`` for zero): ties away from zero."""
+    return torch.where(q >= 0, q + 0.5, q - 0.5).trunc_()
+
+
 def round_codes(fmt: QuantFormat, q: torch.Tensor) -> torch.Tensor:
     """Integer-valued fp32 ``q`` rounded by the format's :data:`~kverr.quant.formats.ROUNDINGS`:
-    ``rint`` (half to even), or ``trunc(q ± 0.5)`` with the ``± 0.5`` an fp32 addition."""
+    ``rint`` (half to even), or :func:`half_away`."""
     if fmt.rounding == "half_away":
-        return torch.where(q >= 0, q + 0.5, q - 0.5).trunc_()
+        return half_away(q)
     return torch.round(q)
 
 
