@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kverr.config import CacheConfig, named_presets, resolve
+from kverr.engines.emulated import emulated_peers
 from kverr.exceptions import ConfigError, NonFiniteError, ShapeError, TextError
 from kverr.memory import account
 from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format, is_static
@@ -49,8 +50,7 @@ log = logging.getLogger(__name__)
 PEERS = {"quanto-int4": 4, "quanto-int2": 2}
 #: Peers kverr's formats cannot express, emulated by a cache of their own: vLLM's
 #: ``int4_per_token_head`` and Lloyd-Max TurboQuant dtypes (:mod:`kverr.engines.emulated`).
-EMULATED = ("vllm-int4-per-token-head", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
-            "vllm-turboquant-3bit-nc")
+EMULATED = tuple(emulated_peers())
 QUANTO_GROUP, QUANTO_RESIDUAL = 64, 128
 
 #: ``scales`` values that are not files: every static scale 1.0 (what vLLM uses when the
@@ -81,8 +81,6 @@ class Scheme:
             fmt = int_format(self.nbits, PerTokenGroup(QUANTO_GROUP), scale_dtype=sdt)
             return CacheConfig(k=fmt, v=fmt, window=QUANTO_RESIDUAL, name=self.name)
         if self.kind == "emulated":
-            from kverr.engines.emulated import emulated_peers
-
             if n_layers is None:
                 raise ConfigError(f"{self.name}: its bytes depend on the model's layer count; give n_layers")
             return emulated_peers()[self.name].equivalent(n_layers)
@@ -284,8 +282,6 @@ def make_cache(scheme: Scheme, model: Any, static_scales: dict | None = None) ->
     if scheme.kind == "reference":
         return DynamicCache()
     if scheme.kind == "emulated":
-        from kverr.engines.emulated import emulated_peers
-
         return emulated_peers()[scheme.name].make_cache(model.config.get_text_config().num_hidden_layers)
     from transformers import QuantizedCache
 
