@@ -41,7 +41,7 @@ import torch
 
 from kverr.config import CacheConfig
 from kverr.quant.formats import PerToken, int_format
-from kverr.quant.reference import hadamard, half_away
+from kverr.quant.reference import half_away, sylvester
 
 #: The peer's name in ``kverr evaluate --scheme``.
 NAME = "vllm-int4-per-token-head"
@@ -78,7 +78,7 @@ def rotate(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     d = x.shape[-1]
     b = rht_block(d)
     signed = (x.float() * rht_signs(d)).to(torch.bfloat16).double()
-    h = hadamard(b).double().sign()  # the unnormalised matrix: exact ±1
+    h = sylvester(b)  # the unnormalised matrix: exact ±1
     exact = _blocks(signed, b) @ h / math.sqrt(b)
     y = exact.to(torch.bfloat16).float() * torch.tensor(math.sqrt(b), dtype=torch.float32)
     return y.to(dtype or x.dtype).float().reshape(x.shape)
@@ -88,7 +88,7 @@ def unrotate(y: torch.Tensor) -> torch.Tensor:
     """The inverse of the transform, ``d ⊙ H_b y / b``, in fp32 (``[..., D]``)."""
     d = y.shape[-1]
     b = rht_block(d)
-    h = hadamard(b).double().sign()
+    h = sylvester(b)
     back = (_blocks(y.double(), b) @ h / b).reshape(y.shape)
     return (back * rht_signs(d).double()).float()
 

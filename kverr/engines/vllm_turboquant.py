@@ -89,9 +89,10 @@ def value_format(bits: int):
 
 @functools.lru_cache(maxsize=8)
 def _hadamard(d: int) -> torch.Tensor:
-    from kverr.quant.reference import hadamard
+    """vLLM's ``_build_hadamard``: the Sylvester matrix over ``sqrt(d)``, fp32."""
+    from kverr.quant.reference import sylvester
 
-    return (hadamard(d).double().sign() / math.sqrt(d)).float()
+    return (sylvester(d) / math.sqrt(d)).float()
 
 
 def key_codes(y: torch.Tensor, bits: int) -> torch.Tensor:

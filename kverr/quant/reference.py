@@ -185,11 +185,20 @@ def _check_metadata_finite(r: torch.Tensor, dtype: str, what: str) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _hadamard_cpu(n: int) -> torch.Tensor:
+def sylvester(n: int) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of order ``n`` (a power of two) with ±1 entries, float64:
+    symmetric, ``H @ H == n I``. Not to be modified (cached)."""
+    if n < 1 or n & (n - 1):
+        raise ShapeError(f"a Hadamard matrix needs a power-of-two size, got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(torch.float32)
+    return h
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    return (sylvester(n) / math.sqrt(n)).to(torch.float32)
 
 
 def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
