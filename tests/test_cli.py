@@ -37,6 +37,11 @@ def test_presets_lists_every_preset_with_effective_bits(capsys):
     for name, cfg in PRESETS.items():
         line = next(l for l in out.splitlines() if l.startswith(name + " "))
         assert f"{account(cfg, DEFAULT_SHAPE, 4096).effective_bits:.3f}" in line
+    # the peers evaluate runs beside them are named, each once
+    from kverr.evaluation import EMULATED, PEERS
+
+    peers = out.splitlines()[-1]
+    assert peers.startswith("peers") and all(peers.count(p) == 1 for p in (*PEERS, *EMULATED))
 
 
 def test_presets_show_prints_loadable_json(capsys, tmp_path):

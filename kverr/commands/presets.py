@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         line = "  ".join(c.ljust(w) for c, w in zip(r, widths))
         print(f"{line}  does not fit: {unfit[r[0]]}" if r[0] in unfit else line.rstrip())
+    from kverr.evaluation import EMULATED, PEERS
+
+    print(f"peers (not kverr formats; kverr evaluate --scheme NAME): {', '.join(PEERS)} (transformers' "
+          f"QuantizedCache); {', '.join(EMULATED)} (vLLM's caches, emulated)")
     return 0
 
 
