@@ -43,7 +43,7 @@ from kverr.config import CacheConfig, named_presets, resolve
 from kverr.engines.emulated import emulated_peers
 from kverr.exceptions import ConfigError, NonFiniteError, ShapeError, TextError
 from kverr.memory import account
-from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format, is_static
+from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,7 @@ def _static_layers(config: CacheConfig, n_layers: int, n_kv: int, what: str) -> 
     for layer in range(n_layers):
         for w in WHICH:
             groups = [(f, h) for f, h in config.head_groups(layer, n_kv, w) if not f.is_float]
-            # a fixed scale is the format's own: nothing to give
-            static = [f for f, _ in groups if is_static(f.granularity) and f.fixed_scale is None]
+            static = [f for f, _ in groups if f.takes_static_scales]
             if not static:
                 continue
             side = "keys" if w == "k" else "values"
@@ -265,7 +264,7 @@ def _scales_column(scheme: Scheme) -> str:
     if scheme.scales is not None:
         return scheme.scales
     static = scheme.config is not None and any(
-        not f.is_float and is_static(f.granularity) and f.fixed_scale is None for _, f in scheme.config._all_formats())
+        f.takes_static_scales for _, f in scheme.config._all_formats())
     return PREFILL_SCALES if static else ""
 
 

@@ -55,7 +55,7 @@ import torch
 from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
-from kverr.quant.formats import TORCH_DTYPES, is_static, window_format
+from kverr.quant.formats import TORCH_DTYPES, window_format
 from kverr.quant.reference import QTensor, dequantize
 from kverr.quant.store import WindowRows, quantize_region, receive
 
@@ -178,7 +178,7 @@ def layer_static_scales(config, layer: int, k, v) -> dict[tuple[int, str, int], 
         x = receive(torch.as_tensor(x).float(), config.window_dtype)  # the cache receives K/V in window_dtype
         H, T = x.shape[1], x.shape[2]
         for fmt, heads in config.head_groups(layer, H, which):
-            if fmt.is_float or not is_static(fmt.granularity) or fmt.fixed_scale is not None:
+            if not fmt.takes_static_scales:
                 continue  # a fixed scale is the format's own, set by the cache
             start, end = token_regions(T, config, fmt)
             region = x[:, heads, start:end] if end > start else x[:, heads]

@@ -621,6 +621,12 @@ class QuantFormat:
         return codebooks.resolve(self.codebook, self.bits)
 
     @property
+    def takes_static_scales(self) -> bool:
+        """Whether its scales are static data given from outside (calibrated, or a checkpoint's):
+        static granularity, not a plain float, no :attr:`fixed_scale` (the format's own)."""
+        return not self.is_float and is_static(self.granularity) and self.fixed_scale is None
+
+    @property
     def has_zero(self) -> bool:
         """Whether a zero point (block offset) is stored."""
         return self.dtype == "int" and not self.symmetric

@@ -424,8 +424,7 @@ def range_params(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor) -> tuple[
     if fmt.fixed_scale is not None:
         return torch.full_like(hi, fmt.fixed_scale).to(TORCH_DTYPES[fmt.scale_dtype]), None
     if fmt.encode_with == "fp32":
-        s32, m32 = encoding_params(fmt, lo, hi)
-        return near_cast(s32, fmt.scale_dtype), None if m32 is None else near_cast(m32, fmt.scale_dtype, "zero point")
+        return _stored_pair(fmt, *encoding_params(fmt, lo, hi))
     top = _range_top(fmt)
     sym = fmt.is_minifloat or fmt.symmetric
     if fmt.scale_rounding == "nearest":
@@ -494,6 +493,21 @@ def fp4_codes(q: torch.Tensor) -> torch.Tensor:
     r = torch.round(a / quantum) * quantum
     mag = torch.where(r < 2.0, r * 2.0, torch.where(r < 4.0, r + 2.0, r * 0.5 + 4.0))
     return (mag + torch.where(torch.signbit(q), 8.0, 0.0)).to(torch.uint8)
+
+
+def _stored_pair(fmt: QuantFormat, s32: torch.Tensor, m32: torch.Tensor | None):
+    """The stored (scale, zero) of an ``encode_with="fp32"`` pair: each cast to nearest."""
+    return near_cast(s32, fmt.scale_dtype), None if m32 is None else near_cast(m32, fmt.scale_dtype, "zero point")
+
+
+def _fit_encoding(fmt: QuantFormat, lo: torch.Tensor, hi: torch.Tensor):
+    """(stored scale, stored zero, encoding scale, encoding zero) for clip range ``[lo, hi]``,
+    each computed once."""
+    if fmt.encode_with == "fp32":
+        es, em = encoding_params(fmt, lo, hi)
+        return (*_stored_pair(fmt, es, em), es, em)
+    s, m = range_params(fmt, lo, hi)
+    return s, m, s, m
 
 
 def half_away(q: torch.Tensor) -> torch.Tensor:
@@ -669,8 +683,7 @@ def fake_quantize_blocks(fmt: QuantFormat, blocks: Blocks,
     lo, hi = clip_range(fmt, blocks) if clip is None else clip
     if isinstance(fmt.clip, MSEClip):
         return mse_search(fmt, blocks.values, blocks.mask, lo, hi, values=True)[2]
-    s, m = range_params(fmt, lo, hi)
-    es, em = (s, m) if fmt.encode_with == "stored" else encoding_params(fmt, lo, hi)
+    s, m, es, em = _fit_encoding(fmt, lo, hi)
     return decode_blocks(fmt, encode_blocks(fmt, blocks.values, es, em), s, m)
 
 
@@ -846,10 +859,10 @@ def _encode_grouped(x, fmt, page_size, scale, zero) -> _Grouped:
     else:
         if zero is not None:
             raise ConfigError("zero was given without scale; pass both or neither")
-        s, m = fit_params(fmt, blocks)
-        if fmt.encode_with == "fp32":
-            es, em = encoding_params(fmt, *clip_range(fmt, blocks))
+        if fmt.encode_with == "fp32":  # AbsMax, one width: the fit is the range's
+            s, m, es, em = _fit_encoding(fmt, *clip_range(fmt, blocks))
             return _Grouped(shape, blocks.block, encode_blocks(fmt, blocks.values, es, em), s, m)
+        s, m = fit_params(fmt, blocks)
     return _Grouped(shape, blocks.block, encode_blocks(fmt, blocks.values, s, m), s, m)
 
 
