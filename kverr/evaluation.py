@@ -69,10 +69,13 @@ class Scheme:
     #: static scales: None or "prefill" (the first chunk's), "unit", or a vLLM export directory
     #: or safetensors file (:func:`read_scales`)
     scales: str | None = None
+    #: an emulated peer fitted offline: the calibration capture it fits to
+    calibration: str | None = None
 
-    def equivalent_config(self, model_dtype: torch.dtype, n_layers: int | None = None) -> CacheConfig | None:
+    def equivalent_config(self, model_dtype: torch.dtype, n_layers: int | None = None,
+                          head_dim: int | None = None) -> CacheConfig | None:
         """A kverr config that stores what this scheme stores (for effective bits; an emulated
-        peer needs the model's ``n_layers``)."""
+        peer needs the model's ``n_layers`` and ``head_dim``)."""
         if self.kind == "kverr":
             return self.config
         if self.kind == "quanto":
@@ -81,15 +84,16 @@ class Scheme:
             fmt = int_format(self.nbits, PerTokenGroup(QUANTO_GROUP), scale_dtype=sdt)
             return CacheConfig(k=fmt, v=fmt, window=QUANTO_RESIDUAL, name=self.name)
         if self.kind == "emulated":
-            if n_layers is None:
-                raise ConfigError(f"{self.name}: its bytes depend on the model's layer count; give n_layers")
-            return emulated_peers()[self.name].equivalent(n_layers)
+            if n_layers is None or head_dim is None:
+                raise ConfigError(f"{self.name}: its bytes depend on the model's shape; give n_layers and head_dim")
+            return emulated_peers()[self.name].equivalent(n_layers, head_dim)
         return None
 
 
 def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
                   config_option: str | None = "--config",
-                  scales: dict[tuple[str, int], str] | None = None, required: bool = True) -> list[Scheme]:
+                  scales: dict[tuple[str, int], str] | None = None, required: bool = True,
+                  calibration: str | None = None) -> list[Scheme]:
     """``--scheme NAME`` (preset or peer) and ``--config PATH`` -> schemes, in order, no duplicates.
 
     ``config_option`` is the option that gives config files in the calling command, named in
@@ -97,7 +101,8 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     ``("config", j)`` (the i-th scheme, the j-th config) to the static scales it is evaluated
     with (see :class:`Scheme`); such a scheme is named ``NAME@SOURCE`` (``SOURCE``: ``unit``,
     ``prefill``, or the file's or directory's name), so that one config with several scales is
-    several schemes. ``required=False`` accepts no scheme at all (an empty list).
+    several schemes. ``required=False`` accepts no scheme at all (an empty list). ``calibration``
+    is the capture emulated peers fitted offline fit to; naming one without it is an error.
     """
     hint = f" (give a config file with {config_option})" if config_option else ""
     named = named_presets()
@@ -106,7 +111,10 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
         if s in PEERS:
             out.append(Scheme(s, "quanto", nbits=PEERS[s]))
         elif s in EMULATED:
-            out.append(Scheme(s, "emulated"))
+            if emulated_peers()[s].fit is not None and calibration is None:
+                raise ConfigError(f"--scheme {s}: it is fitted offline; give the capture to fit it to "
+                                  "with --calibration (the one kverr's configs were calibrated on)")
+            out.append(Scheme(s, "emulated", calibration=calibration))
         elif s in named:
             out.append(Scheme(s, "kverr", named[s]))
         else:
@@ -281,7 +289,8 @@ def make_cache(scheme: Scheme, model: Any, static_scales: dict | None = None) ->
     if scheme.kind == "reference":
         return DynamicCache()
     if scheme.kind == "emulated":
-        return emulated_peers()[scheme.name].make_cache(model.config.get_text_config().num_hidden_layers)
+        return emulated_peers()[scheme.name].cache(model.config.get_text_config().num_hidden_layers,
+                                                    scheme.calibration)
     from transformers import QuantizedCache
 
     return QuantizedCache(
@@ -487,7 +496,7 @@ def evaluate(
             logp = teacher_forced(model, cache, ids, p, flush=flush)
             row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off,
                    "scales": _scales_column(s)}
-            eq = s.equivalent_config(model.dtype, shape.n_layers)
+            eq = s.equivalent_config(model.dtype, shape.n_layers, shape.head_dim)
             # What the cache held at the end of this run: the P + N tokens fed, the prefill
             # quantized whole when the run flushed it (teacher_forced flushes caches that can;
             # quanto always quantizes its prefill whole).

@@ -98,6 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     key.add_argument("--keys", type=positive_int,
                      help="needles per prompt; more than 1 is the multi-key variant, the question names one (default: 1)")
     key.add_argument("--seed", type=non_negative_int, help="seed of the keys and haystack offsets (default: 0)")
+    p.add_argument("--calibration", type=Path, metavar="CAPTURE",
+                   help="the capture peers fitted offline are fitted to (the one kverr's configs were "
+                   "calibrated on)")
     p.add_argument("--out", required=True, type=Path, help="CSV to write (plot and per-segment CSV beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument(
@@ -149,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     # The plot and per-segment CSV beside --out obey the same overwrite rule as --out itself.
     for path in (out, segments_csv, out.with_suffix(".png")):
         check_output_path(path, overwrite=args.overwrite, kind="file")
-    schemes = parse_schemes(args.scheme, args.config, scales=args.scales)
+    calibration = _calibration(args)
+    schemes = parse_schemes(args.scheme, args.config, scales=args.scales, calibration=calibration)
     # Everything that can be checked without the model is checked before loading it.
     _check_schemes(schemes, supported_shape(args.model))
     text = load_text(args.text)
@@ -175,6 +179,16 @@ def run(args: argparse.Namespace) -> int:
     print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"wrote {out}, {segments_csv} and {plot}")
     return 0
+
+
+def _calibration(args: argparse.Namespace) -> str | None:
+    """``--calibration``, checked to be a capture (None when not given)."""
+    if args.calibration is None:
+        return None
+    from kverr.io import open_capture
+
+    open_capture(args.calibration)  # a missing or broken capture fails here, before the model loads
+    return str(args.calibration)
 
 
 def _check_schemes(schemes, shape) -> None:
@@ -217,7 +231,8 @@ def _passkey(args: argparse.Namespace) -> int:
     for path in (out, trials_csv, out.with_suffix(".png")):
         check_output_path(path, overwrite=args.overwrite, kind="file")
     # No scheme: the unquantized cache alone, to find the contexts where the model retrieves.
-    schemes = parse_schemes(args.scheme, args.config, scales=args.scales, required=False)
+    schemes = parse_schemes(args.scheme, args.config, scales=args.scales, required=False,
+                            calibration=_calibration(args))
     shape = supported_shape(args.model)
     check_passkey_request(args.context, args.depth, args.trials, args.keys, shape.max_context)
     _check_schemes(schemes, shape)

@@ -68,6 +68,44 @@ def lloyd_max_normal(bits: int) -> tuple[float, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def lloyd_max_sphere(dim: int, bits: int) -> tuple[float, ...]:
+    """The ``2**bits`` Lloyd-Max levels of one coordinate of a point drawn uniformly from the unit
+    sphere in ``dim`` dimensions (TurboQuant's scalar quantizer for a randomly rotated unit
+    vector), ascending, rounded to fp32.
+
+    The coordinate has the density ``f(x) = (1 - x**2)**k / B(1/2, (dim-1)/2)`` on ``[-1, 1]``,
+    ``k = (dim - 3) / 2`` (so ``(1 + x) / 2`` is ``Beta((dim-1)/2, (dim-1)/2)``); a cell
+    ``[a, b]``'s mass is a difference of that law's distribution function and its first moment
+    ``(((1 - a**2)**(k+1) - (1 - b**2)**(k+1)) / (2 (k+1))) / B(1/2, (dim-1)/2)`` in closed form.
+    Lloyd's fixed point in float64 as :func:`lloyd_max_normal`, from the law's quantiles of the
+    cells' centres. For large ``dim`` the levels approach the normal's over ``sqrt(dim)``.
+    """
+    from scipy.special import beta as beta_fn
+    from scipy.special import betainc, betaincinv
+
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
+        raise ConfigError(f"dim={dim!r}: a sphere coordinate needs a dimension of at least 2")
+    n = 2**bits
+    a = (dim - 1) / 2
+    k1 = (dim - 1) / 2  # k + 1
+    norm_c = beta_fn(0.5, a)
+    c = 2 * betaincinv(a, a, (np.arange(n) + 0.5) / n) - 1
+    for _ in range(100_000):
+        t = np.concatenate(([-1.0], (c[:-1] + c[1:]) / 2, [1.0]))
+        mass = np.diff(betainc(a, a, (1 + t) / 2))
+        moment = -np.diff((1 - t * t) ** k1) / (2 * k1) / norm_c
+        new = moment / mass
+        new = (new - new[::-1]) / 2
+        if np.max(np.abs(new - c)) < 1e-14:
+            c = new
+            break
+        c = new
+    else:  # pragma: no cover
+        raise RuntimeError(f"Lloyd-Max on the sphere (dim {dim}, {bits} bits) did not converge")
+    return _to_fp32(c)
+
+
+@functools.lru_cache(maxsize=None)
 def normal_float(bits: int) -> tuple[float, ...]:
     """The ``2**bits`` NormalFloat levels in ``[-1, 1]``, ascending, rounded to fp32 (see the module)."""
     from scipy.special import ndtri
