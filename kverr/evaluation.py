@@ -42,7 +42,7 @@ import torch
 from kverr.config import CacheConfig, named_presets, resolve
 from kverr.engines.emulated import emulated_peers
 from kverr.exceptions import ConfigError, NonFiniteError, ShapeError, TextError
-from kverr.memory import account
+from kverr.memory import MemoryReport, ModelShape, account
 from kverr.quant import PerHead, PerTensor, PerTokenGroup, int_format
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,14 @@ class Scheme:
                 raise ConfigError(f"{self.name}: its bytes depend on the model's shape; give n_layers and head_dim")
             return emulated_peers()[self.name].equivalent(n_layers, head_dim)
         return None
+
+    def account(self, model_dtype: torch.dtype, shape: ModelShape, tokens: int, **kwargs: Any) -> MemoryReport:
+        """The bytes this scheme stores for ``tokens`` tokens of a model of ``shape``
+        (:func:`kverr.memory.account` of :meth:`equivalent_config`; an emulated peer's own
+        static bytes included)."""
+        if self.kind == "emulated":
+            return emulated_peers()[self.name].account(shape, tokens, **kwargs)
+        return account(self.equivalent_config(model_dtype, shape.n_layers, shape.head_dim), shape, tokens, **kwargs)
 
 
 def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
@@ -496,12 +504,11 @@ def evaluate(
             logp = teacher_forced(model, cache, ids, p, flush=flush)
             row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off,
                    "scales": _scales_column(s)}
-            eq = s.equivalent_config(model.dtype, shape.n_layers, shape.head_dim)
             # What the cache held at the end of this run: the P + N tokens fed, the prefill
             # quantized whole when the run flushed it (teacher_forced flushes caches that can;
             # quanto always quantizes its prefill whole).
             whole = (flush and hasattr(cache, "flush")) or s.kind == "quanto"
-            rep = account(eq, shape, p + decode, prefill_quantized=p if whole else 0)
+            rep = s.account(model.dtype, shape, p + decode, prefill_quantized=p if whole else 0)
             row["effective_bits"] = rep.effective_bits
             row["cache_bytes"] = rep.total_bytes
             if s.kind == "kverr":

@@ -274,7 +274,6 @@ def evaluate_passkey(
     import pandas as pd
 
     from kverr.evaluation import Scheme, compare, make_cache, teacher_forced
-    from kverr.memory import account
     from kverr.progress import progress as progress_bar
 
     model = loaded.model
@@ -311,8 +310,7 @@ def evaluate_passkey(
             logp = teacher_forced(model, make_cache(s, model, given.get(s.name)), ids, p, flush=True)
             ok, nll, wrong = verdict(logp, tr.answer)
             m = compare(ref_logp, logp, tr.answer)
-            eq = s.equivalent_config(model.dtype, shape.n_layers, shape.head_dim)
-            rep = account(eq, shape, ids.shape[0] - 1, prefill_quantized=p)
+            rep = s.account(model.dtype, shape, ids.shape[0] - 1, prefill_quantized=p)
             rows.append({"scheme": s.name, "kind": s.kind, **common, "correct": ok, "ref_correct": ref_ok,
                          "key_nll": nll, "ref_key_nll": ref_nll, "answer_kl": m["mean_kl"], "first_wrong": wrong,
                          "effective_bits": rep.effective_bits})

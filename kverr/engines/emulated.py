@@ -32,6 +32,20 @@ class EmulatedPeer:
     make_cache: Callable[..., Any]  # (n_layers, fitted) -> cache
     equivalent: Callable[[int, int], CacheConfig]  # (n_layers, head_dim) -> config
     fit: Callable[[Any], Any] | None = None
+    #: bytes the method keeps once per layer and side beyond its config's (a rotation), by head dim
+    layer_static: Callable[[int], int] | None = None
+
+    def account(self, shape: Any, tokens: int, **kwargs: Any) -> Any:
+        """:func:`kverr.memory.account` of the equivalent config, with ``layer_static`` added to
+        every layer's static bytes of each side."""
+        from kverr.memory import account
+
+        rep = account(self.equivalent(shape.n_layers, shape.head_dim), shape, tokens, **kwargs)
+        if self.layer_static is not None:
+            for sides in rep.per_layer:
+                for b in sides.values():
+                    b.static += self.layer_static(shape.head_dim)
+        return rep
 
     def cache(self, n_layers: int, calibration: str | None = None) -> Any:
         """A fresh cache, fitted to the capture at ``calibration`` when the method is fitted offline
@@ -62,6 +76,7 @@ def _fitted(peer: EmulatedPeer, calibration: str) -> Any:
 def emulated_peers() -> dict[str, EmulatedPeer]:
     """Every emulated peer, by name."""
     from kverr.engines import vllm_int4, vllm_turboquant as tq
+    from kverr.peers import oscar
     from kverr.peers import turboquant as tq_paper
 
     peers = [EmulatedPeer(vllm_int4.NAME, "vLLM int4_per_token_head", lambda n, f: vllm_int4.make_cache(),
@@ -70,4 +85,7 @@ def emulated_peers() -> dict[str, EmulatedPeer]:
                            lambda n, hd, d=d: tq.equivalent(d, n)) for d in tq.DTYPES]
     peers += [EmulatedPeer(v, "TurboQuant (ICLR 2026), outlier channels", lambda n, f, v=v: tq_paper.make_cache(v, n),
                            partial(tq_paper.equivalent, v)) for v in tq_paper.VARIANTS]
+    peers += [EmulatedPeer(v, "OSCAR (Together AI, 2026)", lambda n, f, v=v: oscar.make_cache(v, n, f),
+                           partial(oscar.equivalent, v), fit=oscar.fit, layer_static=oscar.rotation_bytes)
+              for v in oscar.VARIANTS]
     return {p.name: p for p in peers}
