@@ -84,9 +84,12 @@ class Scheme:
             fmt = int_format(self.nbits, PerTokenGroup(QUANTO_GROUP), scale_dtype=sdt)
             return CacheConfig(k=fmt, v=fmt, window=QUANTO_RESIDUAL, name=self.name)
         if self.kind == "emulated":
+            peer = emulated_peers()[self.name]
+            if peer.equivalent is None:
+                return None  # it counts its own bytes: account
             if n_layers is None or head_dim is None:
                 raise ConfigError(f"{self.name}: its bytes depend on the model's shape; give n_layers and head_dim")
-            return emulated_peers()[self.name].equivalent(n_layers, head_dim)
+            return peer.equivalent(n_layers, head_dim)
         return None
 
     def account(self, model_dtype: torch.dtype, shape: ModelShape, tokens: int, **kwargs: Any) -> MemoryReport:
@@ -297,8 +300,7 @@ def make_cache(scheme: Scheme, model: Any, static_scales: dict | None = None) ->
     if scheme.kind == "reference":
         return DynamicCache()
     if scheme.kind == "emulated":
-        return emulated_peers()[scheme.name].cache(model.config.get_text_config().num_hidden_layers,
-                                                    scheme.calibration)
+        return emulated_peers()[scheme.name].cache(model, scheme.calibration)
     from transformers import QuantizedCache
 
     return QuantizedCache(
