@@ -39,7 +39,7 @@ def _modules(where: str) -> list[Path]:
 #: package's ``__init__``, whose public names are imported lazily by string).
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"kverr", "exceptions", "dims", "progress", "rope"}),         # foundations
-    frozenset({"quant", "config", "catalog", "memory", "cost", "io", "accessor", "engines"}),  # oracle, configs, bytes, cost, files, engines
+    frozenset({"quant", "config", "catalog", "memory", "cost", "io", "accessor", "engines", "peers"}),  # oracle, configs, bytes, cost, files, engines, peers
     frozenset({"error", "capturing", "gpu", "kernels", "hf"}),              # decomposition, models, kernels
     frozenset({"calibration", "evaluation", "retrieval", "validation"}),    # the stages
     frozenset({"pipeline"}),                                                # the stages in order

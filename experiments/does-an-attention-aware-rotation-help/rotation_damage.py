@@ -21,6 +21,10 @@ Variants, keys (``pre``: pre-RoPE keys, the error rotated by RoPE before it is s
   widths kverr packs, 1, 2, 3, 4, 8, and 0);
 * ``pre/id/qp/012348``: the same, one width per RoPE pair (channels ``i`` and ``i + D/2``), so a
   kernel can apply RoPE inside each width's plane;
+* ``pre/pair/q``, ``pre/pair/q/012348``: pre-RoPE, each RoPE pair ``(i, i + D/2)`` turned by its
+  own 2 x 2 rotation into the principal axes of the pair's (token-weighted) key second moment,
+  bits weighted by the queries as ``pre/id/q``: the rotations that commute with RoPE (any turn
+  of a pair commutes with RoPE's turn of it), so the query can be turned once instead;
 * ``post/had/mse``: post-RoPE keys, normalised Hadamard;
 * ``post/pca/q``: post-RoPE, the eigenbasis of the keys' second moment, bits weighted by the
   queries' second moment in that basis;
@@ -40,7 +44,7 @@ sampled queries of the calibration capture.
 Values: ``id/mse``, ``had/mse`` and ``pca/mse`` (eigenbasis of the attention-weighted value second
 moment), each with bits allocated by token-weighted squared error.
 
-Usage: python rotation_damage.py CALIBRATION_CAPTURE HELDOUT_CAPTURE [--layers 0-29]
+Usage: python rotation_damage.py CALIBRATION_CAPTURE HELDOUT_CAPTURE [--layers 0,1,...] [--keys V,...] [--values V,...]
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ RATIOS = np.linspace(1.0, 0.2, 9)
 OPTIONS = [OuterOption(), OuterOption(sinks=4, window=32)]
 SINKS = 4  # tokens left out of every fit (the attention sinks: kept in fp16 by the S4 option)
 KEY_VARIANTS = ("pre/id/mse", "pre/id/q", "pre/id/q/024", "pre/id/q/012348", "pre/id/qp/012348",
-                "post/had/mse", "post/pca/q", "post/qeig/q", "post/white")
+                "pre/pair/q", "pre/pair/q/012348", "post/had/mse", "post/pca/q", "post/qeig/q", "post/white")
 #: Bit widths a variant may give a channel: all of 0..8, or (``/024``) only those listed.
 ALLOWED = {"024": (0, 2, 4), "012348": (0, 1, 2, 3, 4, 8)}
 VALUE_VARIANTS = ("id/mse", "had/mse", "pca/mse")
@@ -176,6 +180,14 @@ def key_transform(name: str, Sq: torch.Tensor, Sk: torch.Tensor, D: int):
         T = eig_desc(Sk)[1].T
     elif kind == "qeig":
         T = eig_desc(Sq)[1].T
+    elif kind == "pair":
+        T = torch.zeros(D, D, dtype=torch.float64)
+        for i in range(D // 2):
+            ij = [i, i + D // 2]
+            u = eig_desc(Sk[ij][:, ij])[1]
+            if torch.linalg.det(u) < 0:  # a turn, not a reflection: only a turn commutes with RoPE's
+                u[:, 1] = -u[:, 1]
+            T[torch.tensor(ij)[:, None], torch.tensor(ij)[None, :]] = u.T
     elif kind == "white":
         R = sym_sqrt(Sq + 1e-6 * Sq.trace() / D * torch.eye(D, dtype=torch.float64))
         T = eig_desc(R @ Sk @ R)[1].T @ R
@@ -194,7 +206,11 @@ def main() -> None:
     ap.add_argument("heldout")
     ap.add_argument("--layers", default=None)
     ap.add_argument("--queries", type=int, default=64)
+    ap.add_argument("--keys", default=",".join(KEY_VARIANTS), help="key variants (comma-separated)")
+    ap.add_argument("--values", default=",".join(VALUE_VARIANTS), help="value variants ('' for none)")
     args = ap.parse_args()
+    key_variants = [v for v in args.keys.split(",") if v]
+    value_variants = [v for v in args.values.split(",") if v]
     cal, held = open_capture(args.calibration), open_capture(args.heldout)
     layers = cal.kv.layers if args.layers is None else [int(x) for x in args.layers.split(",")]
     print(f"# calibration {args.calibration}, held out {args.heldout}; damage = relative squared "
@@ -210,11 +226,11 @@ def main() -> None:
         hpos, hrope = held.kv.positions, held.kv.rope_of(layer)
         D = ck.shape[-1]
         n_kv = ck.shape[0]
-        ek = {(vname, B): torch.zeros(n_kv, *hk.shape[1:]) for vname in KEY_VARIANTS for B in BUDGETS}
-        ev = {(vname, B): torch.zeros(n_kv, *hv.shape[1:]) for vname in VALUE_VARIANTS for B in BUDGETS}
+        ek = {(vname, B): torch.zeros(n_kv, *hk.shape[1:]) for vname in key_variants for B in BUDGETS}
+        ev = {(vname, B): torch.zeros(n_kv, *hv.shape[1:]) for vname in value_variants for B in BUDGETS}
         for h in range(n_kv):
             Sq, mk, mv = stats(cprep, h)
-            for vname in KEY_VARIANTS:
+            for vname in key_variants:
                 pre = vname.startswith("pre")
                 xc = torch.as_tensor(ckp[h] if pre else ck[h]).double()
                 Sk = torch.einsum("t,td,te->de", mk, xc, xc) / mk.sum()
@@ -233,7 +249,7 @@ def main() -> None:
                     if pre:
                         r = apply_rope(r[None].float(), hpos, hrope)[0].double()
                     ek[(vname, B)][h] = (r - torch.as_tensor(hk[h]).double()).float()
-            for vname in VALUE_VARIANTS:
+            for vname in value_variants:
                 xc = torch.as_tensor(cv[h]).double()
                 kind = vname.split("/")[0]
                 if kind == "id":
@@ -247,12 +263,12 @@ def main() -> None:
                     bits = allocate(err, torch.ones(D, dtype=torch.float64), B)
                     ev[(vname, B)][h] = (reconstruct(torch.as_tensor(hv[h]), T, ranges, bits)
                                          - torch.as_tensor(hv[h]).double()).float()
-        for vname in KEY_VARIANTS:
+        for vname in key_variants:
             dmg = key_damage_batch(hprep, torch.stack([ek[(vname, B)] for B in BUDGETS]), OPTIONS)  # [B, opt, kv]
             for bi, B in enumerate(BUDGETS):
                 for oi, o in enumerate(OPTIONS):
                     rows.append((layer, "k", vname, B, o.label(), float(dmg[bi, oi].sum())))
-        for vname in VALUE_VARIANTS:
+        for vname in value_variants:
             dmg = value_damage_batch(hprep, torch.stack([ev[(vname, B)] for B in BUDGETS]), OPTIONS)
             for bi, B in enumerate(BUDGETS):
                 for oi, o in enumerate(OPTIONS):

@@ -99,7 +99,7 @@ def emulated_peers() -> dict[str, EmulatedPeer]:
                            partial(oscar.equivalent, v), fit=oscar.fit, layer_static=oscar.rotation_bytes)
               for v in oscar.VARIANTS]
     peers += [EmulatedPeer(v, "KVQuant (NeurIPS 2024), unweighted nuq with 1% outliers",
-                           lambda m, f, v=v: kvquant.make_cache(v, m, f),
+                           lambda m, f, v=v: kvquant.make_cache(v, f),
                            fit=partial(kvquant.fit, bits=b), report=partial(kvquant.report, v))
               for v, b in kvquant.VARIANTS.items()]
     return {p.name: p for p in peers}

@@ -19,7 +19,7 @@ the method uses.
 
 **Cache** (per layer; the first token, position 0, kept exact in fp16 on both sides):
 
-* keys: the cache undoes RoPE with the model's own tables; an element outside its channel's
+* keys: the cache undoes RoPE (with the capture's RoPE parameters: the model's); an element outside its channel's
   ``(lower, upper)`` (strictly) is an outlier, kept exact; the others take the nearest level of
   ``(x - zero) / scale`` (ties to the lower level) and read back ``level * scale + zero``; RoPE
   is applied again to what is read back;
@@ -66,11 +66,17 @@ def _levels(xn: np.ndarray, bits: int) -> tuple[float, ...]:
 
 
 def fit(capture: Any, bits: int) -> dict[int, dict[str, Any]]:
-    """Per layer: key thresholds ``[H, D]`` (fp16 values, as fp32 tensors) and the key and value
-    levels (see the module)."""
+    """Per layer: its RoPE parameters, key thresholds ``[H, D]`` (fp16 values, as fp32 tensors) and
+    the key and value levels (see the module)."""
+    from kverr.exceptions import ConfigError
+    from kverr.rope import layer_rope
+
+    if capture.attrs.get("rope") is None:
+        raise ConfigError("kvquant quantizes keys before RoPE: the capture records no RoPE parameters")
     hi, lo = 100 * (1 - OUTLIERS / 2), 100 * OUTLIERS / 2
     out = {}
     for layer in capture["layer"].values:
+        rope = layer_rope(capture.attrs["rope"], int(layer))
         sel = capture.sel(layer=layer)
         k = np.asarray(sel["k_pre"].values, dtype=np.float64)  # [H, N, D]
         v = np.asarray(sel["v"].values, dtype=np.float64)
@@ -80,7 +86,7 @@ def fit(capture: Any, bits: int) -> dict[int, dict[str, Any]]:
         rows = v.transpose(1, 0, 2).reshape(v.shape[1], -1)[FIRST:]  # [N, H * D], one row per token
         vu = np.percentile(rows, hi, axis=1, keepdims=True)
         vl = np.percentile(rows, lo, axis=1, keepdims=True)
-        out[int(layer)] = dict(k_upper=torch.from_numpy(ku).float(), k_lower=torch.from_numpy(kl).float(),
+        out[int(layer)] = dict(rope=rope, k_upper=torch.from_numpy(ku).float(), k_lower=torch.from_numpy(kl).float(),
                                k_levels=_levels(kn, bits), v_levels=_levels(_normalised(rows, vu, vl), bits))
     return out
 
@@ -138,16 +144,12 @@ def report(name: str, shape: ModelShape, tokens: int, batch: int = 1, **_: Any) 
     return MemoryReport(config_name=name, shape=shape, tokens=tokens, batch=batch, page_size=1, per_layer=per_layer)
 
 
-def make_cache(name: str, model: Any, fitted: dict[int, dict[str, Any]]) -> Any:
+def make_cache(name: str, fitted: dict[int, dict[str, Any]]) -> Any:
     """A transformers cache holding what ``name`` stores, fitted as :func:`fit` gives it."""
     from transformers import DynamicCache
 
     from kverr.exceptions import ConfigError
-    from kverr.hf.reference import model_rotary
-    from kverr.rope import rotate, unrotate
-
-    n_layers = model.config.get_text_config().num_hidden_layers
-    rotary = {i: model_rotary(model, i) for i in range(n_layers)}
+    from kverr.rope import apply_rope
 
     class KVQuantCache(DynamicCache):
         def __init__(self):
@@ -165,15 +167,15 @@ def make_cache(name: str, model: Any, fitted: dict[int, dict[str, Any]]) -> Any:
             f = fitted[layer_idx]
             t0 = self.get_seq_length(layer_idx)
             n = key_states.shape[-2]
-            cos, sin = rotary[layer_idx](torch.arange(t0, t0 + n))
-            k_pre = unrotate(key_states.float(), cos, sin)
+            pos = torch.arange(t0, t0 + n)
+            k_pre = apply_rope(key_states.float(), pos, f["rope"], inverse=True)
             kq, kout = quantize_keys(k_pre, f["k_upper"], f["k_lower"], f["k_levels"])
             vq, vout = quantize_values(value_states, f["v_levels"])
             keep = (torch.arange(t0, t0 + n) < FIRST)[:, None]
             kq, vq = torch.where(keep, k_pre, kq), torch.where(keep, value_states.float(), vq)
             self.outliers[0] += int((kout & ~keep).sum() + (vout & ~keep).sum())
             self.outliers[1] += 2 * int((~keep).sum()) * key_states.shape[0] * key_states.shape[1] * key_states.shape[-1]
-            k_back = rotate(kq.to(torch.float16).float(), cos, sin).to(key_states.dtype)
+            k_back = apply_rope(kq.to(torch.float16).float(), pos, f["rope"]).to(key_states.dtype)
             return super().update(k_back, vq.to(torch.float16).to(value_states.dtype), layer_idx, *args, **kwargs)
 
     return KVQuantCache()

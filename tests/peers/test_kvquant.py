@@ -64,27 +64,28 @@ def test_values_per_token_keep_two_outliers_of_a_192_element_row_and_read_the_re
         assert _nearest_everywhere((rest - zero) / scale, (b[~o] - zero) / scale, levels)
 
 
-def test_the_cache_quantizes_keys_before_rope_and_keeps_the_first_token(tiny_llama):
-    from kverr.hf.reference import model_rotary
-    from kverr.rope import rotate
+def test_the_cache_quantizes_keys_before_rope_and_keeps_the_first_token():
+    from kverr.rope import apply_rope
 
-    _, lm = tiny_llama
-    s = lm.shape
-    cap = synthetic_capture(n_layers=s.n_layers, n_q=lm.model.config.num_attention_heads, n_kv=s.n_kv_heads,
-                            head_dim=s.head_dim, n_tokens=200, seed=8)
+    cap = synthetic_capture(n_layers=1, n_q=4, n_kv=2, head_dim=64, n_tokens=200, seed=8)
     f = kvquant.fit(cap, bits=3)
-    cache = kvquant.make_cache("kvquant-3bit-1pct", lm.model, f)
+    cache = kvquant.make_cache("kvquant-3bit-1pct", f)
     g = torch.Generator().manual_seed(9)
-    k_pre = torch.randn(1, s.n_kv_heads, 12, s.head_dim, generator=g)
-    v = torch.randn(1, s.n_kv_heads, 12, s.head_dim, generator=g)
-    cos, sin = model_rotary(lm.model, 0)(torch.arange(12))
-    k, vb = cache.update(rotate(k_pre, cos, sin), v.clone(), 0)
+    k_pre = torch.randn(1, 2, 12, 64, generator=g)
+    v = torch.randn(1, 2, 12, 64, generator=g)
+    pos = torch.arange(12)
+    k, vb = cache.update(apply_rope(k_pre, pos, f[0]["rope"]), v.clone(), 0)
     want_pre, _ = kvquant.quantize_keys(k_pre, f[0]["k_upper"], f[0]["k_lower"], f[0]["k_levels"])
-    want = rotate(want_pre.half().float(), cos, sin)
+    want = apply_rope(want_pre.half().float(), pos, f[0]["rope"])
     # un-rotating and rotating again moves a key by fp32 round-off only
     assert torch.allclose(k[:, :, 1:], want[:, :, 1:], atol=1e-5)
-    assert torch.allclose(k[:, :, :1], rotate(k_pre[:, :, :1].half().float(), cos[:1], sin[:1]), atol=1e-5)
+    assert torch.allclose(k[:, :, :1], apply_rope(k_pre[:, :, :1].half().float(), pos[:1], f[0]["rope"]), atol=1e-5)
     assert torch.equal(vb[:, :, :1], v[:, :, :1].half().float())
+    assert not torch.allclose(k[:, :, 1:], apply_rope(k_pre, pos, f[0]["rope"])[:, :, 1:], atol=1e-3)  # quantized
+    # the next token continues at position 12
+    k2, _ = cache.update(apply_rope(k_pre[:, :, :1], torch.tensor([12]), f[0]["rope"]), v[:, :, :1], 0)
+    w2, _ = kvquant.quantize_keys(k_pre[:, :, :1], f[0]["k_upper"], f[0]["k_lower"], f[0]["k_levels"])
+    assert torch.allclose(k2[:, :, 12:], apply_rope(w2.half().float(), torch.tensor([12]), f[0]["rope"]), atol=1e-5)
     assert 0 < cache.outlier_fraction < 0.2
 
 
