@@ -57,10 +57,15 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         line = "  ".join(c.ljust(w) for c, w in zip(r, widths))
         print(f"{line}  does not fit: {unfit[r[0]]}" if r[0] in unfit else line.rstrip())
-    from kverr.evaluation import EMULATED, PEERS
+    from kverr.engines.emulated import emulated_peers
+    from kverr.evaluation import PEERS
 
+    emulated = emulated_peers().values()
+    engine = [p.name for p in emulated if p.source.startswith("vLLM")]
+    papers = [p.name + (" (fitted: --calibration)" if p.fit else "") for p in emulated if not p.source.startswith("vLLM")]
     print(f"peers (not kverr formats; kverr evaluate --scheme NAME): {', '.join(PEERS)} (transformers' "
-          f"QuantizedCache); {', '.join(EMULATED)} (vLLM's caches, emulated)")
+          f"QuantizedCache); {', '.join(engine)} (vLLM's caches, emulated); {', '.join(papers)} (papers' "
+          "methods, emulated)")
     return 0
 
 
