@@ -27,7 +27,9 @@ MXFP4 layouts (:data:`PEER_SCHEMES`) joined the table later: measured by the sam
 only their ``--scheme`` options and merged into the committed files (``evaluate(only=...)``,
 ``predicted(only=...)``), which replace the rows of the schemes measured and keep the others;
 vLLM's ``turboquant_k8v4`` likewise, as vLLM runs it on the bundled model (its boundary layers
-in 16 bits: :data:`BOUNDARY_SCHEMES`, a ``--config`` file written by :func:`served_configs`).
+in 16 bits: :data:`BOUNDARY_SCHEMES`, a ``--config`` file written by :func:`served_configs`), and
+today's methods from their papers (:data:`PAPER_SCHEMES`, emulated; OSCAR and KVQuant fitted to
+the calibration capture, ``--calibration``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8
 #: microscaling layouts NVFP4 (also with "four over six" scales) and MXFP4 (fp4 codes with
 #: one-byte block scales).
 PEER_SCHEMES = ("turboquant-mse-2", "turboquant-mse-3", "turboquant-mse-4", "nvfp4", "mxfp4", "nvfp4-4over6")
-ALL_SCHEMES = SCHEMES + ENGINE_SCHEMES + PEER_SCHEMES
+#: Today's methods from their papers, emulated (:mod:`kverr.peers`): TurboQuant with outlier
+#: channels, OSCAR and KVQuant (the last two fitted to the calibration capture).
+PAPER_SCHEMES = ("turboquant-2.5", "turboquant-3.5", "oscar-int2-s4r32", "oscar-int2", "kvquant-2bit-1pct",
+                 "kvquant-3bit-1pct")
+ALL_SCHEMES = SCHEMES + ENGINE_SCHEMES + PEER_SCHEMES + PAPER_SCHEMES
 #: Engine dtypes vLLM runs with its boundary layers unquantized, evaluated as vLLM runs them on
 #: the bundled model (:func:`kverr.engines.vllm_dtypes.with_boundary_skip`), as configs named
 #: ``<preset>-edges`` written next to the run's output.
@@ -116,8 +122,14 @@ def evaluate(only=None) -> None:
     names = {json.loads(c.read_text())["name"]: c for c in [*CONFIGS, *served_configs()]}
     for c in list(names.values()) if only is None else [names[s] for s in only if s in names]:
         argv += ["--config", str(c)]
+    from kverr.engines.emulated import emulated_peers
+
+    fitted = False
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in names]:
         argv += ["--scheme", s]
+        fitted = fitted or (s in emulated_peers() and emulated_peers()[s].fit is not None)
+    if fitted:  # peers fitted offline fit to the capture kverr's configs were calibrated on
+        argv += ["--calibration", str(pydoc_capture(4096))]
     if main(argv) != 0:
         raise RuntimeError("kverr evaluate failed")
     merge_segments(out.with_name(out.stem + ".segments.csv"), only)
@@ -163,6 +175,34 @@ def predicted(only=None) -> None:
     atomic_write_text(PREDICTED_CSV, _merged(PREDICTED_CSV, pd.DataFrame(rows), only))
 
 
+#: Sequences a model's static bytes (static scales, codebooks, rotations) are shared by in the
+#: table's first effective-bits figure (the second: one sequence, as evaluated).
+AMORTISED_BATCH = 8
+
+
+def bits_at_batch(name: str, batch: int, configs: dict) -> float:
+    """Effective bits of scheme ``name`` at the evaluated context (P + N tokens, the prefill
+    quantized whole for the kverr and quanto caches, as ``kverr evaluate`` counts it) with
+    ``batch`` sequences sharing its static bytes (``configs``: name -> config JSON path)."""
+    import torch
+
+    from kverr.config import CacheConfig, resolve
+    from kverr.evaluation import EMULATED, PEERS, Scheme
+    from kverr.memory import DEFAULT_SHAPE
+
+    if name in configs:
+        s = Scheme(name, "kverr", CacheConfig.load(configs[name]))
+    elif name in PEERS:
+        s = Scheme(name, "quanto", nbits=PEERS[name])
+    elif name in EMULATED:
+        s = Scheme(name, "emulated")
+    else:
+        s = Scheme(name, "kverr", resolve(name))
+    whole = PREFILL if s.kind != "emulated" else 0
+    return s.account(torch.float32, DEFAULT_SHAPE, PREFILL + DECODE, batch=batch,
+                     prefill_quantized=whole).effective_bits
+
+
 def summarise() -> list[Row]:
     """The long-table rows from :data:`SEGMENTS_CSV` and :data:`PREDICTED_CSV`, each with the
     machine and date of its measurement: per scheme its kind, effective bits, mean KL over the
@@ -170,19 +210,25 @@ def summarise() -> list[Row]:
     its outer option and window dtype (from its JSON)."""
     import pandas as pd
 
+    from kverr.evaluation import EMULATED
+
     seg = pd.read_csv(SEGMENTS_CSV)
     pred = pd.read_csv(PREDICTED_CSV).set_index("scheme")
     configs = {json.loads(c.read_text())["name"]: json.loads(c.read_text()) for c in CONFIGS}
+    paths = {json.loads(c.read_text())["name"]: c for c in [*CONFIGS, *served_configs()]}
     rows: list[Row] = []
     for name, g in seg.groupby("scheme", sort=False):
         if name not in configs and name not in ALL_SCHEMES + SERVED_SCHEMES:
             continue
         m, d = g["machine"].iloc[0], g["date"].max()
         kind = ("calibrated" if name in configs
-                else "peer" if name.startswith(("quanto", "turboquant", "vllm-int4", "vllm-turboquant")) else "preset")
+                else "peer" if name in EMULATED or name.startswith(("quanto", "turboquant", "vllm-turboquant"))
+                else "preset")
         n = g["segment"].nunique()
         rows += [Row(name, "kind", kind, "label", m, d),
                  Row(name, "effective_bits", float(g["effective_bits"].iloc[0]), "bits", m, d),
+                 Row(name, f"effective_bits_b{AMORTISED_BATCH}", bits_at_batch(name, AMORTISED_BATCH, paths), "bits",
+                     m, d),
                  Row(name, "mean_kl", float(g["mean_kl"].mean()), "nats", m, d),
                  Row(name, "mean_kl_se", float(g["mean_kl"].std(ddof=1) / n**0.5), "nats", m, d),
                  Row(name, "top1", float(g["top1"].mean()), "fraction", m, d),
