@@ -25,6 +25,15 @@ Variants, keys (``pre``: pre-RoPE keys, the error rotated by RoPE before it is s
   own 2 x 2 rotation into the principal axes of the pair's (token-weighted) key second moment,
   bits weighted by the queries as ``pre/id/q``: the rotations that commute with RoPE (any turn
   of a pair commutes with RoPE's turn of it), so the query can be turned once instead;
+* ``pre/id/q/012348/sparse``: ``pre/id/q/012348`` with dense-and-sparse outliers as KVQuant keeps
+  them: per channel, the calibration keys' 0.5th and 99.5th percentiles are thresholds, the dense
+  ranges are fitted to the keys clamped to them, and a held-out element beyond them is kept exact
+  (their fraction is printed as rows of option ``outliers``; each costs a 16-bit value and a 16-bit
+  index, and a 32-bit pointer per token on top);
+* ``pre/id/q/012348/top1``, ``…/top2``: the same thresholds and dense fit, but each held-out row
+  keeps exactly its 1 (2) elements furthest beyond them (none when none is beyond), each as an
+  fp16 value and an 8-bit channel index, paid from the budget: the dense widths get ``B - 24 k / D``
+  bits, so the variant is at exactly ``B`` bits with no pointers;
 * ``post/had/mse``: post-RoPE keys, normalised Hadamard;
 * ``post/pca/q``: post-RoPE, the eigenbasis of the keys' second moment, bits weighted by the
   queries' second moment in that basis;
@@ -69,7 +78,11 @@ RATIOS = np.linspace(1.0, 0.2, 9)
 OPTIONS = [OuterOption(), OuterOption(sinks=4, window=32)]
 SINKS = 4  # tokens left out of every fit (the attention sinks: kept in fp16 by the S4 option)
 KEY_VARIANTS = ("pre/id/mse", "pre/id/q", "pre/id/q/024", "pre/id/q/012348", "pre/id/qp/012348",
-                "pre/pair/q", "pre/pair/q/012348", "post/had/mse", "post/pca/q", "post/qeig/q", "post/white")
+                "pre/pair/q", "pre/pair/q/012348", "pre/id/q/012348/sparse", "pre/id/q/012348/top1",
+                "pre/id/q/012348/top2", "post/had/mse", "post/pca/q",
+                "post/qeig/q", "post/white")
+#: Per-channel outlier thresholds of the ``/sparse`` variants: these quantiles of the calibration keys.
+SPARSE_QUANTILES = (0.005, 0.995)
 #: Bit widths a variant may give a channel: all of 0..8, or (``/024``) only those listed.
 ALLOWED = {"024": (0, 2, 4), "012348": (0, 1, 2, 3, 4, 8)}
 VALUE_VARIANTS = ("id/mse", "had/mse", "pca/mse")
@@ -208,7 +221,9 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--keys", default=",".join(KEY_VARIANTS), help="key variants (comma-separated)")
     ap.add_argument("--values", default=",".join(VALUE_VARIANTS), help="value variants ('' for none)")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="mean bits (comma-separated)")
     args = ap.parse_args()
+    budgets = [float(b) for b in args.budgets.split(",")]
     key_variants = [v for v in args.keys.split(",") if v]
     value_variants = [v for v in args.values.split(",") if v]
     cal, held = open_capture(args.calibration), open_capture(args.heldout)
@@ -226,26 +241,45 @@ def main() -> None:
         hpos, hrope = held.kv.positions, held.kv.rope_of(layer)
         D = ck.shape[-1]
         n_kv = ck.shape[0]
-        ek = {(vname, B): torch.zeros(n_kv, *hk.shape[1:]) for vname in key_variants for B in BUDGETS}
-        ev = {(vname, B): torch.zeros(n_kv, *hv.shape[1:]) for vname in value_variants for B in BUDGETS}
+        ek = {(vname, B): torch.zeros(n_kv, *hk.shape[1:]) for vname in key_variants for B in budgets}
+        outliers: dict[str, float] = {}  # variant -> fraction of held-out key elements kept exact
+        ev = {(vname, B): torch.zeros(n_kv, *hv.shape[1:]) for vname in value_variants for B in budgets}
         for h in range(n_kv):
             Sq, mk, mv = stats(cprep, h)
             for vname in key_variants:
                 pre = vname.startswith("pre")
+                last = vname.split("/")[-1]
+                top = int(last[3:]) if last.startswith("top") else 0
+                sparse = last == "sparse" or top > 0
+                base = vname.rsplit("/", 1)[0] if sparse else vname
                 xc = torch.as_tensor(ckp[h] if pre else ck[h]).double()
                 Sk = torch.einsum("t,td,te->de", mk, xc, xc) / mk.sum()
-                T, w = key_transform(vname, Sq, Sk, D)
-                ranges, err = fit_channels(xc[SINKS:] @ T.T, mk[SINKS:])
+                T, w = key_transform(base, Sq, Sk, D)
+                y = xc[SINKS:] @ T.T
                 xh = torch.as_tensor(hkp[h] if pre else hk[h]).double()
-                for B in BUDGETS:
-                    allowed = ALLOWED.get(vname.split("/")[-1], tuple(range(MAX_BITS + 1)))
+                if sparse:
+                    assert base.split("/")[1] == "id", "outliers are kept in the stored channels: no transform"
+                    lo_t, hi_t = (torch.quantile(y, q, dim=0) for q in SPARSE_QUANTILES)
+                    y = torch.minimum(torch.maximum(y, lo_t), hi_t)
+                    out = (xh < lo_t) | (xh > hi_t)
+                    if top:  # the row's `top` elements furthest beyond the thresholds
+                        beyond = torch.maximum(xh - hi_t, lo_t - xh).clamp(min=0)
+                        idx = beyond.topk(top, dim=-1).indices
+                        out = torch.zeros_like(out).scatter_(-1, idx, True) & (beyond > 0)
+                    out[:SINKS] = False  # the sinks are in fp16 under S4 anyway
+                    outliers[vname] = outliers.get(vname, 0.0) + float(out[SINKS:].double().mean()) / n_kv
+                ranges, err = fit_channels(y, mk[SINKS:])
+                for B in budgets:
+                    allowed = ALLOWED.get(base.split("/")[-1], tuple(range(MAX_BITS + 1)))
                     if "/qp/" in vname:  # one width per RoPE pair (i, i + D/2)
                         we = err * w[None, :]
                         half = allocate(we[:, : D // 2] + we[:, D // 2:], torch.ones(D // 2, dtype=torch.float64), B, allowed)
                         bits = np.concatenate([half, half])
                     else:
-                        bits = allocate(err, w, B, allowed)
+                        bits = allocate(err, w, B - 24 * top / D, allowed)
                     r = reconstruct(xh, T, ranges, bits)
+                    if sparse:
+                        r = torch.where(out, xh, r)
                     if pre:
                         r = apply_rope(r[None].float(), hpos, hrope)[0].double()
                     ek[(vname, B)][h] = (r - torch.as_tensor(hk[h]).double()).float()
@@ -259,18 +293,20 @@ def main() -> None:
                 else:
                     T = eig_desc(torch.einsum("t,td,te->de", mv, xc, xc) / mv.sum())[1].T
                 ranges, err = fit_channels(xc[SINKS:] @ T.T, mv[SINKS:])
-                for B in BUDGETS:
+                for B in budgets:
                     bits = allocate(err, torch.ones(D, dtype=torch.float64), B)
                     ev[(vname, B)][h] = (reconstruct(torch.as_tensor(hv[h]), T, ranges, bits)
                                          - torch.as_tensor(hv[h]).double()).float()
         for vname in key_variants:
-            dmg = key_damage_batch(hprep, torch.stack([ek[(vname, B)] for B in BUDGETS]), OPTIONS)  # [B, opt, kv]
-            for bi, B in enumerate(BUDGETS):
+            dmg = key_damage_batch(hprep, torch.stack([ek[(vname, B)] for B in budgets]), OPTIONS)  # [B, opt, kv]
+            for bi, B in enumerate(budgets):
                 for oi, o in enumerate(OPTIONS):
                     rows.append((layer, "k", vname, B, o.label(), float(dmg[bi, oi].sum())))
+        for vname, frac in outliers.items():
+            rows.append((layer, "k", vname, 0.0, "outliers", frac))
         for vname in value_variants:
-            dmg = value_damage_batch(hprep, torch.stack([ev[(vname, B)] for B in BUDGETS]), OPTIONS)
-            for bi, B in enumerate(BUDGETS):
+            dmg = value_damage_batch(hprep, torch.stack([ev[(vname, B)] for B in budgets]), OPTIONS)
+            for bi, B in enumerate(budgets):
                 for oi, o in enumerate(OPTIONS):
                     rows.append((layer, "v", vname, B, o.label(), float(dmg[bi, oi].sum())))
         print(f"# layer {layer} done, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
