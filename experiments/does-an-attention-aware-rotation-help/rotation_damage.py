@@ -54,6 +54,7 @@ Values: ``id/mse``, ``had/mse`` and ``pca/mse`` (eigenbasis of the attention-wei
 moment), each with bits allocated by token-weighted squared error.
 
 Usage: python rotation_damage.py CALIBRATION_CAPTURE HELDOUT_CAPTURE [--layers 0,1,...] [--keys V,...] [--values V,...]
+       [--budgets B,...]
 """
 from __future__ import annotations
 
