@@ -60,8 +60,8 @@ ENGINE_SCHEMES = ("vllm-int8-per-token-head", "vllm-fp8-per-token-head", "hf-fp8
 PEER_SCHEMES = ("turboquant-mse-2", "turboquant-mse-3", "turboquant-mse-4", "nvfp4", "mxfp4", "nvfp4-4over6")
 #: Today's methods from their papers, emulated (:mod:`kverr.peers`): TurboQuant with outlier
 #: channels, OSCAR and KVQuant (the last two fitted to the calibration capture).
-PAPER_SCHEMES = ("turboquant-2.5", "turboquant-3.5", "oscar-int2-s4r32", "oscar-int2", "kvquant-2bit-1pct",
-                 "kvquant-3bit-1pct")
+PAPER_SCHEMES = ("turboquant-2.5", "turboquant-3.5", "oscar-int2-s4r32", "oscar-int2-s4r32-fp16", "oscar-int2",
+                 "kvquant-2bit-1pct", "kvquant-3bit-1pct")
 ALL_SCHEMES = SCHEMES + ENGINE_SCHEMES + PEER_SCHEMES + PAPER_SCHEMES
 #: Engine dtypes vLLM runs with its boundary layers unquantized, evaluated as vLLM runs them on
 #: the bundled model (:func:`kverr.engines.vllm_dtypes.with_boundary_skip`), as configs named

@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "greedy generation diverges. Peers: quanto-int4, quanto-int2 (transformers' "
         "QuantizedCache, group 64, residual 128); vllm-int4-per-token-head, vllm-turboquant-4bit-nc, "
         "vllm-turboquant-k3v4-nc, vllm-turboquant-3bit-nc (vLLM's caches kverr's formats cannot express, "
-        "emulated); turboquant-2.5, turboquant-3.5, oscar-int2, oscar-int2-s4r32, kvquant-2bit-1pct, "
+        "emulated); turboquant-2.5, turboquant-3.5, oscar-int2, oscar-int2-s4r32(-fp16), kvquant-2bit-1pct, "
         "kvquant-3bit-1pct (papers' methods, emulated; OSCAR and KVQuant fitted to --calibration). Writes a CSV (one row per scheme and context, "
         "mean over segments, with standard errors), the per-segment rows beside it and a plot of "
         "KL against effective bits. Static per-tensor/per-head scales come from the prefill unless "

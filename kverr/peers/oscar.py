@@ -41,7 +41,9 @@ Memory, counted by :func:`equivalent` and :func:`rotation_bytes`: two bits per e
 zero in fp32 per (token, kv head) (what the kernels store; the paper's 2.28 bits count 16-bit
 ones at 128K tokens), the sink and recent tokens in bf16 (the window's 7-token slack not counted),
 and both rotations in bf16 once per layer. Peers: ``oscar-int2`` with the released scripts' 64
-sink and 256 recent tokens, and ``oscar-int2-s4r32`` with the 4 and 32 of kverr's low-bit configs.
+sink and 256 recent tokens, ``oscar-int2-s4r32`` with the 4 and 32 of kverr's low-bit configs, and
+``oscar-int2-s4r32-fp16`` with the 16-bit scale and zero the paper's bit count assumes (rounded to
+fp16 before they encode).
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError
 from kverr.quant.formats import PerToken, int_format
 
-#: Peer name -> (sink tokens, recent tokens).
-VARIANTS = {"oscar-int2": (64, 256), "oscar-int2-s4r32": (4, 32)}
+#: Peer name -> (sink tokens, recent tokens, dtype of the INT2 rows' scale and zero).
+VARIANTS = {"oscar-int2": (64, 256, "fp32"), "oscar-int2-s4r32": (4, 32, "fp32"),
+            "oscar-int2-s4r32-fp16": (4, 32, "fp16")}
 #: Clip ratio per side (the released evaluation scripts').
 CLIP_RATIO = {"k": 0.96, "v": 0.92}
 #: Tokens demoted from the recent window at once (the kernels' INT2 page).
@@ -124,13 +127,16 @@ def clip_threshold(y: torch.Tensor, ratio: float) -> torch.Tensor:
     return y.abs().sort(dim=-1).values[..., min(int(ratio * d), d - 1)]
 
 
-def int2_rows(y: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Rotated rows ``y [..., D]`` (fp32) clipped, quantized to INT2 and read back (see the module)."""
+def int2_rows(y: torch.Tensor, ratio: float, meta: str = "fp32") -> torch.Tensor:
+    """Rotated rows ``y [..., D]`` (fp32) clipped, quantized to INT2 and read back (see the module);
+    ``meta="fp16"``: scale and zero rounded to fp16 before they encode."""
     tau = clip_threshold(y, ratio)[..., None]
     x = torch.minimum(torch.maximum(y, -tau), tau)
     mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     scale = torch.clamp(mx - mn, min=1e-8) / 3
     zero = -mn / scale
+    if meta == "fp16":
+        scale, zero = scale.half().float(), zero.half().float()
     code = torch.floor(x / scale + zero + 0.5).clamp(0, 3)
     return _bf16((code - zero) * scale)
 
@@ -139,8 +145,8 @@ def equivalent(name: str, n_layers: int, head_dim: int = 64) -> CacheConfig:
     """A kverr config of OSCAR's cache bytes: 2-bit codes with an fp32 scale and zero per (token,
     kv head) in pages of 8 tokens, the sink and recent tokens in bf16 (the rotations:
     :func:`rotation_bytes`)."""
-    sinks, recent = VARIANTS[name]
-    fmt = int_format(2, PerToken(), symmetric=False, scale_dtype="fp32")
+    sinks, recent, meta = VARIANTS[name]
+    fmt = int_format(2, PerToken(), symmetric=False, scale_dtype=meta)
     return CacheConfig(k=fmt, v=fmt, sinks=sinks, window=recent, window_dtype="bf16", page_size=DEMOTE, name=name)
 
 
@@ -153,7 +159,7 @@ def make_cache(name: str, n_layers: int, fitted: dict[int, tuple[torch.Tensor, t
     """A transformers cache holding what OSCAR's cache holds, with the rotations ``fitted``."""
     from transformers import DynamicCache
 
-    sinks, recent = VARIANTS[name]
+    sinks, recent, meta = VARIANTS[name]
 
     class OscarCache(DynamicCache):
         def __init__(self):
@@ -170,7 +176,7 @@ def make_cache(name: str, n_layers: int, fitted: dict[int, tuple[torch.Tensor, t
             first = not st
             for side, x, r in (("k", key_states, fitted[layer_idx][0]), ("v", value_states, fitted[layer_idx][1])):
                 y = rotate(x.float(), r)
-                q2 = int2_rows(y, CLIP_RATIO[side])
+                q2 = int2_rows(y, CLIP_RATIO[side], meta)
                 st[side] = y if first else torch.cat([st[side], y], dim=-2)
                 st[side + "2"] = q2 if first else torch.cat([st[side + "2"], q2], dim=-2)
             total = st["k"].shape[-2]

@@ -67,6 +67,21 @@ def test_int2_rows_clip_the_largest_magnitudes_and_keep_four_levels():
     assert bool(((back - x).abs() <= step[:, None] / 2 * (1 + 2**-7) + 1e-6).all())
 
 
+def test_fp16_metadata_is_rounded_before_it_encodes():
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(40, 64, generator=g) * 3
+    back = oscar.int2_rows(y, 0.92, "fp16")
+    tau = y.abs().sort(-1).values[:, 58:59]
+    x = y.clamp(-tau, tau)
+    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    s16 = ((mx - mn) / 3).half().float()
+    z16 = (-mn / ((mx - mn) / 3)).half().float()
+    # every value read back is (code - zero) * scale with the fp16 pair and a code in 0..3
+    code = back.float() / s16 + z16
+    assert torch.allclose(code, code.round(), atol=0.02) and bool(((code.round() >= 0) & (code.round() <= 3)).all())
+    assert not torch.equal(back, oscar.int2_rows(y, 0.92))
+
+
 def _fitted(d=64, layers=2, seed=3):
     g = torch.Generator().manual_seed(seed)
     rs = []
@@ -95,14 +110,17 @@ def test_the_cache_keeps_sinks_and_recent_rows_in_bf16_and_demotes_eight_at_a_ti
     assert k.shape[-2] == 117
 
 
-def test_bytes_are_codes_fp32_scale_and_zero_bf16_regions_and_two_rotations():
-    peer = emulated_peers()["oscar-int2"]
-    L, H, D, T = 3, 2, 64, 1000
+@pytest.mark.parametrize("name,sinks,recent,meta", [("oscar-int2", 64, 256, 8), ("oscar-int2-s4r32-fp16", 4, 32, 4)])
+def test_bytes_are_codes_scale_and_zero_bf16_regions_and_two_rotations(name, sinks, recent, meta):
+    peer = emulated_peers()[name]
+    L, H, D, T = 3, 2, 64, 1004
     rep = peer.account(ModelShape(L, H, D), T)
-    q_rows = T - 64 - 256
-    per_side = H * (q_rows * (D * 2 // 8 + 8) + (64 + 256) * D * 2) + D * D * 2
+    q_rows = -(-(T - sinks - recent) // 8) * 8  # INT2 rows in whole pages of 8 tokens
+    per_side = H * (q_rows * (D * 2 // 8 + meta) + (sinks + recent) * D * 2) + D * D * 2
     assert rep.total_bytes == L * 2 * per_side
     assert rep.effective_bits == pytest.approx(8 * L * 2 * per_side / (2 * L * H * D * T))
+    rep8 = peer.account(ModelShape(L, H, D), T, batch=8)  # the rotations once, the rest per sequence
+    assert rep8.total_bytes == L * 2 * (8 * (per_side - D * D * 2) + D * D * 2)
 
 
 def test_the_peer_needs_a_calibration_capture(tiny_llama, tmp_path):
