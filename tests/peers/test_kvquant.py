@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kverr.engines.emulated import emulated_peers
-from kverr.evaluation import evaluate, parse_schemes
 from kverr.memory import ModelShape
 from kverr.peers import kvquant
 from tests.captures import synthetic_capture
@@ -98,19 +97,3 @@ def test_bytes_are_the_papers_count(name, bits):
     k = n * bits // 8 + sparse + H * D * 2 + (2 * 2**bits + H * D * 4)
     v = n * bits // 8 + sparse + H * D * 2 + 2 * 2**bits + (T - 1) * 4
     assert rep.total_bytes == L * (k + v)
-
-
-def test_the_peer_runs_in_evaluate(tiny_llama, tmp_path):
-    from kverr.capturing.text import Text
-    from kverr.io import write_dataset
-
-    _, lm = tiny_llama
-    s = lm.shape
-    cap = write_dataset(synthetic_capture(n_layers=s.n_layers, n_q=lm.model.config.num_attention_heads,
-                                          n_kv=s.n_kv_heads, head_dim=s.head_dim, n_tokens=128), tmp_path / "cal.zarr")
-    text = Text(text=" ".join(["cache key value softmax token layer"] * 60), source="words", sha256="0" * 64)
-    df = evaluate(lm, text, parse_schemes(["kvquant-2bit-1pct"], calibration=str(cap)), prefill=[48], decode=16,
-                  segments=1, offset=0, progress=False)
-    row = df.iloc[0]
-    assert row["kind"] == "emulated" and row["mean_kl"] > 0
-    assert row["effective_bits"] == pytest.approx(emulated_peers()["kvquant-2bit-1pct"].account(s, 64).effective_bits)

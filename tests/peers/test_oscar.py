@@ -3,13 +3,11 @@ cache's regions, the bytes, and the peer in ``kverr evaluate`` with a calibratio
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from kverr.engines.emulated import emulated_peers
-from kverr.evaluation import evaluate, parse_schemes
 from kverr.exceptions import ConfigError
 from kverr.memory import ModelShape
 from kverr.peers import oscar
@@ -121,23 +119,3 @@ def test_bytes_are_codes_scale_and_zero_bf16_regions_and_two_rotations(name, sin
     assert rep.effective_bits == pytest.approx(8 * L * 2 * per_side / (2 * L * H * D * T))
     rep8 = peer.account(ModelShape(L, H, D), T, batch=8)  # the rotations once, the rest per sequence
     assert rep8.total_bytes == L * 2 * (8 * (per_side - D * D * 2) + D * D * 2)
-
-
-def test_the_peer_needs_a_calibration_capture(tiny_llama, tmp_path):
-    from kverr.capturing.text import Text
-    from kverr.io import write_dataset
-    from tests.captures import synthetic_capture
-
-    with pytest.raises(ConfigError, match="--calibration"):
-        parse_schemes(["oscar-int2-s4r32"])
-    _, lm = tiny_llama
-    s = lm.shape
-    cap = write_dataset(synthetic_capture(n_layers=s.n_layers, n_q=lm.model.config.num_attention_heads,
-                                          n_kv=s.n_kv_heads, head_dim=s.head_dim, n_tokens=128), tmp_path / "cal.zarr")
-    text = Text(text=" ".join(["cache key value softmax token layer"] * 60), source="words", sha256="0" * 64)
-    df = evaluate(lm, text, parse_schemes(["oscar-int2-s4r32"], calibration=str(cap)), prefill=[48], decode=16,
-                  segments=1, offset=0, progress=False)
-    row = df.iloc[0]
-    assert row["kind"] == "emulated" and row["mean_kl"] > 0
-    want = emulated_peers()["oscar-int2-s4r32"].account(s, 64).effective_bits
-    assert row["effective_bits"] == pytest.approx(want) and not math.isnan(want)
