@@ -1,5 +1,5 @@
 """KVQuant, emulated: the offline fit, pre-RoPE keys against fixed thresholds, values per token
-with their outliers, the first token, the bytes, and the peer in ``kverr evaluate``."""
+with their outliers, the first token and the bytes."""
 
 from __future__ import annotations
 

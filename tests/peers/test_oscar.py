@@ -1,8 +1,7 @@
 """OSCAR, emulated: the rotation's parts, the attention-aware covariances, the INT2 rows, the
-cache's regions, the bytes, and the peer in ``kverr evaluate`` with a calibration capture."""
+cache's regions and the bytes."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
