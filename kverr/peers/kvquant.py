@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from kverr.memory import Bytes, MemoryReport, ModelShape
+from kverr.progress import progress
 from kverr.quant.codebooks import lloyd_max
 
 #: Peer name -> bits of the dense codes.
@@ -75,7 +76,7 @@ def fit(capture: Any, bits: int) -> dict[int, dict[str, Any]]:
         raise ConfigError("kvquant quantizes keys before RoPE: the capture records no RoPE parameters")
     hi, lo = 100 * (1 - OUTLIERS / 2), 100 * OUTLIERS / 2
     out = {}
-    for layer in capture["layer"].values:
+    for layer in progress(capture["layer"].values, desc="fit kvquant", unit="layer", leave=False):
         rope = layer_rope(capture.attrs["rope"], int(layer))
         sel = capture.sel(layer=layer)
         k = np.asarray(sel["k_pre"].values, dtype=np.float64)  # [H, N, D]

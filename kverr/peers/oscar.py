@@ -56,6 +56,7 @@ import torch
 
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError
+from kverr.progress import progress
 from kverr.quant.formats import PerToken, int_format
 
 #: Peer name -> (sink tokens, recent tokens, dtype of the INT2 rows' scale and zero).
@@ -104,7 +105,7 @@ def fit(capture: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer of the capture, ``(R_K, R_V)`` as fp32 ``[D, D]`` matrices."""
     kv_of_q = [int(x) for x in np.asarray(capture["kv_head_of_q"].values)]
     out = {}
-    for layer in capture["layer"].values:
+    for layer in progress(capture["layer"].values, desc="fit oscar", unit="layer", leave=False):
         sel = capture.sel(layer=layer)
         q, k, v = (torch.from_numpy(np.asarray(sel[n].values)) for n in ("q", "k", "v"))
         ck, cs = covariances(q, k, v, kv_of_q)
