@@ -122,10 +122,11 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
         if s in PEERS:
             out.append(Scheme(s, "quanto", nbits=PEERS[s]))
         elif s in EMULATED:
-            if emulated_peers()[s].fit is not None and calibration is None:
+            fitted = emulated_peers()[s].fit is not None
+            if fitted and calibration is None:
                 raise ConfigError(f"--scheme {s}: it is fitted offline; give the capture to fit it to "
                                   "with --calibration (the one kverr's configs were calibrated on)")
-            out.append(Scheme(s, "emulated", calibration=calibration))
+            out.append(Scheme(s, "emulated", calibration=calibration if fitted else None))
         elif s in named:
             out.append(Scheme(s, "kverr", named[s]))
         else:
@@ -484,6 +485,8 @@ def evaluate(
                 from kverr.config import check_model_matches
 
                 check_model_matches(s.config, loaded.weights_sha256, loaded.model_id)
+        if s.calibration is not None:
+            _check_calibration(s, loaded)
         if s.scales is not None:
             if s.config is None:
                 raise ConfigError(f"{s.name}: scales are given to kverr configs only")
@@ -530,6 +533,24 @@ def evaluate(
             log.info("%s P=%d seg=%d: mean KL %.4g top-1 %.3f", s.name, p, seg, row["mean_kl"], row["top1"])
     bar.close()
     return pd.DataFrame(rows)
+
+
+def _check_calibration(scheme: Scheme, loaded: Any) -> None:
+    """Refuse a peer fitted to a capture of another model (weights, or layers, kv heads and head
+    dim) than the one evaluated."""
+    from kverr.io import open_capture
+
+    cap = open_capture(scheme.calibration)
+    sha = cap.attrs.get("weights_sha256")
+    if sha and loaded.weights_sha256 and sha != loaded.weights_sha256:
+        raise ConfigError(f"{scheme.name}: --calibration {scheme.calibration} is a capture of another model "
+                          f"({cap.attrs.get('model_id', '?')}) than the one evaluated ({loaded.model_id})")
+    shape = loaded.shape
+    got = (cap.sizes.get("layer"), cap.sizes.get("kv_head"), cap.sizes.get("channel"))
+    if got != (shape.n_layers, shape.n_kv_heads, shape.head_dim):
+        raise ConfigError(f"{scheme.name}: --calibration {scheme.calibration} has (layers, kv heads, head dim) "
+                          f"{got}; the model evaluated has {(shape.n_layers, shape.n_kv_heads, shape.head_dim)} "
+                          "(a peer fits every layer)")
 
 
 def summarize_schemes(df: Any) -> Any:
