@@ -30,6 +30,7 @@ Variants, keys (``pre``: pre-RoPE keys, the error rotated by RoPE before it is s
   ranges are fitted to the keys clamped to them, and a held-out element beyond them is kept exact
   (their fraction is printed as rows of option ``outliers``; each costs a 16-bit value and a 16-bit
   index, and a 32-bit pointer per token on top);
+* ``pre/id/q/012348/sparse0.1`` (``0.25``, ...): thresholds at the 0.1th and 99.9th percentiles;
 * ``pre/id/q/012348/top1``, ``…/top2``: the same thresholds and dense fit, but each held-out row
   keeps exactly its 1 (2) elements furthest beyond them (none when none is beyond), each as an
   fp16 value and an 8-bit channel index, paid from the budget: the dense widths get ``B - 24 k / D``
@@ -251,7 +252,9 @@ def main() -> None:
                 pre = vname.startswith("pre")
                 last = vname.split("/")[-1]
                 top = int(last[3:]) if last.startswith("top") else 0
-                sparse = last == "sparse" or top > 0
+                sparse = last.startswith("sparse") or top > 0
+                # "/sparseP": thresholds at the P-th and (100 - P)-th percentiles (default 0.5)
+                tail = float(last[6:]) / 100 if last.startswith("sparse") and len(last) > 6 else SPARSE_QUANTILES[0]
                 base = vname.rsplit("/", 1)[0] if sparse else vname
                 xc = torch.as_tensor(ckp[h] if pre else ck[h]).double()
                 Sk = torch.einsum("t,td,te->de", mk, xc, xc) / mk.sum()
@@ -260,7 +263,7 @@ def main() -> None:
                 xh = torch.as_tensor(hkp[h] if pre else hk[h]).double()
                 if sparse:
                     assert base.split("/")[1] == "id", "outliers are kept in the stored channels: no transform"
-                    lo_t, hi_t = (torch.quantile(y, q, dim=0) for q in SPARSE_QUANTILES)
+                    lo_t, hi_t = (torch.quantile(y, q, dim=0) for q in (tail, 1 - tail))
                     y = torch.minimum(torch.maximum(y, lo_t), hi_t)
                     out = (xh < lo_t) | (xh > hi_t)
                     if top:  # the row's `top` elements furthest beyond the thresholds
