@@ -7,5 +7,9 @@ with the engines' emulated dtypes in :mod:`kverr.engines.emulated`; methods fitt
 the calibration capture (``kverr evaluate --calibration``).
 
 * :mod:`kverr.peers.turboquant` -- TurboQuant's MSE quantizer with outlier channels a bit wider
-  (2.5 and 3.5 bits of codes).
+  (2.5 and 3.5 bits of codes);
+* :mod:`kverr.peers.oscar` -- OSCAR: attention-aware rotations fitted offline, clipped INT2 per
+  token, bf16 sink and recent tokens;
+* :mod:`kverr.peers.kvquant` -- KVQuant: pre-RoPE per-channel keys, per-token values, per-layer
+  non-uniform levels fitted offline, 1 % sparse outliers, the first token in fp16.
 """

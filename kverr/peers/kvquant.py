@@ -19,10 +19,10 @@ the method uses.
 
 **Cache** (per layer; the first token, position 0, kept exact in fp16 on both sides):
 
-* keys: the cache undoes RoPE (with the capture's RoPE parameters: the model's); an element outside its channel's
-  ``(lower, upper)`` (strictly) is an outlier, kept exact; the others take the nearest level of
-  ``(x - zero) / scale`` (ties to the lower level) and read back ``level * scale + zero``; RoPE
-  is applied again to what is read back;
+* keys: the cache undoes RoPE (with the capture's RoPE parameters: the model's); an element
+  outside its channel's ``(lower, upper)`` (strictly) is an outlier, kept exact; the others take
+  the nearest level of ``(x - zero) / scale`` (ties to the lower level) and read back
+  ``level * scale + zero``; RoPE is applied again to what is read back;
 * values, online per token over the whole row of all kv heads (as the method's ``v_proj``
   output): ``upper``/``lower`` the row's 99.5th and 0.5th percentiles (``torch.quantile``,
   linear), outliers ``>= upper`` or ``<= lower`` kept exact; the range of the rest is the row's
@@ -97,7 +97,8 @@ def _nearest(xn: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
     return c[(xn[..., None] - c).abs().argmin(-1)]  # argmin: the lower level on a tie
 
 
-def quantize_keys(k: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, levels) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_keys(k: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
+                  levels) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-RoPE keys ``k [B, H, T, D]`` read back (fp32, before the fp16 rounding), and the outlier mask."""
     k = k.float()
     up, lo = upper[None, :, None, :], lower[None, :, None, :]
@@ -175,7 +176,8 @@ def make_cache(name: str, fitted: dict[int, dict[str, Any]]) -> Any:
             keep = (torch.arange(t0, t0 + n) < FIRST)[:, None]
             kq, vq = torch.where(keep, k_pre, kq), torch.where(keep, value_states.float(), vq)
             self.outliers[0] += int((kout & ~keep).sum() + (vout & ~keep).sum())
-            self.outliers[1] += 2 * int((~keep).sum()) * key_states.shape[0] * key_states.shape[1] * key_states.shape[-1]
+            b, h, _, d = key_states.shape
+            self.outliers[1] += 2 * int((~keep).sum()) * b * h * d
             k_back = apply_rope(kq.to(torch.float16).float(), pos, f["rope"]).to(key_states.dtype)
             return super().update(k_back, vq.to(torch.float16).to(value_states.dtype), layer_idx, *args, **kwargs)
 

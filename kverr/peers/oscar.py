@@ -88,7 +88,8 @@ def rotation(cov: torch.Tensor) -> torch.Tensor:
     return uh[:, bit_reversal_columns(d)]
 
 
-def covariances(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_of_q: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def covariances(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_of_q: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C_K, C_S)`` of one layer from ``q [Hq, N, D]``, ``k``, ``v [Hkv, N, D]`` (see the module)."""
     q, k, v = q.double(), k.double(), v.double()
     cks, css = [], []
@@ -165,7 +166,9 @@ def make_cache(name: str, n_layers: int, fitted: dict[int, tuple[torch.Tensor, t
     class OscarCache(DynamicCache):
         def __init__(self):
             super().__init__()
-            self._rows: dict[int, dict[str, torch.Tensor]] = {}  # rotated bf16 rows, INT2 read-backs
+            # per layer, each row both ways, read back in the model's space (rotated back once, as
+            # it arrives): stored in bf16 ("k", "v") and as INT2 ("k2", "v2")
+            self._rows: dict[int, dict[str, torch.Tensor]] = {}
             self._recent: dict[int, int] = {}
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -177,9 +180,9 @@ def make_cache(name: str, n_layers: int, fitted: dict[int, tuple[torch.Tensor, t
             first = not st
             for side, x, r in (("k", key_states, fitted[layer_idx][0]), ("v", value_states, fitted[layer_idx][1])):
                 y = rotate(x.float(), r)
-                q2 = int2_rows(y, CLIP_RATIO[side], meta)
-                st[side] = y if first else torch.cat([st[side], y], dim=-2)
-                st[side + "2"] = q2 if first else torch.cat([st[side + "2"], q2], dim=-2)
+                back = _bf16(r).T
+                for key, rows in ((side, y @ back), (side + "2", int2_rows(y, CLIP_RATIO[side], meta) @ back)):
+                    st[key] = rows if first else torch.cat([st[key], rows], dim=-2)
             total = st["k"].shape[-2]
             if first:
                 self._recent[layer_idx] = min(max(total - sinks, 0), recent)
@@ -190,10 +193,7 @@ def make_cache(name: str, n_layers: int, fitted: dict[int, tuple[torch.Tensor, t
                     self._recent[layer_idx] += 1
             pos = torch.arange(total)
             full = (pos < sinks) | (pos >= total - self._recent[layer_idx])
-            out = []
-            for side, x, r in (("k", key_states, fitted[layer_idx][0]), ("v", value_states, fitted[layer_idx][1])):
-                rows = torch.where(full[:, None], st[side], st[side + "2"])
-                out.append((rows @ _bf16(r).T).to(x.dtype))
-            return out[0], out[1]
+            return tuple(torch.where(full[:, None], st[side], st[side + "2"]).to(x.dtype)
+                         for side, x in (("k", key_states), ("v", value_states)))
 
     return OscarCache()
