@@ -93,8 +93,12 @@ def fit(capture: Any, bits: int) -> dict[int, dict[str, Any]]:
 
 
 def _nearest(xn: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
+    """The nearest level of each normalised value as the method finds it: the argmin of the fp32
+    distances (the lower level on a tie). Not :func:`kverr.quant.codebooks.level_codes`, whose
+    rounded midpoints decide a value within an ulp of one otherwise (1 element in 393,216 of a
+    held-out layer)."""
     c = torch.tensor(levels, dtype=torch.float32)
-    return c[(xn[..., None] - c).abs().argmin(-1)]  # argmin: the lower level on a tie
+    return c[(xn[..., None] - c).abs().argmin(-1)]
 
 
 def quantize_keys(k: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,

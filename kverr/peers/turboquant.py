@@ -34,7 +34,7 @@ import torch
 
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError
-from kverr.quant.codebooks import lloyd_max_sphere
+from kverr.quant.codebooks import level_codes, lloyd_max_sphere
 from kverr.quant.formats import CHANNEL_BITS, PerChannel, QuantFormat
 
 #: Peer name -> width of the ordinary channels (the outliers have one bit more).
@@ -67,10 +67,9 @@ def fake_quantize_set(x: torch.Tensor, bits: int) -> torch.Tensor:
     unit = torch.where(norm > 0, xd / torch.where(norm > 0, norm, 1.0), 0.0)
     rot = rotation(m)
     y = (unit @ rot).float()
-    levels = torch.tensor(lloyd_max_sphere(m, bits), dtype=torch.float32)
-    mid = (levels[:-1] + levels[1:]) / 2
-    codes = torch.searchsorted(mid, y.contiguous())  # nearest level (a midpoint goes down)
-    back = levels[codes].double() @ rot.T
+    levels = lloyd_max_sphere(m, bits)
+    codes = level_codes(y, levels).long()  # the nearest level, a tie going down
+    back = torch.tensor(levels, dtype=torch.float64)[codes] @ rot.T
     return (back * norm.to(torch.float16).double()).float()
 
 

@@ -155,6 +155,17 @@ def boundaries(levels: tuple[float, ...]) -> tuple[float, ...]:
     return _to_fp32((c[:-1] + c[1:]) / 2)
 
 
+def level_codes(q: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
+    """The codes (uint8) of values ``q`` already in the levels' units: the number of cell
+    boundaries (:func:`boundaries`) strictly below each, so the nearest level, a tie going to the
+    lower one. One comparison per boundary: several times faster than ``searchsorted`` on the CPU
+    at these widths."""
+    u = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    for t in boundaries(tuple(levels)):
+        u += q > t
+    return u
+
+
 def top_level(levels: tuple[float, ...]) -> float:
     """The largest magnitude of the levels: an absmax scale maps the block's largest magnitude onto it."""
     return max(abs(levels[0]), abs(levels[-1]))
