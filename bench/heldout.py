@@ -124,11 +124,11 @@ def evaluate(only=None) -> None:
         argv += ["--config", str(c)]
     from kverr.engines.emulated import emulated_peers
 
-    fitted = False
-    for s in ALL_SCHEMES if only is None else [s for s in only if s not in names]:
+    peers = emulated_peers()
+    schemes = ALL_SCHEMES if only is None else [s for s in only if s not in names]
+    for s in schemes:
         argv += ["--scheme", s]
-        fitted = fitted or (s in emulated_peers() and emulated_peers()[s].fit is not None)
-    if fitted:  # peers fitted offline fit to the capture kverr's configs were calibrated on
+    if any(s in peers and peers[s].fit is not None for s in schemes):  # peers fitted offline fit to the capture kverr's configs were calibrated on
         argv += ["--calibration", str(pydoc_capture(4096))]
     if main(argv) != 0:
         raise RuntimeError("kverr evaluate failed")
@@ -178,6 +178,8 @@ def predicted(only=None) -> None:
 #: Sequences a model's static bytes (static scales, codebooks, rotations) are shared by in the
 #: table's first effective-bits figure (the second: one sequence, as evaluated).
 AMORTISED_BATCH = 8
+#: The table's metric of those effective bits.
+AMORTISED_BITS = f"effective_bits_b{AMORTISED_BATCH}"
 
 
 def bits_at_batch(name: str, batch: int, configs: dict) -> float:
@@ -214,8 +216,9 @@ def summarise() -> list[Row]:
 
     seg = pd.read_csv(SEGMENTS_CSV)
     pred = pd.read_csv(PREDICTED_CSV).set_index("scheme")
-    configs = {json.loads(c.read_text())["name"]: json.loads(c.read_text()) for c in CONFIGS}
-    paths = {json.loads(c.read_text())["name"]: c for c in [*CONFIGS, *served_configs()]}
+    docs = {c: json.loads(c.read_text()) for c in [*CONFIGS, *served_configs()]}
+    paths = {doc["name"]: c for c, doc in docs.items()}
+    configs = {docs[c]["name"]: docs[c] for c in CONFIGS}
     rows: list[Row] = []
     for name, g in seg.groupby("scheme", sort=False):
         if name not in configs and name not in ALL_SCHEMES + SERVED_SCHEMES:
@@ -227,8 +230,7 @@ def summarise() -> list[Row]:
         n = g["segment"].nunique()
         rows += [Row(name, "kind", kind, "label", m, d),
                  Row(name, "effective_bits", float(g["effective_bits"].iloc[0]), "bits", m, d),
-                 Row(name, f"effective_bits_b{AMORTISED_BATCH}", bits_at_batch(name, AMORTISED_BATCH, paths), "bits",
-                     m, d),
+                 Row(name, AMORTISED_BITS, bits_at_batch(name, AMORTISED_BATCH, paths), "bits", m, d),
                  Row(name, "mean_kl", float(g["mean_kl"].mean()), "nats", m, d),
                  Row(name, "mean_kl_se", float(g["mean_kl"].std(ddof=1) / n**0.5), "nats", m, d),
                  Row(name, "top1", float(g["top1"].mean()), "fraction", m, d),

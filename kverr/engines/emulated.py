@@ -11,9 +11,11 @@ beside kverr's configs; the calibration objective cannot predict them. A method 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 from kverr.config import CacheConfig
@@ -82,8 +84,9 @@ def _n_layers(model: Any) -> int:
     return model.config.get_text_config().num_hidden_layers
 
 
-def emulated_peers() -> dict[str, EmulatedPeer]:
-    """Every emulated peer, by name."""
+@functools.cache
+def emulated_peers() -> Mapping[str, EmulatedPeer]:
+    """Every emulated peer, by name (built once; read-only)."""
     from kverr.engines import vllm_int4, vllm_turboquant as tq
     from kverr.peers import kvquant, oscar
     from kverr.peers import turboquant as tq_paper
@@ -102,4 +105,4 @@ def emulated_peers() -> dict[str, EmulatedPeer]:
                            lambda m, f, v=v: kvquant.make_cache(v, f),
                            fit=partial(kvquant.fit, bits=b), report=partial(kvquant.report, v))
               for v, b in kvquant.VARIANTS.items()]
-    return {p.name: p for p in peers}
+    return MappingProxyType({p.name: p for p in peers})
