@@ -56,18 +56,19 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def pydoc_capture(tokens: int) -> Path:
+def pydoc_capture(tokens: int, make: bool = True) -> Path:
     """The first ``tokens`` of pydoc captured from the default model, every layer, made once under
     :data:`WORK` with ``kverr capture --model default --text pydoc --tokens N`` in the reproducible
     float environment (``kverr.capturing.REPRODUCIBLE_FLOAT_ENV``, set before torch starts: a
-    subprocess), as ``data/README.md`` documents for the calibration capture."""
+    subprocess), as ``data/README.md`` documents for the calibration capture (``make=False``: its
+    path only)."""
     import subprocess
     import sys
 
     from kverr.capturing import REPRODUCIBLE_FLOAT_ENV
 
     path = WORK / f"pydoc-{tokens}.zarr"
-    if not path.exists():
+    if make and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "kverr.cli", "capture", "--model", "default", "--text", "pydoc",
                         "--tokens", str(tokens), "--out", str(path)],

@@ -188,18 +188,12 @@ def bits_at_batch(name: str, batch: int, configs: dict) -> float:
     ``batch`` sequences sharing its static bytes (``configs``: name -> config JSON path)."""
     import torch
 
-    from kverr.config import CacheConfig, resolve
-    from kverr.evaluation import EMULATED, PEERS, Scheme
+    from kverr.evaluation import parse_schemes
     from kverr.memory import DEFAULT_SHAPE
 
-    if name in configs:
-        s = Scheme(name, "kverr", CacheConfig.load(configs[name]))
-    elif name in PEERS:
-        s = Scheme(name, "quanto", nbits=PEERS[name])
-    elif name in EMULATED:
-        s = Scheme(name, "emulated")
-    else:
-        s = Scheme(name, "kverr", resolve(name))
+    given = name in configs
+    (s,) = parse_schemes([] if given else [name], [str(configs[name])] if given else [], config_option=None,
+                         calibration=str(pydoc_capture(4096, make=False)))  # named only: bytes need no fit
     whole = PREFILL if s.kind != "emulated" else 0
     return s.account(torch.float32, DEFAULT_SHAPE, PREFILL + DECODE, batch=batch,
                      prefill_quantized=whole).effective_bits
