@@ -656,8 +656,8 @@ def _fit_channel_widths(fmt: QuantFormat, blocks: Blocks) -> tuple[torch.Tensor,
 def fake_quantize_blocks(fmt: QuantFormat, blocks: Blocks,
                          clip: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decoded values ``[B, nH, nT, nD, n]`` float32 of every block: :func:`fit_params`, then
-    :func:`encode_blocks` and :func:`decode_blocks`, bit for bit (for an MSE clip the values of
-    the chosen ratio are kept from the search instead of decoded again).
+    :func:`encode_blocks` and :func:`decode_blocks`, bit for bit (for an MSE clip the search
+    decodes the chosen ratios' codes, :func:`mse_search`).
     ``blocks.ungroup`` turns them into ``[B, H, T, D]``."""
     _check_scaled(fmt)
     if fmt.channel_bits is not None:
@@ -687,29 +687,32 @@ def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo:
     pair, :meth:`MSEClip.pairs`) of least squared error.
 
     Returns the stored scale and zero of the chosen ratio, and (``values=True``) the decoded
-    values it gives, kept from the search instead of decoded again (for the calibrator).
+    values they give (each block encoded and decoded once more with its chosen pair, rather than
+    every ratio's values carried through the search: for the calibrator).
     """
-    best_s = best_m = best_err = best_v = None
+    best_s = best_m = best_err = None
     mid, half = (hi + lo) / 2, (hi - lo) / 2
     for rl, rh in fmt.clip.pairs():
         if fmt.symmetric or fmt.is_minifloat:
             s, m = range_params(fmt, -hi * rh, hi * rh)
         else:
             s, m = range_params(fmt, mid - half * rl, mid + half * rh)
-        v = decode_blocks(fmt, encode_blocks(fmt, g, s, m), s, m)
         # float64 squares of fp32 differences are exact; the sums are order-insensitive to ~1e-16
-        sq = (v - g).double() ** 2
-        err = (sq if mask is None else sq.masked_fill(~mask, 0.0)).sum(-1)
+        sq = (decode_blocks(fmt, encode_blocks(fmt, g, s, m), s, m) - g).double()
+        sq.mul_(sq)
+        if mask is not None:
+            sq.masked_fill_(~mask, 0.0)
+        err = sq.sum(-1)
         if best_err is None:
-            best_s, best_m, best_err, best_v = s, m, err, (v if values else None)
+            best_s, best_m, best_err = s, m, err
             continue
         better = err < best_err  # strict: ties keep the larger ratio
         best_err = torch.where(better, err, best_err)
         best_s = torch.where(better, s, best_s)
         if m is not None:
             best_m = torch.where(better, m, best_m)
-        if values:
-            best_v = torch.where(better[..., None], v, best_v)
+    # the chosen ratio's values: each block encoded with its chosen scale and zero, as in the loop
+    best_v = decode_blocks(fmt, encode_blocks(fmt, g, best_s, best_m), best_s, best_m) if values else None
     return best_s, best_m, best_v
 
 
