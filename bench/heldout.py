@@ -43,6 +43,9 @@ from bench.common import RESULTS, ROOT, WORK, Row, machine, now, pydoc_capture
 BUDGETS = ("2.5", "3", "4", "4.3", "4.5", "5", "5.65", "6.1", "8", "8.5")
 #: Budgets of the configs calibrated with per-channel widths fitted to each head (``--candidates fitted``).
 FITTED_BUDGETS = ("2", "2.5", "3")
+#: The fitted configs with their widths refit on each prompt (``kverr evaluate --refit-widths``).
+REFIT = "+refit"
+REFIT_SCHEMES = tuple(f"fitted-{b}b{REFIT}" for b in FITTED_BUDGETS)
 #: Budgets of the configs calibrated with the codebook candidates added (``--codebooks``).
 CODEBOOK_BUDGETS = ("2.5", "3", "4")
 CONFIGS = ([ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
@@ -120,12 +123,16 @@ def evaluate(only=None) -> None:
             "--prefill", str(PREFILL), "--decode", str(DECODE), "--segments", str(SEGMENTS), "--overwrite",
             "--out", str(out)]
     names = {json.loads(c.read_text())["name"]: c for c in [*CONFIGS, *served_configs()]}
-    for c in list(names.values()) if only is None else [names[s] for s in only if s in names]:
-        argv += ["--config", str(c)]
+    refit = [s for s in (REFIT_SCHEMES if only is None else only) if s.endswith(REFIT)]
+    wanted = list(names) if only is None else [s for s in only if s in names]
+    for c in dict.fromkeys([*wanted, *(s.removesuffix(REFIT) for s in refit)]):
+        argv += ["--config", str(names[c])]
+    if refit:
+        argv.append("--refit-widths")
     from kverr.engines.emulated import emulated_peers
 
     peers = emulated_peers()
-    schemes = ALL_SCHEMES if only is None else [s for s in only if s not in names]
+    schemes = ALL_SCHEMES if only is None else [s for s in only if s not in names and not s.endswith(REFIT)]
     for s in schemes:
         argv += ["--scheme", s]
     if any(s in peers and peers[s].fit is not None for s in schemes):  # peers fitted offline fit to the capture kverr's configs were calibrated on
@@ -143,6 +150,8 @@ def merge_segments(segments_csv, only=None) -> None:
     from kverr.config import atomic_write_text
 
     df = pd.read_csv(segments_csv)
+    if only is not None:  # a refit scheme's run measures its config too
+        df = df[df.scheme.isin(list(only))]
     df["machine"], df["date"] = machine(), now()
     atomic_write_text(SEGMENTS_CSV, _merged(SEGMENTS_CSV, df, only))
 
@@ -164,8 +173,8 @@ def predicted(only=None) -> None:
     configs = {c.name: c for c in map(CacheConfig.load, [*CONFIGS, *served_configs()])}
     cfgs = dict(configs) if only is None else {s: configs[s] for s in only if s in configs}
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in configs]:
-        if s in EMULATED:
-            continue  # not a kverr format: the objective cannot predict it
+        if s in EMULATED or s.endswith(REFIT):
+            continue  # not a kverr format, or one per prompt: the objective cannot predict it
         cfgs[s] = Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32) if s in PEERS else resolve(s)
     rows = []
     for name, cfg in cfgs.items():

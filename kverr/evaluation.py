@@ -71,6 +71,9 @@ class Scheme:
     scales: str | None = None
     #: an emulated peer fitted offline: the calibration capture it fits to
     calibration: str | None = None
+    #: a kverr config whose per-channel widths are refit on every prompt before it is quantized
+    #: (:func:`kverr.calibration.refit.refit_widths`; the widths stored per sequence are counted)
+    refit: bool = False
 
     def equivalent_config(self, model_dtype: torch.dtype, n_layers: int | None = None,
                           head_dim: int | None = None) -> CacheConfig | None:
@@ -98,13 +101,18 @@ class Scheme:
         static bytes included)."""
         if self.kind == "emulated":
             return emulated_peers()[self.name].account(shape, tokens, **kwargs)
-        return account(self.equivalent_config(model_dtype, shape.n_layers, shape.head_dim), shape, tokens, **kwargs)
+        rep = account(self.equivalent_config(model_dtype, shape.n_layers, shape.head_dim), shape, tokens, **kwargs)
+        if self.refit:
+            from kverr.calibration.refit import add_width_tables
+
+            add_width_tables(rep, self.config)
+        return rep
 
 
 def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
                   config_option: str | None = "--config",
                   scales: dict[tuple[str, int], str] | None = None, required: bool = True,
-                  calibration: str | None = None) -> list[Scheme]:
+                  calibration: str | None = None, refit: bool = False) -> list[Scheme]:
     """``--scheme NAME`` (preset or peer) and ``--config PATH`` -> schemes, in order, no duplicates.
 
     ``config_option`` is the option that gives config files in the calling command, named in
@@ -114,6 +122,9 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     ``prefill``, or the file's or directory's name), so that one config with several scales is
     several schemes. ``required=False`` accepts no scheme at all (an empty list). ``calibration``
     is the capture emulated peers fitted offline fit to; naming one without it is an error.
+    ``refit`` adds, after every kverr scheme with per-channel widths, the same config with its
+    widths refit on each prompt (:attr:`Scheme.refit`), named ``NAME+refit``; it is an error when
+    no scheme has per-channel widths.
     """
     hint = f" (give a config file with {config_option})" if config_option else ""
     named = named_presets()
@@ -145,6 +156,17 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
         if s.kind != "kverr":
             raise ConfigError(f"--scales {source}: {s.name} is a peer; scales are given to kverr configs")
         out[j] = replace(s, name=f"{s.name}@{scales_label(source)}", scales=str(source))
+    if refit:
+        from kverr.calibration.refit import has_channel_widths
+
+        with_refit = []
+        for sch in out:
+            with_refit.append(sch)
+            if sch.kind == "kverr" and has_channel_widths(sch.config):
+                with_refit.append(replace(sch, name=f"{sch.name}+refit", refit=True))
+        if len(with_refit) == len(out):
+            raise ConfigError("--refit-widths: no scheme has per-channel widths (channel_bits) to refit")
+        out = with_refit
     names = [s.name for s in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -498,6 +520,7 @@ def evaluate(
     rows = []
     bar = progress_bar(total=len(jobs) * (len(schemes) + 1), desc="evaluate", enabled=progress, unit="run")
     for p, seg, off, ids in jobs:
+        prompt = None  # the prompt's capture, taken once for the schemes that refit on it
         bar.set_postfix_str(f"P={p} seg={seg} reference")
         ref_logp = teacher_forced(model, make_cache(reference, model), ids, p, flush=False)
         ref_greedy = greedy(model, make_cache(reference, model), ids[:p], g_steps, flush=False) if g_steps else []
@@ -505,6 +528,13 @@ def evaluate(
         targets = ids[p + 1 :]
         for s in schemes:
             bar.set_postfix_str(f"P={p} seg={seg} {s.name}")
+            if s.refit:
+                from kverr.calibration.refit import refit_widths
+                from kverr.capturing import capture
+
+                if prompt is None:
+                    prompt = capture(loaded, ids[:p])
+                s = replace(s, config=refit_widths(s.config, prompt))
             cache = make_cache(s, model, given.get(s.name))
             logp = teacher_forced(model, cache, ids, p, flush=flush)
             row = {"scheme": s.name, "kind": s.kind, "prefill": p, "decode": decode, "segment": seg, "offset": off,

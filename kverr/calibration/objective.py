@@ -354,6 +354,21 @@ def value_damage(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOpti
     return value_damage_batch(prep, e_v[None], options)[0]
 
 
+def width_weights(prep: LayerPrep, h: int, qi: torch.Tensor, which: str, *, pre_rope: bool,
+                  skip: int) -> torch.Tensor:
+    """``W [T, D]`` of kv head ``h`` (read by query heads ``qi``) that per-channel widths are
+    fitted with (:func:`kverr.calibration.channel_bits.key_weights` for ``which="k"``,
+    :func:`~kverr.calibration.channel_bits.value_weights` for ``"v"``); ``skip`` sink tokens
+    left out."""
+    from . import channel_bits as cb
+
+    a = _grouped(prep, qi, prep.a)
+    if which == "k":
+        return cb.key_weights(_grouped(prep, qi, prep.q), a, prep.v[h], _grouped(prep, qi, prep.o),
+                              pre_rope=pre_rope, skip=skip)
+    return cb.value_weights(a, prep.k.shape[-1], skip=skip)
+
+
 def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, page_size: int,
                      window_dtype: str, dk: np.ndarray, dv: np.ndarray) -> dict:
     """Fit and score the template candidates (``channel_bits``) of :func:`score_layer` in place;
@@ -383,12 +398,7 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
         recon: dict = {}  # per template's plain format: every channel at every width [W, kv_head, T, D]
         for h, qi in heads:
             shared: dict = {}  # per (plain format, floor): the templates' error curves
-            a = _grouped(prep, qi, prep.a)
-            if which == "k":
-                w = cb.key_weights(_grouped(prep, qi, prep.q), a, prep.v[h], _grouped(prep, qi, prep.o),
-                                   pre_rope=bool(pre), skip=skip)
-            else:
-                w = cb.value_weights(a, D, skip=skip)
+            w = width_weights(prep, h, qi, which, pre_rope=bool(pre), skip=skip)
             for c, j in enumerate(js):
                 tmpl = cands[j]
                 probe = tmpl.with_bits(2)

@@ -12,7 +12,7 @@ from kverr.commands._common import non_negative_int, positive_int
 
 #: Defaults of the options that belong to one task (None on the command line: not given).
 TEXT_DEFAULTS = {"prefill": [1024], "decode": 128, "segments": 1, "offset": 5000, "prefill_policy": "all",
-                 "greedy": None}
+                 "greedy": None, "refit_widths": False}
 PASSKEY_DEFAULTS = {"context": [1024], "depth": [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 4, "keys": 1, "seed": 0}
 
 
@@ -102,6 +102,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", type=Path, metavar="CAPTURE",
                    help="the capture peers fitted offline are fitted to (the one kverr's configs were "
                    "calibrated on)")
+    p.add_argument("--refit-widths", action="store_true", default=None,
+                   help="also evaluate every config with per-channel widths with its widths refit on each prompt "
+                   "before it is quantized (as NAME+refit; the widths each sequence stores are counted)")
     p.add_argument("--out", required=True, type=Path, help="CSV to write (plot and per-segment CSV beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument(
@@ -154,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     for path in (out, segments_csv, out.with_suffix(".png")):
         check_output_path(path, overwrite=args.overwrite, kind="file")
     calibration = _calibration(args)
-    schemes = parse_schemes(args.scheme, args.config, scales=args.scales, calibration=calibration)
+    schemes = parse_schemes(args.scheme, args.config, scales=args.scales, calibration=calibration,
+                            refit=args.refit_widths)
     # Everything that can be checked without the model is checked before loading it.
     _check_schemes(schemes, supported_shape(args.model))
     text = load_text(args.text)

@@ -254,20 +254,6 @@ def cal_at(cap, budget, *, scores=None, sensitivity=None, model=None, **fields):
                      model=model, workers=1)
 
 
-@pytest.fixture(scope="module")
-def tiny_capture(tmp_path_factory):
-    from kverr.capturing import capture_to_zarr, load_model, load_text, tokenize
-    from kverr.capturing.tiny import make_tiny_model
-    from kverr.io import open_capture
-
-    d = tmp_path_factory.mktemp("cal")
-    loaded = load_model(str(make_tiny_model(d / "m", "llama")))
-    text = load_text("pydoc")
-    ids = tokenize(loaded.tokenizer, text, 160, 0)
-    path = capture_to_zarr(loaded, ids, d / "cap.zarr", text=text)
-    return open_capture(path), path, loaded
-
-
 def test_fitted_channel_widths_are_scored_written_and_predicted_alike(tiny_capture):
     """Templates (``channel_bits``) are refitted per (layer, kv head, K|V, RoPE side); the config
     holds the fitted widths, its bytes are what memory counts, and predicting the written config
