@@ -9,14 +9,14 @@ calibrator, from the prompt's own sampled queries, within the code bytes the con
 (so the refit codes never take more). Formats without ``channel_bits`` are left as they are.
 
 The refit widths belong to the sequence: :func:`width_table_nbytes` counts what storing them takes
-(a 3-bit index into :data:`~kverr.quant.formats.CHANNEL_BITS` per channel, packed).
+(a 3-bit index into :data:`~kverr.quant.formats.CHANNEL_BITS` per channel, packed). A refit config
+is a config like any other, so the kernels run it for one sequence; a batch whose sequences hold
+different widths would need the kernels' layout tables per sequence, which they do not take.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
 
 from kverr.config import WHICH, CacheConfig, Override
 from kverr.exceptions import ConfigError, ShapeError
@@ -125,12 +125,3 @@ def refit_widths(config: CacheConfig, prompt: Any, *, queries: int = QUERIES) ->
     prov["refit_widths"] = {"prompt_tokens": T, "queries_per_layer": n_q, "refit": len(sides)}
     return config.with_(heads=heads, provenance=prov)
 
-
-def widths_changed(before: CacheConfig, after: CacheConfig, n_layers: int, n_kv_heads: int) -> np.ndarray:
-    """Fraction of channels whose width differs, per (layer, kv head, K|V) with per-channel widths."""
-    out = []
-    for layer, h, w in refit_sides(before, n_layers, n_kv_heads):
-        a = np.asarray(before.format_for(layer, h, w).channel_bits)
-        b = np.asarray(after.format_for(layer, h, w).channel_bits)
-        out.append(float((a != b).mean()))
-    return np.asarray(out)
