@@ -94,9 +94,12 @@ def refit_widths(config: CacheConfig, prompt: Any, *, queries: int = QUERIES) ->
         raise ConfigError(f"a prompt of {T} tokens has none beyond the config's {config.sinks} sinks to refit widths on")
     n_q = min(int(queries), max_queries(T))
     sides = refit_sides(config, n_layers, n_kv)
+    by_layer: dict[int, list[tuple[int, str]]] = {}
+    for layer, h, w in sides:
+        by_layer.setdefault(layer, []).append((h, w))
     heads = dict(config.heads)
     positions = prompt.kv.positions
-    for layer in sorted({s[0] for s in sides}):
+    for layer, here in by_layer.items():
         q, k, v, kp, scale, kv_map = _layer_arrays(prompt, layer, config.key_pre_rope)
         prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=n_q,
                              positions=positions, rope=prompt.kv.rope_of(layer) if config.key_pre_rope else None,
@@ -104,15 +107,14 @@ def refit_widths(config: CacheConfig, prompt: Any, *, queries: int = QUERIES) ->
         readers = dict(_head_groups(prep))
         new: dict[tuple[int, str], Any] = {}
         for which in WHICH:
+            todo = [h for h, w in here if w == which and h in readers]  # unread heads: nothing to weigh by
+            if not todo:
+                continue
             clean = prep.v if which == "v" else (prep.k_pre if config.key_pre_rope else prep.k)
             got = receive(clean[None], config.window_dtype)[0]
             recon: dict = {}
-            for (lay, h, w) in sides:
-                if lay != layer or w != which:
-                    continue
+            for h in todo:
                 fmt = config.format_for(layer, h, which)
-                if h not in readers:  # no query head reads it: nothing to weigh the widths by
-                    continue
                 probe = fmt.with_bits(2)
                 if probe not in recon:
                     recon[probe] = channel_reconstructions(got, probe, page_size=config.page_size)
