@@ -29,7 +29,10 @@ only their ``--scheme`` options and merged into the committed files (``evaluate(
 vLLM's ``turboquant_k8v4`` likewise, as vLLM runs it on the bundled model (its boundary layers
 in 16 bits: :data:`BOUNDARY_SCHEMES`, a ``--config`` file written by :func:`served_configs`), and
 today's methods from their papers (:data:`PAPER_SCHEMES`, emulated; OSCAR and KVQuant fitted to
-the calibration capture, ``--calibration``).
+the calibration capture, ``--calibration``). The fitted configs with their widths refit on each
+prompt (:data:`REFIT_SCHEMES`, ``--refit-widths``) are measured the same way and kept in
+:data:`SEGMENTS_CSV`; they are one config per prompt, so they have no prediction and stay out of
+the long table (``docs/calibration.md`` quotes them).
 """
 
 from __future__ import annotations
