@@ -97,24 +97,39 @@ def _inner_attention(module: torch.nn.Module, inner: str) -> Callable[..., Any]:
     return ALL_ATTENTION_FUNCTIONS[inner]
 
 
-def _register_wrapper(inner: str) -> str:
-    """Register the capturing attention under ``kverr_capture|<inner>``; returns the name."""
+def register_attention_wrapper(prefix: str, inner: str, before: Callable[..., Any]) -> str:
+    """Register, under ``<prefix><inner>``, an attention function that calls
+    ``before(module, query, key, value, kwargs)`` and returns what it returns unless that is
+    None, else the model's own kernel ``inner`` (sdpa, eager, ...) unchanged, with the same mask
+    function registered for it. Returns the name (for ``config._attn_implementation``)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    name = _IMPL_PREFIX + inner
+    name = prefix + inner
 
-    def capturing_attention(module, query, key, value, attention_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
-        recorder = getattr(module, "_kverr_recorder", None)
-        if recorder is not None:
-            recorder.on_attention(module, query, key, value, kwargs)
+    def wrapped_attention(module, query, key, value, attention_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = before(module, query, key, value, kwargs)
+        if out is not None:
+            return out
         return _inner_attention(module, inner)(module, query, key, value, attention_mask, *args, **kwargs)
 
-    AttentionInterface.register(name, capturing_attention)
+    AttentionInterface.register(name, wrapped_attention)
     if inner in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         # The same mask as the wrapped kernel gets, so the forward is the plain forward.
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[inner])
     return name
+
+
+def _record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            kwargs: dict[str, Any]) -> None:
+    recorder = getattr(module, "_kverr_recorder", None)
+    if recorder is not None:
+        recorder.on_attention(module, query, key, value, kwargs)
+
+
+def _register_wrapper(inner: str) -> str:
+    """Register the capturing attention under ``kverr_capture|<inner>``; returns the name."""
+    return register_attention_wrapper(_IMPL_PREFIX, inner, _record)
 
 
 class _Recorder:

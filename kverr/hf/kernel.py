@@ -27,34 +27,21 @@ def register_kernel_attention(inner: str) -> str:
     decode kernel; everything else (the prefill) runs the model's own attention ``inner`` on the
     fresh keys and values, as a serving engine does.
     """
-    import sys
+    from kverr.capturing.hooks import register_attention_wrapper
 
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-
-    name = _KERNEL_IMPL_PREFIX + inner
-
-    def paged_attention(module, query, key, value, attention_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def paged_attention(module, query, key, value, kwargs):  # type: ignore[no-untyped-def]
         cache = getattr(module, "_kverr_kernel_cache", None)
-        if cache is not None and cache.decoding:
-            if query.shape[2] == 1:
-                out = cache.paged.decode(cache.step, module.layer_idx, query[:, :, 0, :].float(),
-                                         sm_scale=kwargs.get("scaling"))
-                return out[:, None].to(query.dtype), None  # [B, 1, n_q_heads, D]
-            # a later chunk of several tokens: causal attention over the cache as stored
-            out = cache.paged.prefill(cache.step, module.layer_idx, query.float(), sm_scale=kwargs.get("scaling"))
-            return out.transpose(1, 2).to(query.dtype), None  # [B, n, n_q_heads, D]
-        if inner == "eager":
-            fn = sys.modules[type(module).__module__].eager_attention_forward
-        else:
-            fn = ALL_ATTENTION_FUNCTIONS[inner]
-        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        if cache is None or not cache.decoding:
+            return None  # the model's own attention
+        if query.shape[2] == 1:
+            out = cache.paged.decode(cache.step, module.layer_idx, query[:, :, 0, :].float(),
+                                     sm_scale=kwargs.get("scaling"))
+            return out[:, None].to(query.dtype), None  # [B, 1, n_q_heads, D]
+        # a later chunk of several tokens: causal attention over the cache as stored
+        out = cache.paged.prefill(cache.step, module.layer_idx, query.float(), sm_scale=kwargs.get("scaling"))
+        return out.transpose(1, 2).to(query.dtype), None  # [B, n, n_q_heads, D]
 
-    AttentionInterface.register(name, paged_attention)
-    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    if inner in masks:
-        AttentionMaskInterface.register(name, masks[inner])
-    return name
+    return register_attention_wrapper(_KERNEL_IMPL_PREFIX, inner, paged_attention)
 
 
 class _KernelLayer(CacheLayerMixin):
