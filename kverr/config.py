@@ -6,7 +6,9 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 (``window_dtype``: a plain float, or ``int8`` rows with a scale each, see
 :func:`kverr.quant.formats.window_format`); keys are quantized before RoPE when
 ``key_pre_rope``; the quantized tokens live in pages of ``page_size`` tokens whose sections are
-aligned to ``align`` bytes.
+aligned to ``align`` bytes. With ``salient`` = N > 0, each (layer, kv head) also keeps the N prompt
+tokens its prompt's last queries attend to most as ``window_dtype`` rows with their positions,
+beside their codes (:mod:`kverr.hf.salient`).
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
 formats or values raise :class:`kverr.exceptions.ConfigError` naming the field, the value and what is
@@ -22,6 +24,7 @@ JSON layout::
             "clip": {"kind": "absmax"}, "rotate": "none"},
       "v": {...},
       "window": 128, "sinks": 0, "key_pre_rope": false,
+      "salient": 16,                          # optional (0 when absent)
       "page_size": 64, "window_dtype": "fp16", "align": 16,
       "layers": {"3": {"k": {...}}},          # optional overrides for a whole layer
       "heads": {"3:1": {"v": {...}}},         # optional overrides for (layer, kv_head)
@@ -118,6 +121,7 @@ class CacheConfig:
     heads: Mapping[tuple[int, int], Override] = field(default_factory=dict)
     name: str | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    salient: int = 0
 
     def __post_init__(self) -> None:
         for w in WHICH:
@@ -125,6 +129,7 @@ class CacheConfig:
                 raise ConfigError(f"{w} must be a QuantFormat, got {type(getattr(self, w)).__name__}")
         _positive_int(self.window, "window", minimum=0)
         _positive_int(self.sinks, "sinks", minimum=0)
+        _positive_int(self.salient, "salient", minimum=0)
         _positive_int(self.page_size, "page_size", maximum=1 << 16)
         _positive_int(self.align, "align", maximum=4096)
         if self.align & (self.align - 1):
@@ -260,6 +265,8 @@ class CacheConfig:
             window_dtype=self.window_dtype,
             align=self.align,
         )
+        if self.salient:
+            out["salient"] = self.salient
         if self.layers:
             out["layers"] = {str(k): ov.to_dict() for k, ov in sorted(self.layers.items())}
         if self.heads:
@@ -275,7 +282,7 @@ class CacheConfig:
     def from_dict(cls, obj: Any) -> CacheConfig:
         required = {"version", "k", "v"}
         optional = {
-            "name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align",
+            "name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
             "layers", "heads", "provenance",
         }
         _check_keys(obj, "config", required, optional)
@@ -288,7 +295,8 @@ class CacheConfig:
             "k": QuantFormat.from_dict(obj["k"], "k"),
             "v": QuantFormat.from_dict(obj["v"], "v"),
         }
-        for key in ("name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "provenance"):
+        for key in ("name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
+                    "provenance"):
             if key in obj:
                 kwargs[key] = obj[key]
         if "provenance" in kwargs and not isinstance(kwargs["provenance"], dict):

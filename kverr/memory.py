@@ -20,7 +20,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ModelError, ShapeError
 from kverr.quant.formats import QuantFormat, is_static, window_format
 from kverr.quant.reference import block_shape, codes_nbytes, scale_shape, table_nbytes
-from kverr.quant.store import align_up, held_tokens, live_start, token_regions
+from kverr.quant.store import SALIENT_INDEX_BYTES, align_up, held_tokens, live_start, token_regions
 
 #: Shape of the bundled default model, SmolLM2-135M-Instruct (Llama: 30 layers, 9 query heads,
 #: 3 kv heads, head dim 64, 8k context).
@@ -132,10 +132,11 @@ class Bytes:
     static: int = 0  # static scales and zero points, once per model
     sinks: int = 0  # full-precision sink tokens
     window: int = 0  # full-precision recent tokens
+    salient: int = 0  # the salient prompt tokens' window-dtype rows and their positions
     page_rounding: int = 0  # unused slots of held pages: the last; in a sliding layer, the first's dead ones
     padding: int = 0  # alignment of page sections and full-precision rows
 
-    KINDS = ("payload", "scales", "zeros", "static", "sinks", "window", "page_rounding", "padding")
+    KINDS = ("payload", "scales", "zeros", "static", "sinks", "window", "salient", "page_rounding", "padding")
 
     @property
     def total(self) -> int:
@@ -217,7 +218,8 @@ class MemoryReport:
 
     def to_table(self, per_layer: bool = True) -> str:
         """A plain-text table: per layer (optional) and total, by kind, plus effective bits."""
-        kinds = [k for k in Bytes.KINDS]
+        # the salient column only for a config that keeps salient tokens
+        kinds = [k for k in Bytes.KINDS if k != "salient" or self.totals.salient]
         head = ["layer", *kinds, "total", "eff.bits"]
         rows = []
         if per_layer:
@@ -290,6 +292,10 @@ def group_bytes(
     b.sinks = rows * n_sink * per_token
     b.window = rows * n_win * per_token
     b.padding += rows * sum(align_up(n_fp * e, A) - n_fp * e for e in sections)
+    # Salient prompt tokens: a window-dtype row and a position each, beside their codes.
+    n_sal = 0 if fmt.is_float else min(config.salient, n_held)
+    b.salient = rows * n_sal * (per_token + SALIENT_INDEX_BYTES)
+    b.padding += rows * sum(align_up(n_sal * e, A) - n_sal * e for e in [*sections, SALIENT_INDEX_BYTES])
     # Codes, in pages.
     cb = codes_nbytes(fmt, D)
     b.payload = rows * n_held * cb

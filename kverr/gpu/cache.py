@@ -234,6 +234,9 @@ class PagedKVCache:
 
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if config.salient:
+            raise ConfigError("the kernels do not keep salient tokens (config.salient); the reference path "
+                              "(kverr.hf.KverrCache) runs them")
         for name, val in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("n_q_heads", n_q_heads),
                           ("max_batch", max_batch), ("max_tokens", max_tokens)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:

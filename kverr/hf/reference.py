@@ -60,7 +60,7 @@ import torch
 from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
-from kverr.quant.store import WindowRows
+from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows
 from kverr.quant.reference import table_nbytes
 from kverr.rope import rotate, unrotate
 
@@ -145,6 +145,9 @@ class _Group:
     pending: WindowRows | None = None  # [B, h, p, D] window_dtype
     static_scale: torch.Tensor | None = None
     static_zero: torch.Tensor | None = None
+    # salient prompt tokens (config.salient): their rows as received, and positions [B, h, m]
+    salient: WindowRows | None = None
+    salient_pos: torch.Tensor | None = None
 
     @property
     def n_sinks(self) -> int:
@@ -162,7 +165,9 @@ class _Group:
         tensors = [self.static_scale, self.static_zero]
         total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         total += table_nbytes(self.fmt) if self.chunks else 0  # a codebook's levels
-        total += sum(r.nbytes for r in (self.sinks, self.pending) if r is not None)
+        total += sum(r.nbytes for r in (self.sinks, self.pending, self.salient) if r is not None)
+        if self.salient_pos is not None:
+            total += self.salient_pos.numel() * self.salient_pos.element_size()
         return total + sum(c.nbytes for c in self.chunks)
 
 
@@ -217,6 +222,8 @@ class KverrLayer(CacheLayerMixin):
         # (state before the last update, its keys, its values, its pads): what crop restores
         self._undo: tuple[dict[str, Any], torch.Tensor, torch.Tensor, list[int] | None] | None = None
         self._no_undo = "it holds no update"  # why there is nothing to undo
+        # config.salient: the prefill's keys while the layer waits for their queries (observe)
+        self._awaiting: torch.Tensor | None = None
 
     # ---- transformers API -----------------------------------------------------------------
 
@@ -237,6 +244,12 @@ class KverrLayer(CacheLayerMixin):
         start = self.cumulative_length
         pads = left_pads(kwargs, key_states.shape[0], key_states.shape[-2]) if start == 0 else None
         self._store_update(key_states, value_states, pads)
+        if start == 0 and self.config.salient:
+            # nothing is quantized before the prefill's queries choose the salient tokens
+            from kverr.hf.salient import await_queries
+
+            self._awaiting = key_states
+            await_queries(key_states, self)
         if start == 0:
             # The prefill attends to its fresh values, as a serving engine's prefill does.
             return key_states, value_states
@@ -276,6 +289,9 @@ class KverrLayer(CacheLayerMixin):
                               "the last update can be removed exactly (older ones may already be quantized from "
                               "values the cache no longer holds)")
         before, k, v, pads = self._undo
+        if self.config.salient and before["length"] == 0:
+            raise ConfigError(f"layer {self.layer_idx}: cannot crop the prefill of a cache with salient tokens: the "
+                              "prefill's queries chose them and would not be seen again")
         self._restore(before)
         self._undo, self._no_undo = None, "the last update was already cropped away"
         keep = last - remove
@@ -304,6 +320,9 @@ class KverrLayer(CacheLayerMixin):
                 g.pending = None if g.pending is None else g.pending.select(beam_idx)
                 g.chunks = [_select_batch(c, beam_idx) for c in g.chunks]
                 g.decoded = [d.index_select(0, beam_idx.to(d.device)) for d in g.decoded]
+                if g.salient is not None:
+                    g.salient = g.salient.select(beam_idx)
+                    g.salient_pos = g.salient_pos.index_select(0, beam_idx.to(g.salient_pos.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each sequence ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
@@ -324,6 +343,7 @@ class KverrLayer(CacheLayerMixin):
         self.cumulative_length = 0
         self.rows = self.pads = self._undo = None
         self._no_undo = "it holds no update"
+        self._release()
         for w in WHICH:
             self.groups[w] = [_Group(g.fmt, g.heads) for g in self.groups[w]]
 
@@ -345,8 +365,8 @@ class KverrLayer(CacheLayerMixin):
         """What an update changes, as references (stored tensors are never modified in place)."""
         return {
             "length": self.cumulative_length,
-            "groups": {w: [(g.sinks, list(g.chunks), list(g.decoded), g.pending, g.static_scale, g.static_zero)
-                           for g in self.groups[w]] for w in WHICH},
+            "groups": {w: [(g.sinks, list(g.chunks), list(g.decoded), g.pending, g.static_scale, g.static_zero,
+                            g.salient, g.salient_pos) for g in self.groups[w]] for w in WHICH},
             "rows": None if self.rows is None else [(r, r._state()) for r in self.rows],
             "pads": self.pads,
         }
@@ -355,7 +375,7 @@ class KverrLayer(CacheLayerMixin):
         self.cumulative_length = state["length"]
         for w in WHICH:
             for g, saved in zip(self.groups[w], state["groups"][w]):
-                g.sinks, chunks, decoded, g.pending, g.static_scale, g.static_zero = saved
+                g.sinks, chunks, decoded, g.pending, g.static_scale, g.static_zero, g.salient, g.salient_pos = saved
                 g.chunks, g.decoded = list(chunks), list(decoded)
         self.rows, self.pads = None, state["pads"]
         if state["rows"] is not None:
@@ -374,9 +394,12 @@ class KverrLayer(CacheLayerMixin):
             self.rows = [KverrLayer(self.config, self.layer_idx, self.n_kv_heads, self.rotary, self.static_scales)
                          for _ in pads]
             self.pads = list(pads)
+        # a cache with salient tokens quantizes the prefill once its queries chose them (observe)
+        defer = bool(self.config.salient) and start == 0
         if self.rows is None:
             self._ingest(k, v)
-            self._flush(respect_window=True)
+            if not defer:
+                self._flush(respect_window=True)
         else:
             if k.shape[0] != len(self.rows):
                 raise ShapeError(f"layer {self.layer_idx} holds {len(self.rows)} sequences, got a batch of {k.shape[0]}")
@@ -384,9 +407,10 @@ class KverrLayer(CacheLayerMixin):
                 lo = max(0, p - start)  # the pads of this update (those of the prefill)
                 if lo < n:
                     row._ingest(k[b:b + 1, :, lo:], v[b:b + 1, :, lo:])
-            self._share_static_scales(respect_window=True)
-            for row in self.rows:
-                row._flush(respect_window=True)
+            if not defer:
+                self._share_static_scales(respect_window=True)
+                for row in self.rows:
+                    row._flush(respect_window=True)
             self.cumulative_length += n
         self._undo = (before, k, v, pads)
 
@@ -417,7 +441,7 @@ class KverrLayer(CacheLayerMixin):
                     g = row.groups[w][gi]
                     n = row._flushable(g, respect_window)
                     if n:
-                        blocks.append(g.pending.tokens(0, n).float())
+                        blocks.append(row._fit_tokens(g, g.pending.tokens(0, n).float()))
                 if not blocks:
                     continue
                 ref = quantize(torch.cat(blocks, dim=2), g0.fmt, page_size=self.config.page_size)
@@ -448,6 +472,11 @@ class KverrLayer(CacheLayerMixin):
         return max(0, avail) // tb * tb
 
     def _flush(self, respect_window: bool) -> None:
+        if self._awaiting is not None:
+            raise ConfigError(
+                f"layer {self.layer_idx}: the config keeps salient tokens, chosen by the prefill's queries, and this "
+                "cache never saw them: build it with KverrCache.for_model(model, config) and run the prefill "
+                "through that model")
         if self.rows is not None:
             self._share_static_scales(respect_window)
             for row in self.rows:
@@ -471,8 +500,9 @@ class KverrLayer(CacheLayerMixin):
             if given is not None:
                 g.static_scale, g.static_zero = given
             else:  # first chunk (the prefill) sets the static scales, jointly over the batch
-                B, h, n, D = x.shape
-                ref = quantize(x.permute(1, 0, 2, 3).reshape(1, h, B * n, D), fmt, page_size=P)
+                fit = self._fit_tokens(g, x)
+                B, h, n, D = fit.shape
+                ref = quantize(fit.permute(1, 0, 2, 3).reshape(1, h, B * n, D), fmt, page_size=P)
                 g.static_scale, g.static_zero = ref.scale[0], None if ref.zero is None else ref.zero[0]
         return quantize(x, fmt, page_size=P, scale=g.static_scale, zero=g.static_zero)
 
@@ -503,6 +533,9 @@ class KverrLayer(CacheLayerMixin):
             if g.pending is not None and g.pending.n:
                 parts.append(g.pending.float())
             x = torch.cat(parts, dim=2)
+            if g.salient is not None and g.salient.n:
+                pos = g.salient_pos.long()[..., None].expand(*g.salient_pos.shape, x.shape[-1])
+                x = x.scatter(2, pos.to(x.device), g.salient.float())
             if out is None:
                 B, _, T, D = x.shape
                 out = torch.empty((B, self.n_kv_heads, T, D), dtype=torch.float32, device=x.device)
@@ -511,6 +544,51 @@ class KverrLayer(CacheLayerMixin):
             cos, sin = self._cos_sin(0, out.shape[2])
             out = rotate(out, cos, sin)
         return out
+
+    # ---- salient tokens (config.salient; kverr.hf.salient) ----------------------------------
+
+    def observe(self, query: torch.Tensor, key: torch.Tensor, scaling: float, *, sliding_window: int = 0,
+                sink: torch.Tensor | None = None) -> None:
+        """The prefill's queries ``[B, q_head, n, D]`` and fresh keys ``[B, kv_head, n, D]``:
+        choose each sequence's salient tokens, keep their rows, then quantize the prefill as the
+        token policy says."""
+        from kverr.hf.salient import choose, token_saliency
+
+        self._release()
+        seqs = [(self, 0, 0)] if self.rows is None else [(r, b, p) for b, (r, p) in enumerate(zip(self.rows, self.pads))]
+        for layer, b, p in seqs:
+            B = query.shape[0] if layer is self else 1
+            sal = torch.stack([token_saliency(query[i, :, p:], key[i, :, p:], scaling, sliding_window=sliding_window,
+                                              sink=sink) for i in (range(B) if layer is self else [b])])
+            for w in WHICH:
+                for g in layer.groups[w]:
+                    if g.fmt.is_float:
+                        continue
+                    lo = g.n_sinks + g.n_quantized
+                    pos = choose(sal[:, g.heads], lo, lo + layer._flushable(g, respect_window=True), self.config.salient)
+                    g.salient = g.pending.gather(pos - lo)
+                    g.salient_pos = pos.to(SALIENT_INDEX_DTYPE)
+        self._flush(respect_window=True)
+
+    def _release(self) -> None:
+        """Stop waiting for the prefill's queries."""
+        if self._awaiting is not None:
+            from kverr.hf.salient import forget
+
+            forget(self._awaiting)
+            self._awaiting = None
+
+    def _fit_tokens(self, g: _Group, x: torch.Tensor) -> torch.Tensor:
+        """The tokens of the block ``x [B, h, n, D]`` about to be quantized (the next after the
+        sinks and the quantized ones) that static scales are fitted on: all but the salient."""
+        if g.salient_pos is None or not g.salient_pos.numel():
+            return x
+        B, h, n, D = x.shape
+        rel = g.salient_pos.long().to(x.device) - (g.n_sinks + g.n_quantized)
+        if not ((rel >= 0) & (rel < n)).all():  # chosen among the prefill's first block: not this block
+            return x
+        keep = torch.ones((B, h, n), dtype=torch.bool, device=x.device).scatter_(2, rel, False)
+        return x[keep].reshape(B, h, n - rel.shape[-1], D)
 
     def nbytes(self) -> int:
         if self.rows is not None:
@@ -560,6 +638,10 @@ class KverrCache(Cache):
 
         n_layers, _, n_kv, head_dim, _ = model_dims(model.config)
         rotary = [model_rotary(model, i) for i in range(n_layers)] if config.key_pre_rope else None
+        if config.salient:
+            from kverr.hf.salient import observe_queries
+
+            observe_queries(model)
         return cls(config, n_layers, n_kv, head_dim, rotary=rotary, **kwargs)
 
     def flush(self) -> None:

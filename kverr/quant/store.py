@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kverr.exceptions import ShapeError
+from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static, token_block, window_format
 from kverr.quant.reference import (
     QTensor,
@@ -53,6 +53,11 @@ from kverr.quant.reference import (
 
 if TYPE_CHECKING:  # config imports kverr.quant; avoid the cycle at run time
     from kverr.config import CacheConfig, Which
+
+
+#: Dtype of a salient token's stored position (``CacheConfig.salient``), and its bytes.
+SALIENT_INDEX_DTYPE = torch.int32
+SALIENT_INDEX_BYTES = 4
 
 
 def align_up(n: int, align: int) -> int:
@@ -110,6 +115,15 @@ class WindowRows:
         """The rows of the sequences ``index`` (along the leading batch dim), as stored."""
         pick = lambda t: None if t is None else t.index_select(0, index.to(t.device))  # noqa: E731
         return WindowRows(pick(self.data), pick(self.scale), self.window_dtype, pick(self.values))
+
+    def gather(self, index: torch.Tensor) -> WindowRows:
+        """The tokens ``index [..., h, m]`` (positions along the token dim, per head), as stored."""
+        def take(t):
+            if t is None:
+                return None
+            return t.gather(-2, index.to(t.device)[..., None].expand(*index.shape, t.shape[-1]))
+
+        return WindowRows(take(self.data), take(self.scale), self.window_dtype, take(self.values))
 
     def cat(self, other: WindowRows) -> WindowRows:
         """These tokens followed by ``other``'s."""
@@ -333,6 +347,9 @@ class ReferenceStore:
             raise ShapeError(f"{len(keys)} key layers but {len(values)} value layers")
         if sliding_windows is not None and len(sliding_windows) != len(keys):
             raise ShapeError(f"{len(sliding_windows)} sliding windows for {len(keys)} layers")
+        if config.salient:
+            raise ConfigError("the reference store has no queries to choose salient tokens by; "
+                              "kverr.hf.KverrCache keeps them (config.salient)")
         self.sliding_windows = [0] * len(keys) if sliding_windows is None else [int(w) for w in sliding_windows]
         self.config = config
         self.groups: dict[tuple[int, str, int], HeadGroupStore] = {}

@@ -1,0 +1,161 @@
+"""Salient prompt tokens (``CacheConfig.salient``): which tokens, what is read back, what is
+counted, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kverr.config import CacheConfig
+from kverr.exceptions import ConfigError
+from kverr.hf import KverrCache, cache_for, cache_kwarg, kernels_support
+from kverr.hf.salient import OBSERVED_QUERIES, choose
+from kverr.memory import ModelShape, account
+from kverr.quant import PerChannel, PerToken, int_format, quantize
+from kverr.quant.store import receive
+
+P, SINKS, WINDOW, N = 48, 2, 4, 5
+PER_TOKEN = int_format(2, granularity=PerToken())
+STATIC = int_format(2, granularity=PerChannel())
+
+
+def _prefill(tiny, cfg, ids):
+    cache = KverrCache.for_model(tiny.model, cfg)
+    with torch.no_grad():
+        tiny.model(ids, use_cache=True, **{cache_kwarg(tiny.model): cache})
+    return cache
+
+
+def _ids(seed=0):
+    return torch.randint(0, 250, (1, P), generator=torch.Generator().manual_seed(seed))
+
+
+def _attention(tiny, ids):
+    """The model's own attention weights ``[layer][q_head, query, token]`` (eager kernel)."""
+    model = tiny.model
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation(before.split("|")[-1])
+    return [a[0].double() for a in out.attentions]
+
+
+def test_the_salient_tokens_are_those_the_last_queries_attend_to_most(tiny):
+    # Against the model's own eager attention weights: per kv head, the N tokens between the
+    # sinks and the window with the largest sum of a² over the prompt's last queries and the
+    # query heads that read that kv head. They read back as the int8 rows of their exact values;
+    # every other token reads what a cache without salient tokens holds (per-token scales: the
+    # salient tokens change nothing else).
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    ids = _ids()
+    cache = _prefill(tiny, cfg, ids)
+    plain = _prefill(tiny, cfg.with_(salient=0), ids)
+    exact = _prefill(tiny, CacheConfig(k=PER_TOKEN, v=PER_TOKEN, window=P, window_dtype="fp32"), ids)  # as computed
+    attn = _attention(tiny, ids)
+    n_kv = tiny.shape.n_kv_heads
+    assert P < OBSERVED_QUERIES  # every prompt query votes
+    for layer, a in enumerate(attn):
+        G = a.shape[0] // n_kv
+        votes = (a ** 2).sum(1).reshape(n_kv, G, P).sum(1)  # [kv head, token]
+        for w in ("k", "v"):
+            got = cache.read(layer, w)
+            want_rows = receive(exact.read(layer, w), "int8")
+            other = plain.read(layer, w)
+            for h in range(n_kv):
+                part = votes[h, SINKS:P - WINDOW]
+                want = sorted((torch.topk(part, N).indices + SINKS).tolist())
+                assert cache.layers[layer].groups[w][0].salient_pos[0, h].tolist() == want
+                rest = [t for t in range(P) if t not in want]
+                assert torch.equal(got[0, h, want], want_rows[0, h, want])
+                assert torch.equal(got[0, h, rest], other[0, h, rest])
+
+
+def test_static_scales_are_fitted_on_the_other_tokens(tiny):
+    cfg = CacheConfig(k=STATIC, v=STATIC, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    cache = _prefill(tiny, cfg, _ids(1))
+    exact = _prefill(tiny, CacheConfig(k=PER_TOKEN, v=PER_TOKEN, window=P, window_dtype="int8"), _ids(1))
+    layer = cache.layers[1]
+    x = exact.layers[1]._read("v")  # the int8 rows the cache received (values: no RoPE)
+    g = layer.groups["v"][0]
+    pos = g.salient_pos[0].long()
+    for h in range(x.shape[1]):
+        keep = [t for t in range(SINKS, P - WINDOW) if t not in pos[h].tolist()]
+        ref = quantize(x[:, h:h + 1, keep], STATIC)
+        assert torch.equal(g.static_scale[h:h + 1], ref.scale[0])
+
+
+def test_the_salient_rows_are_counted_as_the_cache_holds_them(tiny):
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    cache = _prefill(tiny, cfg, _ids())
+    plain = _prefill(tiny, cfg.with_(salient=0), _ids())
+    shape = ModelShape(tiny.shape.n_layers, tiny.shape.n_kv_heads, tiny.shape.head_dim)
+    t, t0 = account(cfg, shape, P).totals, account(cfg.with_(salient=0), shape, P).totals
+    # one int8 row (64 codes + an fp16 scale) and an int32 position per salient token, head and side
+    assert t.salient == 2 * shape.n_layers * shape.n_kv_heads * N * (shape.head_dim + 2 + 4)
+    assert cache.nbytes() - plain.nbytes() == t.salient
+    assert (t.total - t.page_rounding - t.padding) - (t0.total - t0.page_rounding - t0.padding) == t.salient
+
+
+def test_decode_steps_and_a_flush_keep_the_salient_rows(tiny):
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    ids = _ids(2)
+    cache = _prefill(tiny, cfg, ids)
+    before = {w: cache.read(0, w) for w in ("k", "v")}
+    with torch.no_grad():
+        tiny.model(torch.tensor([[7]]), use_cache=True, **{cache_kwarg(tiny.model): cache})
+    cache.flush()
+    for w in ("k", "v"):
+        g = cache.layers[0].groups[w][0]
+        assert g.n_quantized == P + 1 - SINKS
+        pos = g.salient_pos[0].long()
+        after = cache.read(0, w)
+        for h in range(pos.shape[0]):
+            assert torch.equal(after[0, h, pos[h]], before[w][0, h, pos[h]])
+
+
+def test_beam_reorder_takes_the_salient_rows_along(tiny):
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    ids = torch.cat([_ids(3), _ids(4)])
+    cache = _prefill(tiny, cfg, ids)
+    before = cache.read(1, "k")
+    cache.reorder_cache(torch.tensor([1, 1, 0]))
+    assert torch.equal(cache.read(1, "k"), before[[1, 1, 0]])
+
+
+def test_a_cache_that_never_sees_the_queries_refuses_to_quantize(tiny):
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, salient=N)
+    shape = tiny.shape
+    cache = KverrCache(cfg, shape.n_layers, shape.n_kv_heads, shape.head_dim)
+    k = torch.randn(1, shape.n_kv_heads, P, shape.head_dim)
+    cache.update(k, k, 0)
+    with pytest.raises(ConfigError, match="never saw"):
+        cache.flush()
+
+
+def test_the_kernel_path_and_crop_refuse_salient_tokens(tiny):
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, salient=N)
+    assert not kernels_support(cfg) and kernels_support(cfg.with_(salient=0))
+    assert isinstance(cache_for(tiny.model, cfg), KverrCache)
+    with pytest.raises(ConfigError, match="salient"):
+        cache_for(tiny.model, cfg, backend="triton")
+    cache = _prefill(tiny, cfg, _ids())
+    with pytest.raises(ConfigError, match="crop the prefill"):
+        cache.crop(-1)
+
+
+def test_choose_breaks_ties_to_the_earlier_token_and_stays_in_range():
+    sal = torch.tensor([[5.0, 1.0, 1.0, 3.0, 1.0, 9.0]])
+    assert choose(sal, 1, 5, 2).tolist() == [[1, 3]]
+    assert choose(sal, 1, 3, 5).tolist() == [[1, 2]]
+    assert choose(sal, 4, 4, 3).shape == (1, 0)
+
+
+def test_the_json_carries_salient_only_when_set():
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, salient=12)
+    assert CacheConfig.from_json(cfg.to_json()) == cfg
+    assert "salient" not in cfg.with_(salient=0).to_dict()
+    with pytest.raises(ConfigError, match="salient"):
+        CacheConfig(k=PER_TOKEN, v=PER_TOKEN, salient=-1)
