@@ -68,9 +68,11 @@ class OuterOption:
     window: int = 0
     sinks: int = 0
     key_pre_rope: bool = False
+    salient: int = 0  # salient prompt tokens kept per (layer, kv head, K|V): counted, not scored
 
     def label(self) -> str:
-        return f"S{self.sinks}/R{self.window}/{'pre' if self.key_pre_rope else 'post'}"
+        tail = f"/X{self.salient}" if self.salient else ""
+        return f"S{self.sinks}/R{self.window}/{'pre' if self.key_pre_rope else 'post'}{tail}"
 
 
 #: Budgets (effective bits) below which :func:`candidates_for_budget` offers static scales.
@@ -186,7 +188,7 @@ def head_bytes(
 
     cfg = CacheConfig(
         k=fmt, v=fmt, window=option.window, sinks=option.sinks, key_pre_rope=option.key_pre_rope,
-        page_size=page_size, window_dtype=window_dtype, align=align,
+        page_size=page_size, window_dtype=window_dtype, align=align, salient=option.salient,
     )
     shape = ModelShape(1, 1, head_dim, sliding_windows=(sliding_window,))
     return account(cfg, shape, context).per_layer[0]["k"].total

@@ -88,6 +88,9 @@ class CalibrationConfig:
         Add the codebook candidates (:func:`kverr.catalog.codebook_candidates`) to the named set.
     cands_k, cands_v : tuple of QuantFormat or None
         Explicit candidates for keys and values, replacing the named set for that side.
+    salient : int
+        Salient prompt tokens kept per (layer, kv head, K|V) (:mod:`kverr.hf.salient`) in every
+        option: their bytes count against the budget; the objective does not score them (0: none).
     window_dtype : str
         What the sinks, window and pending tokens are kept in: ``auto`` (per budget,
         :func:`~.candidates.window_dtype_for_budget`), ``int8`` or a float dtype.
@@ -137,6 +140,7 @@ class CalibrationConfig:
     codebooks: bool = False
     cands_k: tuple[QuantFormat, ...] | None = None
     cands_v: tuple[QuantFormat, ...] | None = None
+    salient: int = 0
     window_dtype: str = DEFAULT_WINDOW_DTYPE
     queries: int = 32
     decode: int | None = None
@@ -193,6 +197,7 @@ class CalibrationConfig:
         if self.window_dtype not in CALIBRATION_WINDOW_DTYPES:
             raise _fail("window_dtype", self.window_dtype, f"one of {', '.join(CALIBRATION_WINDOW_DTYPES)}")
         _int(self.queries, "queries", 1)
+        _int(self.salient, "salient", 0)
         if self.decode is not None:
             _int(self.decode, "decode", 1)
         _int(self.page_size, "page_size", 1, 1 << 16)

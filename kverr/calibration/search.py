@@ -732,6 +732,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     context = cfg.context or n_tok
     check_queries(cfg.queries, n_tok)
     options = cfg.options or tuple(outer_options(capture, cfg.key_rope, cfg.sinks, cfg.windows))
+    if cfg.salient:
+        options = tuple(dataclasses.replace(o, salient=cfg.salient) for o in options)
     need_pre = any(o.key_pre_rope for o in options)
     if need_pre and "k_pre" not in capture:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
@@ -1010,7 +1012,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
     if search.objective == "kl":
         prov["sensitivity"] = search.sensitivity.to_dict()
     cfg = CacheConfig(
-        k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope,
+        k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope, salient=opt.salient,
         page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
         name=(name or "calibrated-{bits}b").replace("{bits}", f"{budget_bits:g}"), provenance=prov,
     )

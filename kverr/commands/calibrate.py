@@ -71,6 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "S0/R0, S4/R16, S4/R32, S4/R64)")
     p.add_argument("--window", type=_ints, metavar="R[,R...]",
                    help="full-precision recent-token windows to try, crossed with --sinks (default: see --sinks)")
+    p.add_argument("--salient", type=non_negative_int, default=0, metavar="N",
+                   help="keep the N prompt tokens each (layer, kv head) attends to most as window-dtype rows "
+                        "with their positions, besides their codes (counted against the budget, not scored "
+                        "by the objective; the reference path runs them, the kernels do not; default 0)")
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")
@@ -150,6 +154,7 @@ def settings_of(args: argparse.Namespace):
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,
+        salient=args.salient,
         decode=args.decode or None, max_bits=args.max_bits, objective=args.objective,
         sensitivity_noise=args.sensitivity_noise, sensitivity_tokens=args.sensitivity_tokens,
         model=args.model, name=args.name, max_groups_per_layer=args.max_groups_per_layer,
@@ -181,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
                  if v is not None]
         given += [o for o, v in (("--window-dtype", args.window_dtype), ("--candidates", args.candidates))
                   if v != "auto"]
+        given += ["--salient"] if args.salient else []
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "
                               f"{', '.join(given)} does not apply")

@@ -332,6 +332,23 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
     assert cal2.config == cfg
 
 
+def test_salient_tokens_are_counted_against_the_budget(tiny_capture):
+    # The objective does not score salient tokens; their rows and positions take budget bytes,
+    # so the formats chosen with them fit in what is left.
+    cap, _, loaded = tiny_capture
+    opts = (OuterOption(), OuterOption(sinks=4))
+    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
+    cfg = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, salient=6).config
+    rep = account(cfg, shape, 160)
+    assert cfg.salient == 6 and cfg.provenance["outer_option"].endswith("/X6")
+    assert rep.total_bytes == cfg.provenance["bytes"] and rep.effective_bits <= 4.0
+    assert rep.totals.salient > 0
+    assert account(cfg.with_(salient=0), shape, 160).total_bytes == rep.total_bytes - rep.totals.salient - (
+        rep.totals.padding - account(cfg.with_(salient=0), shape, 160).totals.padding)
+    with pytest.raises(ConfigError, match="salient"):
+        CalibrationConfig(budgets=3.0, salient=-1)
+
+
 def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):
     """With at most one (K, V) pair per layer every layer is one launch group; the bound costs
     damage, never bytes over budget; the prediction of the written config is the search's."""
