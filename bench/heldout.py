@@ -17,8 +17,10 @@ the long table are summarised from those two files (:func:`summarise`), so
 ``python -m bench.run heldout --from-results`` remakes them without measuring again.
 
 The full run takes one to two hours on two cores (22 schemes x 8 segments), so ``--quick`` skips it.
-The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`) and with the codebook
-candidates (:data:`CODEBOOK_BUDGETS`) joined it the same way (their ``--config`` options only). The
+The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`), with the codebook
+candidates (:data:`CODEBOOK_BUDGETS`) and with both and salient prompt tokens
+(:data:`SALIENT_BUDGETS`; no prediction: the objective does not score salient tokens) joined it the
+same way (their ``--config`` options only). The
 serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8, its
 nvfp4 (also with four-over-six scales), its int4 and its Lloyd-Max TurboQuant dtypes (emulated, no prediction), transformers' fp8 and
 HQQ int8 backends), TurboQuant's
@@ -51,9 +53,13 @@ REFIT = "+refit"
 REFIT_SCHEMES = tuple(f"fitted-{b}b{REFIT}" for b in FITTED_BUDGETS)
 #: Budgets of the configs calibrated with the codebook candidates added (``--codebooks``).
 CODEBOOK_BUDGETS = ("2.5", "3", "4")
+#: Budgets of the configs calibrated with fitted widths, codebooks and salient prompt tokens
+#: (``--candidates fitted --codebooks --salient 8``).
+SALIENT_BUDGETS = ("2", "2.5", "3")
 CONFIGS = ([ROOT / "data" / "configs" / f"calibrated-{b}b.json" for b in BUDGETS]
            + [ROOT / "data" / "configs" / f"fitted-{b}b.json" for b in FITTED_BUDGETS]
-           + [ROOT / "data" / "configs" / f"codebooks-{b}b.json" for b in CODEBOOK_BUDGETS])
+           + [ROOT / "data" / "configs" / f"codebooks-{b}b.json" for b in CODEBOOK_BUDGETS]
+           + [ROOT / "data" / "configs" / f"salient-{b}b.json" for b in SALIENT_BUDGETS])
 #: The presets and peers at the calibrated configs' effective bits (at 1280 tokens).
 SCHEMES = ("kivi-2", "quanto-int2", "q4_0", "int4-token-g64", "kivi-4", "quanto-int4", "fp8-e4m3-head", "q8_0")
 #: The engines' cache formats as kverr presets (``kverr presets``), at their own effective bits.
@@ -175,6 +181,8 @@ def predicted(only=None) -> None:
     sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
     configs = {c.name: c for c in map(CacheConfig.load, [*CONFIGS, *served_configs()])}
     cfgs = dict(configs) if only is None else {s: configs[s] for s in only if s in configs}
+    # the objective does not score salient prompt tokens: it cannot predict those configs
+    cfgs = {name: c for name, c in cfgs.items() if not c.salient}
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in configs]:
         if s in EMULATED or s.endswith(REFIT):
             continue  # not a kverr format, or one per prompt: the objective cannot predict it
