@@ -32,6 +32,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from kverr.error.terms import value_error_weight
 from kverr.exceptions import ConfigError
 from kverr.quant.formats import CHANNEL_BITS, QuantFormat
 from kverr.quant.packing import packed_nbytes
@@ -59,7 +60,7 @@ def key_weights(q: torch.Tensor, a: torch.Tensor, v: torch.Tensor, o: torch.Tens
 
 def value_weights(a: torch.Tensor, D: int, *, skip: int = 0) -> torch.Tensor:
     """``W [T, D]`` float64 of one kv head's values: ``Σ_q a_qt²``, the same for every channel."""
-    w = (a.double() ** 2).sum(0)
+    w = value_error_weight(a)
     w[:skip] = 0.0
     return w[:, None].expand(-1, D)
 

@@ -52,6 +52,7 @@ __all__ = [
     "key_term_from_growth",
     "kl_divergence",
     "output_terms",
+    "value_error_weight",
     "value_stack",
     "value_term",
     "weight_change",
@@ -240,6 +241,13 @@ def key_term(da: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def value_term(a: torch.Tensor, e_v: torch.Tensor) -> torch.Tensor:
     """Value term ``a·E_V``: ``a [..., M, T]``, ``e_v [..., T, Dv]`` -> ``[..., M, Dv]``."""
     return torch.matmul(a, e_v)
+
+
+def value_error_weight(a: torch.Tensor) -> torch.Tensor:
+    """``Σ_q a_qt²`` float64 of weights ``a [M, T]``: with errors independent across tokens,
+    ``E‖a·E_V‖² = Σ_t a_t² E‖e_t‖²`` summed over the ``M`` queries, so token ``t``'s value error
+    costs this much per unit of squared error (``[T]``)."""
+    return (a.double() ** 2).sum(0)
 
 
 def value_stack(v: torch.Tensor, v_hat: torch.Tensor) -> torch.Tensor:

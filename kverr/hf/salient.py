@@ -6,7 +6,7 @@ hold) with their positions (int32), beside their codes; reading the cache gives 
 those positions. A value error at token ``t`` reaches a query's output as ``a_qt · e_t``, so
 with independent row errors its expected cost is ``Σ_q a_qt² ‖e_t‖²``: the saliency of ``t`` is
 ``Σ a_qt²`` over the last :data:`OBSERVED_QUERIES` queries of the prompt and the query heads
-that read the kv head (the value weight of :func:`kverr.calibration.channel_bits.value_weights`),
+that read the kv head (:func:`kverr.error.terms.value_error_weight`, as fitted widths weigh values),
 from the prefill's own attention over its fresh keys. Keys take the same positions: a key error
 costs through the same attention weights.
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kverr.calibration.channel_bits import value_weights
+from kverr.error.terms import value_error_weight
 
 #: How many of the prompt's last queries vote for its salient tokens.
 OBSERVED_QUERIES = 256
@@ -74,7 +74,7 @@ def token_saliency(query: torch.Tensor, key: torch.Tensor, scaling: float, *, sl
             a = torch.softmax(torch.cat([s, extra], -1), -1)[..., :n]
         else:
             a = torch.softmax(s, -1)
-        out[h] = value_weights(a.reshape(G * Q, n).cpu(), 1)[:, 0]
+        out[h] = value_error_weight(a.reshape(G * Q, n).cpu())
     return out
 
 
