@@ -159,3 +159,25 @@ def test_the_json_carries_salient_only_when_set():
     assert "salient" not in cfg.with_(salient=0).to_dict()
     with pytest.raises(ConfigError, match="salient"):
         CacheConfig(k=PER_TOKEN, v=PER_TOKEN, salient=-1)
+
+
+def test_a_left_padded_batch_chooses_each_sequence_its_own_tokens(tiny):
+    # Each sequence is stored from its first real token; its salient tokens are chosen from its
+    # own prompt's attention: the same as that sequence prefilled alone, up to float ties.
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    a, b = _ids(5)[0], _ids(6)[0, :P - 9]
+    pad = P - b.shape[0]
+    ids = torch.stack([a, torch.cat([torch.zeros(pad, dtype=torch.long), b])])
+    mask = (torch.arange(P)[None] >= torch.tensor([[0], [pad]])).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = KverrCache.for_model(tiny.model, cfg)
+    with torch.no_grad():
+        tiny.model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(tiny.model): cache})
+    alone = [_prefill(tiny, cfg, x[None]) for x in (a, b)]
+    for layer in range(tiny.shape.n_layers):
+        rows = cache.layers[layer].rows
+        assert rows is not None and len(rows) == 2
+        for r, one in zip(rows, alone):
+            for w in ("k", "v"):
+                got, want = r.groups[w][0].salient_pos, one.layers[layer].groups[w][0].salient_pos
+                assert torch.equal(got, want)
