@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(args.config)
     capture = open_capture(args.capture)
     check_model_matches(config, capture=capture)
+    if config.salient:
+        log.warning("%s keeps %d salient prompt tokens per head; the decomposition is of its formats alone "
+                    "(the tokens are chosen by a prompt's queries)", config.name or args.config, config.salient)
     n_tok = int(capture.sizes["token"])
     if args.queries is not None and args.queries > n_tok:
         raise ShapeError(f"--queries {args.queries} exceeds the capture's {n_tok} tokens; give 1..{n_tok}")

@@ -205,7 +205,9 @@ def fake_quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> t
 
 def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) -> torch.Tensor:
     """What the cache gives back for ``x``: sinks and window in ``window_dtype``, the rest
-    quantized and dequantized with the format of each kv head.
+    quantized and dequantized with the format of each kv head. Salient prompt tokens
+    (``config.salient``) are chosen by queries, which this function does not see: they are left
+    out (read back as quantized), as the calibration objective leaves them out.
 
     Parameters
     ----------
