@@ -555,11 +555,15 @@ class KverrLayer(CacheLayerMixin):
         from kverr.hf.salient import choose, token_saliency
 
         self._release()
-        seqs = [(self, 0, 0)] if self.rows is None else [(r, b, p) for b, (r, p) in enumerate(zip(self.rows, self.pads))]
-        for layer, b, p in seqs:
-            B = query.shape[0] if layer is self else 1
-            sal = torch.stack([token_saliency(query[i, :, p:], key[i, :, p:], scaling, sliding_window=sliding_window,
-                                              sink=sink) for i in (range(B) if layer is self else [b])])
+
+        def saliency(i: int, pads: int) -> torch.Tensor:  # sequence i, from its first real token
+            return token_saliency(query[i, :, pads:], key[i, :, pads:], scaling, sliding_window=sliding_window,
+                                  sink=sink)
+
+        # (the layer storing the sequences, their saliency [B, kv_head, n]); a padded batch: per row
+        seqs = ([(self, torch.stack([saliency(i, 0) for i in range(query.shape[0])]))] if self.rows is None
+                else [(r, saliency(b, p)[None]) for b, (r, p) in enumerate(zip(self.rows, self.pads))])
+        for layer, sal in seqs:
             for w in WHICH:
                 for g in layer.groups[w]:
                     if g.fmt.is_float:
@@ -580,13 +584,13 @@ class KverrLayer(CacheLayerMixin):
 
     def _fit_tokens(self, g: _Group, x: torch.Tensor) -> torch.Tensor:
         """The tokens of the block ``x [B, h, n, D]`` about to be quantized (the next after the
-        sinks and the quantized ones) that static scales are fitted on: all but the salient."""
+        sinks and the quantized ones) that static scales are fitted on: all but the salient.
+        Static scales are fitted on the first block, the one :meth:`observe` chose the salient
+        tokens in."""
         if g.salient_pos is None or not g.salient_pos.numel():
             return x
         B, h, n, D = x.shape
         rel = g.salient_pos.long().to(x.device) - (g.n_sinks + g.n_quantized)
-        if not ((rel >= 0) & (rel < n)).all():  # chosen among the prefill's first block: not this block
-            return x
         keep = torch.ones((B, h, n), dtype=torch.bool, device=x.device).scatter_(2, rel, False)
         return x[keep].reshape(B, h, n - rel.shape[-1], D)
 
