@@ -17,6 +17,12 @@ Sliding-window layers (``SLIDE``, window ``LWIN``): a query at position ``p`` se
 its queries can see; the masks handle the rest, and a row that has seen no token yet keeps a
 finite running maximum, as in the causal prefill.
 
+Salient tokens (``K_SAL``/``V_SAL``: the pool keeps salient rows, ``NSAL`` of them per sequence
+and kv head, positions in ``KSP``/``VSP``, -1 where none): the main launch masks them out of its
+chunks and the tail attends to them from their rows (slot ``SINKS + CAP + j`` of the full-precision
+buffer, after the window's ring), or from the pages for the side (K or V) whose format keeps
+none (a float format: its pages hold the value itself).
+
 Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
 ``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float, 5 and 6 codebook (its
 levels read from ``KL``/``VL``), 7 fp4 e2m1; ``SDT`` the scale dtype (3, 4: fp8 e4m3 and e8m0
@@ -205,10 +211,11 @@ def paged_decode_kernel(
     KF, skf_b, skf_h, skf_t,  # key full-precision buffer [slots, hK, sinks + cap_k, D]
     VF, svf_b, svf_h, svf_t,
     KFS, skfs_b, skfs_h, VFS, svfs_b, svfs_h,  # FP_Q: their int8 rows' fp16 scales [slots, h, sinks + cap]
+    KSP, sksp_b, sksp_h, VSP, svsp_b, svsp_h,  # salient positions [slots, h, NSAL] int32 (-1: none)
     PO, PM, PL,  # partials [B, Hq, NSP, D], [B, Hq, NSP], [B, Hq, NSP] fp32
     COS, SIN,  # [max_tokens, D/2] fp32 RoPE tables of the positions (used when K_PRE)
     qk_scale,  # softmax scale * log2(e)
-    SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0, LWIN,
+    SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0, LWIN, NSAL,
     HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, P: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_BD: tl.constexpr, K_BTS: tl.constexpr,
@@ -218,6 +225,7 @@ def paged_decode_kernel(
     K_ROT: tl.constexpr, V_ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, K_PRE: tl.constexpr,
     TAIL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
     QM: tl.constexpr, QB: tl.constexpr, FP_Q: tl.constexpr, SLIDE: tl.constexpr,
+    K_SAL: tl.constexpr, V_SAL: tl.constexpr, SAL_P2: tl.constexpr,
 ):
     """Grid ``(B * QB, n, NS)`` (main: quantized tokens, split ``pid2``) or ``(B * QB, n, 1)`` (``TAIL``).
 
@@ -264,10 +272,19 @@ def paged_decode_kernel(
     b64 = b.to(tl.int64)
     k_w, k_cb = _row_layout(KL, c, kcb, K_BITS, K_CB)
     v_w, v_cb = _row_layout(VL, c, vcb, V_BITS, V_CB)
+    # salient tokens: positions from the pool that keeps their rows (K's and V's lists are equal)
+    HAS_SAL: tl.constexpr = K_SAL or V_SAL
+    if K_SAL:
+        SP = KSP + b64 * sksp_b + hk * sksp_h
+    else:
+        SP = VSP + b64 * svsp_b + hv * svsp_h
+    if HAS_SAL and not TAIL:
+        jsal = tl.arange(0, SAL_P2)
+        salp = tl.load(SP + jsal, mask=jsal < NSAL, other=-1)
 
     if TAIL:
         lo = 0
-        hi_ = start + (T - e0)
+        hi_ = start + NSAL + (T - e0)
     else:
         lo = start + sp * CHUNK
         hi_ = tl.minimum(lo + CHUNK, e0)
@@ -278,16 +295,37 @@ def paged_decode_kernel(
     for v0 in range(lo, hi_, BLOCK_N):
         vi = v0 + tl.arange(0, BLOCK_N)
         nmask = vi < hi_
+        live = nmask
         if TAIL:
-            t = tl.where(vi < start, vi, e0 + vi - start)
+            # sinks, then the NSAL salient entries (their positions; -1 none), then e0 .. T-1
+            js = vi - start
+            is_s = (vi >= start) & (js < NSAL)
+            if HAS_SAL:
+                ts = tl.load(SP + js, mask=nmask & is_s, other=-1)
+                t = tl.where(vi < start, vi, tl.where(is_s, ts, e0 + vi - start - NSAL))
+                nmask = nmask & (~is_s | (ts >= 0))
+                live = nmask
+            else:
+                t = tl.where(vi < start, vi, e0 + vi - start)
             k_pg = nmask & (t >= start) & (t < end_k)
             v_pg = nmask & (t >= start) & (t < end_v)
-            k_slot = tl.where(t < SINKS, t, SINKS + (t - SINKS) % CAP_K).to(tl.int64)
-            v_slot = tl.where(t < SINKS, t, SINKS + (t - SINKS) % CAP_V).to(tl.int64)
+            # a salient row of a quantized pool sits after its ring, in slot SINKS + CAP + j
+            k_slot = tl.where(t < SINKS, t, SINKS + (t - SINKS) % CAP_K)
+            v_slot = tl.where(t < SINKS, t, SINKS + (t - SINKS) % CAP_V)
+            if K_SAL:
+                k_pg = k_pg & ~is_s
+                k_slot = tl.where(is_s, SINKS + CAP_K + js, k_slot)
+            if V_SAL:
+                v_pg = v_pg & ~is_s
+                v_slot = tl.where(is_s, SINKS + CAP_V + js, v_slot)
+            k_slot = k_slot.to(tl.int64)
+            v_slot = v_slot.to(tl.int64)
         else:
             t = vi
             k_pg = nmask
             v_pg = nmask
+            if HAS_SAL:  # salient tokens are read from their rows, in the tail
+                live = nmask & (tl.sum((t[:, None] == salp[None, :]).to(tl.int32), axis=1) == 0)
         krow, ksrow = _offsets(t, start, b64, BT, sbt_b, P, hk, skc_p, skc_h, sks_p, sks_h,
                                k_cb, NSD_K, K_BTS, K_STATIC, k_pg)
         k = _deq_tile(KC, krow, k_pg, KS, KZ, ksrow, c, k_w, KL, K_KIND, K_BITS, K_BD, D, k_cb, K_SDT)
@@ -300,8 +338,8 @@ def paged_decode_kernel(
         if K_PRE:
             k = _rope_rows(k, t, nmask, COS, SIN, BLOCK_N, D)
         s = _scores(q, k, USE_DOT, DOT_FP16)
-        if QM > 1 or SLIDE:
-            seen = nmask[None, :]
+        if QM > 1 or SLIDE or HAS_SAL:
+            seen = live[None, :]
             if QM > 1:
                 seen = seen & (t[None, :] <= pos[:, None])
             if SLIDE:

@@ -8,7 +8,7 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 ``key_pre_rope``; the quantized tokens live in pages of ``page_size`` tokens whose sections are
 aligned to ``align`` bytes. With ``salient`` = N > 0, each (layer, kv head) also keeps the N prompt
 tokens its prompt's last queries attend to most as ``window_dtype`` rows with their positions,
-beside their codes (:mod:`kverr.hf.salient`).
+beside their codes (:mod:`kverr.error.salient`).
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
 formats or values raise :class:`kverr.exceptions.ConfigError` naming the field, the value and what is

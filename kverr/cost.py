@@ -50,7 +50,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.memory import ModelShape, group_bytes, window_row_sections
 from kverr.quant.formats import QuantFormat, window_format
-from kverr.quant.store import held_tokens, live_start, token_block, token_regions
+from kverr.quant.store import SALIENT_INDEX_BYTES, held_tokens, live_start, token_block, token_regions
 
 
 @dataclass(frozen=True)
@@ -379,9 +379,11 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                     static += LAYOUT_BYTES_PER_CHANNEL * D * h
                 main.bytes["static"] += static * B * splits
                 tail.bytes["static"] += static * B
-                tail.bytes["window"] += b.sinks + b.window
+                # salient rows (and positions) are read by the tail, beside the sinks and window
+                n_sal = 0 if fmt.is_float else min(config.salient, n_q)
+                tail.bytes["window"] += b.sinks + b.window + b.salient
                 main.alu += B * h * n_q * D * _dequant_ops(fmt)
-                tail.alu += B * h * n_fp * D * win_ops
+                tail.alu += B * h * (n_fp + n_sal) * D * win_ops
                 if is_key and config.key_pre_rope:
                     # the fp32 cos and sin half-rows (D/2 each) of every key position: the sequences
                     # and heads of one launch read the same rows at about the same time, so L2
@@ -393,7 +395,12 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
             # the main launch holds the tokens quantized for both K and V; the tail the rest
             e0 = min(token_regions(T, config, f)[1] for f in (kf, vf))
             n_sink, n_main, n_win = held_tokens(T, min(config.sinks, T), e0, live)
-            n_tail = n_sink + n_win
+            # salient tokens: each main program loads the head's N positions and masks them out
+            # (a compare per token and position); the tail attends to N more entries, their rows
+            n_sal = 0 if kf.is_float and vf.is_float else config.salient
+            main.bytes["static"] += SALIENT_INDEX_BYTES * n_sal * B * h * splits
+            main.alu += B * h * n_main * n_sal
+            n_tail = n_sink + n_win + n_sal
             for ln, n, progs in ((main, n_main, splits), (tail, n_tail, 1)):
                 if ln.count:
                     ln.alu += B * h * block_h * n * SOFTMAX_OPS

@@ -143,6 +143,10 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     ``sliding_windows`` (one per layer, 0: full attention) and ``sinks`` (``[L, q_head]`` learned
     sink logits) reach both paths: the kernels mask and merge with them, the reference
     decomposes with them.
+
+    A config with salient tokens (``config.salient``) has them chosen from the prefill's queries
+    (:func:`kverr.error.salient.positions`, softmax scale ``1/sqrt(D)``) and stored with it; the
+    reference reads their ``window_dtype`` rows in place of what ``reconstruct`` gives there.
     """
     from kverr.gpu import PagedKVCache, calibrate_static_scales
     from kverr.gpu.cache import interpreting
@@ -189,6 +193,21 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     else:
         def post(x, l):
             return x
+    salient: dict[int, torch.Tensor] = {}
+    if config.salient:
+        from kverr.error.salient import positions
+
+        n = T - steps
+        for l in range(L):
+            salient[l] = positions(config, l, q[l, :, :, :n], post(k[l, :, :, :n], l), 1.0 / math.sqrt(D),
+                                   sliding_window=windows[l], sink=None if sinks is None else sinks[l])
+
+    def held(x, l, which):  # what the reference says layer l holds of x [B, H, t, D]
+        hat = reconstruct(x, config, layer=l, which=which)
+        if l in salient:
+            hat = _salient_rows(hat, x, salient[l], config, l, which)
+        return hat
+
     report = ValidationReport(config.name or "config", T, B, steps, tol, str(dev), interpreting())
     worst = {l: dict(mis=0, rel=0.0, mx=0.0, where="", qerr=0.0) for l in layers}
     schedule = [T - steps] + [1] * steps
@@ -199,16 +218,17 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         final = si == len(schedule) - 1
         for l in range(L):
             cache.store(step, l, k[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev),
-                        v[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev))
+                        v[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev),
+                        salient=salient.get(l) if si == 0 else None)
         if si == 0:
             continue  # the prefill is checked through the steps that follow
         if has_static and not final:
             continue  # the reference's static scales are those of the final length
         for l in layers:
             out = cache.decode(step, l, q[l, :, :, t - 1].to(dev)).float().cpu()
-            k_stored = reconstruct(k[l, :, :, :t], config, layer=l, which="k")
+            k_stored = held(k[l, :, :, :t], l, "k")
             k_hat = post(k_stored, l)
-            v_hat = reconstruct(v[l, :, :, :t], config, layer=l, which="v")
+            v_hat = held(v[l, :, :, :t], l, "v")
             w = worst[l]
             for b in range(B):
                 for which, hat in (("k", k_stored), ("v", v_hat)):
@@ -232,6 +252,21 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             ok=w["mis"] == 0 and w["rel"] <= tol,
         ))
     return report
+
+
+def _salient_rows(hat: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, config, layer: int, which: str) -> torch.Tensor:
+    """``hat [B, H, t, D]`` with the salient tokens ``pos [B, H, m]`` of the kv heads whose format
+    quantizes read as their ``window_dtype`` rows of ``x``."""
+    from kverr.quant.store import receive
+
+    out = hat.clone()
+    for fmt, heads in config.head_groups(layer, x.shape[1], which):
+        if fmt.is_float:
+            continue
+        idx = pos[:, heads].long()[..., None].expand(-1, -1, -1, x.shape[-1])
+        rows = receive(x[:, heads].gather(2, idx), config.window_dtype)
+        out[:, heads] = out[:, heads].scatter(2, idx, rows)
+    return out
 
 
 def _check_steps_tol(tokens: int, steps: int, tol: float) -> None:

@@ -35,11 +35,12 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
 
 
 @needs_capture
-@pytest.mark.parametrize("name,layers", [("fitted-3b", "0,29"), ("codebooks-4b", "15")])
+@pytest.mark.parametrize("name,layers", [("fitted-3b", "0,29"), ("codebooks-4b", "15"), ("salient-2.5b", "15")])
 def test_validate_calibrated_configs_agree(capsys, name, layers):
     """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
     keys stored before RoPE, static per-channel scales with fitted widths per channel, codebook
-    formats (layer 15 of codebooks-4b has three), an int8 window -- run on the kernel path
+    formats (layer 15 of codebooks-4b has three), an int8 window, salient prompt tokens (chosen
+    by the capture's queries: their rows read in place of their codes) -- run on the kernel path
     and agree with the reference. (notebooks/04_kernel_validation.ipynb, run by the tests,
     asserts the same of calibrated-4b and calibrated-prerope-3b on every captured layer.)"""
     pytest.importorskip("zarr")
@@ -54,7 +55,9 @@ def test_validate_calibrated_configs_agree(capsys, name, layers):
         assert '"channel_bits"' in text and '"key_pre_rope": true' in text
     if name == "codebooks-4b":
         assert '"dtype": "codebook"' in text
-    if name in ("calibrated-3b", "calibrated-4b", "fitted-3b", "codebooks-4b"):
+    if name == "salient-2.5b":
+        assert '"salient": 8' in text
+    if name in ("calibrated-3b", "calibrated-4b", "fitted-3b", "codebooks-4b", "salient-2.5b"):
         assert '"window_dtype": "int8"' in text
     code = main(["validate", str(path), "--capture", str(CAPTURE), "--tokens", "120", "--batch", "2",
                  "--layers", layers, "--steps", "1", "--json"])

@@ -89,7 +89,7 @@ class CalibrationConfig:
     cands_k, cands_v : tuple of QuantFormat or None
         Explicit candidates for keys and values, replacing the named set for that side.
     salient : int
-        Salient prompt tokens kept per (layer, kv head, K|V) (:mod:`kverr.hf.salient`) in every
+        Salient prompt tokens kept per (layer, kv head, K|V) (:mod:`kverr.error.salient`) in every
         option: their bytes count against the budget; the objective does not score them (0: none).
     window_dtype : str
         What the sinks, window and pending tokens are kept in: ``auto`` (per budget,

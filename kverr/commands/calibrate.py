@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--salient", type=non_negative_int, default=0, metavar="N",
                    help="keep the N prompt tokens each (layer, kv head) attends to most as window-dtype rows "
                         "with their positions, besides their codes (counted against the budget, not scored "
-                        "by the objective; the reference path runs them, the kernels do not; default 0)")
+                        "by the objective; serving engines' exports refuse them; default 0)")
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")

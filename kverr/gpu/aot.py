@@ -43,7 +43,7 @@ from kverr.gpu.launch import (
     store_constexprs,
     store_warps,
 )
-from kverr.gpu.spec import KernelSpec, kernel_spec
+from kverr.gpu.spec import KIND_FLOAT, KernelSpec, kernel_spec
 from kverr.quant.formats import (
     BYTE_SCALE_DTYPES,
     CHANNEL_BITS,
@@ -187,8 +187,11 @@ def decode_signature(ks: KernelSpec, vs: KernelSpec, fp_q: bool = False) -> dict
     for p in ("K", "V"):
         low = p.lower()
         sig.update({f"{p}FS": "*fp16", f"s{low}fs_b": "i32", f"s{low}fs_h": "i32"})
+    for p in ("K", "V"):
+        low = p.lower()
+        sig.update({f"{p}SP": "*i32", f"s{low}sp_b": "i32", f"s{low}sp_h": "i32"})
     sig.update({"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "COS": "*fp32", "SIN": "*fp32", "qk_scale": "fp32"})
-    for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0", "LWIN"):
+    for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0", "LWIN", "NSAL"):
         sig[n] = "i32"
     return sig
 
@@ -298,6 +301,18 @@ def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int =
                      decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P,
                                        tail=True, dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1,
                                        fp_q=True)))
+    # salient tokens (8 rows, int8 window as the calibrator emits them; FP_Q matters to the tail
+    # only): masked in the main launch, read from their rows in the tail; fp16 keys keep none
+    for ks, vs, kpre, m in ((by["int2a/ch32/fp16"], by["int4a/tok/fp16/mse/had"], True, 1),
+                            (by["int2a/ch32/fp16"], by["int4a/tok/fp16/mse/had"], True, qm),
+                            (by["fp16"], by["int4a/tok/fp16"], False, 1)):
+        for tail in (False, True):
+            jobs.append((("decode" if m == 1 else "prefill") + ("_tail" if tail else ""),
+                         f"K {ks.fmt.label()}{' pre-RoPE' if kpre else ''} V {vs.fmt.label()} int8 window salient",
+                         decode.paged_decode_kernel, decode_signature(ks, vs, tail),
+                         decode_constexprs(ks, vs, Hq=rep * 8, D=D, rep=rep, block_n=decode_block_n(ks, vs, block_n), P=P,
+                                           tail=tail, dot_fp16=True, key_pre_rope=kpre, qm=m, qb=4 if m > 1 else 1,
+                                           fp_q=tail, k_sal=0 if ks.kind == KIND_FLOAT else 8, v_sal=8)))
     return jobs
 
 

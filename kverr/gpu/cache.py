@@ -16,6 +16,11 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
   ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data. An
   ``int8`` window holds the oracle's uint8 codes there and a scale per slot in ``fp_scale``
   ``[max_batch, h, sinks + window + tb]`` fp16.
+* with ``config.salient`` = N, a pool whose format quantizes keeps each sequence's salient prompt
+  tokens (:mod:`kverr.error.salient`) as N more ``window_dtype`` rows after the ring (slots
+  ``sinks + window + tb + j``) and their positions in ``sal_pos`` ``[max_batch, h, N]`` int32
+  (-1: none); :meth:`PagedKVCache.store` takes them with the prefill. Their codes stay in the
+  pages, unread: the decode kernel reads the rows.
 
 Token policy is exactly :func:`kverr.quant.token_regions`: page ``p`` holds quantized tokens
 ``sinks + p*P .. sinks + (p+1)*P``. As in the oracle, the cache receives K/V in its own dtype
@@ -57,7 +62,7 @@ from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
 from kverr.quant.formats import TORCH_DTYPES, window_format
 from kverr.quant.reference import QTensor, dequantize
-from kverr.quant.store import WindowRows, quantize_region, receive
+from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, quantize_region, receive
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +98,13 @@ class Pool:
     # no packing; None otherwise
     layout: torch.Tensor | None = None
     packing: torch.Tensor | None = None
+    # salient rows (config.salient, quantized formats): how many per sequence and head, positions
+    nsal: int = 0
+    sal_pos: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.codes, self.scale, self.zero, self.fp, self.fp_scale)
+        tensors = (self.codes, self.scale, self.zero, self.fp, self.fp_scale, self.sal_pos)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -169,9 +177,12 @@ def calibrate_static_scales(config, keys, values) -> dict[tuple[int, str, int], 
     return out
 
 
-def layer_static_scales(config, layer: int, k, v) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]:
-    """:func:`calibrate_static_scales` of one layer (``k, v [B, kv_head, token, channel]``)."""
-    from kverr.quant.store import token_regions
+def layer_static_scales(config, layer: int, k, v, salient: torch.Tensor | None = None,
+                        ) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]:
+    """:func:`calibrate_static_scales` of one layer (``k, v [B, kv_head, token, channel]``);
+    ``salient [B, kv_head, m]``: the prefill's salient positions, left out of the fit (as
+    :class:`kverr.hf.KverrCache` leaves them out)."""
+    from kverr.quant.store import token_regions, without_salient
 
     out = {}
     for which, x in (("k", k), ("v", v)):
@@ -181,7 +192,11 @@ def layer_static_scales(config, layer: int, k, v) -> dict[tuple[int, str, int], 
             if not fmt.takes_static_scales:
                 continue  # a fixed scale is the format's own, set by the cache
             start, end = token_regions(T, config, fmt)
-            region = x[:, heads, start:end] if end > start else x[:, heads]
+            if end > start:
+                rel = None if salient is None else salient[:, heads].long() - start
+                region = without_salient(x[:, heads, start:end], rel)
+            else:
+                region = x[:, heads]
             qt = quantize_region(region, fmt, config.page_size)
             out[(layer, which, heads[0])] = (qt.scale[0], None if qt.zero is None else qt.zero[0])
     return out
@@ -234,9 +249,6 @@ class PagedKVCache:
 
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"config must be a CacheConfig, got {type(config).__name__}")
-        if config.salient:
-            raise ConfigError("the kernels do not keep salient tokens (config.salient); the reference path "
-                              "(kverr.hf.KverrCache) runs them")
         for name, val in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("n_q_heads", n_q_heads),
                           ("max_batch", max_batch), ("max_tokens", max_tokens)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -331,9 +343,12 @@ class PagedKVCache:
                             if spec.kind == 1:
                                 zero = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
                     cap = self.W + spec.tb
-                    fp = torch.zeros((max_batch, h, self.S + cap, head_dim), dtype=wdt, device=dev)
-                    fp_scale = (torch.zeros((max_batch, h, self.S + cap), dtype=torch.float16, device=dev)
+                    nsal = 0 if spec.kind == KIND_FLOAT else config.salient
+                    fp = torch.zeros((max_batch, h, self.S + cap + nsal, head_dim), dtype=wdt, device=dev)
+                    fp_scale = (torch.zeros((max_batch, h, self.S + cap + nsal), dtype=torch.float16, device=dev)
                                 if self.fp_q else None)
+                    sal_pos = (torch.full((max_batch, h, nsal), -1, dtype=SALIENT_INDEX_DTYPE, device=dev)
+                               if nsal else None)
                     ratios = torch.tensor(spec.clip_ratios or (1.0,), dtype=torch.float32, device=dev)
                     layout = packing = None
                     if spec.bits == 0:
@@ -342,7 +357,8 @@ class PagedKVCache:
                         layout = torch.from_numpy(codebook_table(fmt)).to(dev)
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
                                            torch.tensor(heads, dtype=torch.int64, device=dev),
-                                           codes, scale, zero, fp, fp_scale, cap, ratios, layout, packing))
+                                           codes, scale, zero, fp, fp_scale, cap, ratios, layout, packing,
+                                           nsal, sal_pos))
             self.pools.append(per)
             self.launches.append(self._make_launches(layer, per))
         if self.fp_q:  # the int8 window's format, for receiving new rows on the device
@@ -452,6 +468,11 @@ class PagedKVCache:
             self.free_pages.append(int(self.block_table[seq, p]))
         self.pages_held[seq] = 0
         self.lengths[seq] = 0
+        for per in self.pools:
+            for ps in per.values():
+                for pool in ps:
+                    if pool.sal_pos is not None:
+                        pool.sal_pos[seq] = -1
 
     # ---- plan (once per step) ------------------------------------------------------------------
 
@@ -599,14 +620,24 @@ class PagedKVCache:
             x = x.contiguous()
         return x
 
-    def store(self, step: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize-and-store this step's new keys and values of ``layer``."""
+    def store(self, step: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+              salient: torch.Tensor | None = None) -> None:
+        """Quantize-and-store this step's new keys and values of ``layer``.
+
+        ``salient`` (a config with ``salient`` = N): ``[B, n_kv_heads, m]`` (``m <= N``) positions of
+        each sequence's salient tokens (:func:`kverr.error.salient.choose`), ascending, -1 after the
+        last where a sequence has fewer; given once, with the prefill: this step's new tokens,
+        among those it quantizes in every format of the layer
+        (:func:`kverr.quant.store.salient_candidates`). Their rows, as received, are kept beside
+        their codes and read in their place.
+        """
         from kverr.gpu.launch import launch_store
 
         self._check_layer(layer)
         waiting = self.static_pending(layer)
         if waiting:
             raise KernelError(f"layer {layer}: static scales of {waiting} are not set yet (set_static_scales)")
+        sal = None if salient is None else self._salient_rows(step, layer, salient)
         for which, x in (("k", k), ("v", v)):
             x = self._rows(x, step, which)
             codes = scale = None
@@ -629,6 +660,49 @@ class PagedKVCache:
                     else:
                         pool.fp[jobs.fp_seq, :, jobs.fp_slot] = codes[rows]
                         pool.fp_scale[jobs.fp_seq, :, jobs.fp_slot] = scale[rows]
+                if sal is not None and pool.nsal:
+                    src_rows, pos = sal
+                    m = pos.shape[-1]
+                    at = (src_rows[:, pool.heads_l], pool.heads_l[None, :, None])  # [B, h, m]
+                    slots = slice(self.S + pool.cap, self.S + pool.cap + m)
+                    if codes is None:
+                        pool.fp[:, :, slots] = x[at].to(pool.fp.dtype)
+                    else:
+                        pool.fp[:, :, slots] = codes[at]
+                        pool.fp_scale[:, :, slots] = scale[at]
+                    pool.sal_pos[:, :, :m] = pos[:, pool.heads_l]
+
+    def _salient_rows(self, step: StepPlan, layer: int, salient) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked salient positions ``[B, H, m]``: (their rows among the step's new rows, int64,
+        and the positions, int32), on the device."""
+        from kverr.quant.store import salient_candidates
+
+        N = self.config.salient
+        if not N:
+            raise ConfigError("salient positions were given but the config keeps no salient tokens (config.salient = 0)")
+        pos = torch.as_tensor(salient).detach().cpu()
+        if pos.ndim != 3 or pos.shape[0] != self.B or pos.shape[1] != self.H or pos.shape[2] > N or pos.is_floating_point():
+            raise ShapeError(f"salient positions of shape {tuple(pos.shape)} ({pos.dtype}): want integer "
+                             f"[{self.B}, {self.H}, m] with m <= config.salient = {N}")
+        pos = pos.long()
+        pools = [p for which in ("k", "v") for p in self.pools[layer][which] if p.nsal]
+        fmts = [p.spec.fmt for p in pools]
+        T1 = step.lengths
+        T0 = T1 - step.new_tokens
+        cu = np.concatenate([[0], np.cumsum(step.new_tokens)])
+        for b in range(self.B):
+            if any(bool((pl.sal_pos[b] >= 0).any()) for pl in pools):
+                raise KernelError(f"layer {layer} sequence {b} already holds salient tokens (reset the slot first)")
+            lo, hi = salient_candidates(int(T1[b]), self.config, fmts)
+            lo = max(lo, int(T0[b]))
+            for h, p in enumerate(pos[b]):
+                n = int((p >= 0).sum())
+                if (p[n:] != -1).any() or (n and (int(p[0]) < lo or int(p[n - 1]) >= hi or (p[:n].diff() <= 0).any())):
+                    raise ShapeError(f"sequence {b} head {h}: salient positions {p.tolist()} must ascend, each among "
+                                     f"this step's tokens the layer quantizes ({lo} .. {hi - 1}), -1 after the last")
+        # a -1 entry copies the step's first row into a slot nothing reads
+        rows = torch.where(pos >= 0, pos + torch.from_numpy(cu[:-1] - T0)[:, None, None], 0)
+        return rows.to(self.device), pos.to(device=self.device, dtype=SALIENT_INDEX_DTYPE)
 
     def _receive(self, step: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The new rows ``x [N, H, D]`` in the int8 window format: uint8 codes ``[N, H, D]`` and
@@ -822,4 +896,11 @@ class PagedKVCache:
             fs = None if pool.fp_scale is None else pool.fp_scale[seq][:, sl, None].cpu()
             fp = WindowRows(pool.fp[seq][:, sl].cpu(), fs, self.config.window_dtype).float()
             res[torch.tensor(heads)[:, None], torch.from_numpy(t)[None, :]] = fp
+            if pool.nsal:  # salient tokens: their rows in place of their codes
+                pos = pool.sal_pos[seq].long().cpu()
+                slots = slice(self.S + pool.cap, self.S + pool.cap + pool.nsal)
+                fs = None if pool.fp_scale is None else pool.fp_scale[seq][:, slots, None].cpu()
+                rows = WindowRows(pool.fp[seq][:, slots].cpu(), fs, self.config.window_dtype).float()
+                hi, ji = torch.nonzero(pos >= 0, as_tuple=True)
+                res[torch.tensor(heads)[hi], pos[hi, ji]] = rows[hi, ji]
         return res

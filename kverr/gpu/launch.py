@@ -89,6 +89,13 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor |
     )
 
 
+def _salient_args(pool) -> tuple:
+    """The salient positions (``pool.sal_pos`` ``[slots, h, nsal]`` int32) and their batch and head
+    strides; a pool without salient rows passes its head list, unread."""
+    sp = pool.sal_pos
+    return (pool.heads_t, 0, 0) if sp is None else (sp, sp.stride(0), sp.stride(1))
+
+
 def _layout_args(pool) -> tuple:
     """The format's tables: the layout words of per-channel widths (unpack, pack), or a codebook's
     table (and an unread int32 tensor); other formats pass an int32 tensor, unread."""
@@ -116,7 +123,9 @@ def _fmt_args(pool):
 
 def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, rep: int, block_n: int,
                       P: int, tail: bool, dot_fp16: bool, key_pre_rope: bool = False, qm: int = 1,
-                      qb: int = 1, fp_q: bool = False, slide: bool = False) -> dict:
+                      qb: int = 1, fp_q: bool = False, slide: bool = False, k_sal: int = 0,
+                      v_sal: int = 0) -> dict:
+    """``k_sal``/``v_sal``: salient rows the K/V pool keeps per sequence and head (0: none)."""
     return dict(
         HQ=Hq, D=D, REP=rep, BLOCK_H=max(16, _next_pow2(rep * qm)), BLOCK_N=block_n, P=P,
         K_KIND=kspec.kind, K_BITS=kspec.bits, K_BD=kspec.bd, K_BTS=kspec.bts, K_STATIC=kspec.static, K_CB=kspec.cb_const,
@@ -125,6 +134,7 @@ def decode_constexprs(kspec: KernelSpec, vspec: KernelSpec, *, Hq: int, D: int, 
         V_SDT=vspec.sdt,
         K_ROT=kspec.rot, V_ROT=vspec.rot, **rotation_constexprs(D), K_PRE=key_pre_rope,
         TAIL=tail, USE_DOT=True, DOT_FP16=dot_fp16, QM=qm, QB=qb, FP_Q=fp_q, SLIDE=slide,
+        K_SAL=k_sal > 0, V_SAL=v_sal > 0, SAL_P2=_next_pow2(max(k_sal, v_sal, 1)),
     )
 
 
@@ -171,15 +181,16 @@ def launch_decode(cache, step, ln, q: torch.Tensor, sm_scale: float, *, tail: bo
         kf, kf.stride(0), kf.stride(1), kf.stride(2),
         vf, vf.stride(0), vf.stride(1), vf.stride(2),
         *_fp_scale_args(kp), *_fp_scale_args(vp),
+        *_salient_args(kp), *_salient_args(vp),
         po, pm, pl,
         rope[0] if rope is not None else po,
         rope[1] if rope is not None else po,
         sm_scale * 1.4426950408889634,
         cache.S, cache.W, kp.spec.tb, vp.spec.tb, kp.cap, vp.cap, max(step.chunk, 1), ns + 1,
-        ns if tail else 0, int(window),
+        ns if tail else 0, int(window), max(kp.nsal, vp.nsal),
         **decode_constexprs(kp.spec, vp.spec, Hq=cache.Hq, D=cache.D, rep=cache.rep, block_n=decode_block_n(kp.spec, vp.spec, cache.block_n),
                             P=cache.P, tail=tail, dot_fp16=cache.dot_fp16, key_pre_rope=cache.key_pre_rope, qm=qm, qb=qb,
-                            fp_q=kp.fp_scale is not None, slide=window > 0),
+                            fp_q=kp.fp_scale is not None, slide=window > 0, k_sal=kp.nsal, v_sal=vp.nsal),
         num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
     )
 

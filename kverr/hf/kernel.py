@@ -2,8 +2,10 @@
 
 Keys and values go through the quantize-and-store kernel into :class:`kverr.gpu.PagedKVCache`;
 decode steps attend with the fused-dequant decode kernel, installed as the model's attention
-function (:func:`register_kernel_attention`) while the cache is attached. Same token policy and
-static-scale rule as the reference path (:class:`kverr.hf.reference.KverrCache`).
+function (:func:`register_kernel_attention`) while the cache is attached. Same token policy,
+static-scale rule and salient tokens (:mod:`kverr.error.salient`: the prefill is stored once the
+attention function has handed over its queries) as the reference path
+(:class:`kverr.hf.reference.KverrCache`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def register_kernel_attention(inner: str) -> str:
 
     def paged_attention(module, query, key, value, kwargs):  # type: ignore[no-untyped-def]
         cache = getattr(module, "_kverr_kernel_cache", None)
+        if cache is not None and module.layer_idx in cache._awaiting:
+            cache._observe(module, query, key, kwargs)
         if cache is None or not cache.decoding:
             return None  # the model's own attention
         if query.shape[2] == 1:
@@ -147,6 +151,8 @@ class KernelKVCache(Cache):
         )
         self.batch, self.length = batch, 0
         self.step = None
+        # config.salient: per layer, the prefill's (keys as stored, values) until its queries arrive
+        self._awaiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decoding = False
         self._model = model
         self._modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
@@ -169,6 +175,10 @@ class KernelKVCache(Cache):
         if B != self.batch:
             raise ShapeError(f"this cache holds {self.batch} sequences, got a batch of {B}")
         if layer == 0:
+            if self._awaiting:
+                raise ConfigError(
+                    f"layers {sorted(self._awaiting)}: the config keeps salient tokens, chosen by the prefill's "
+                    "queries, and this cache never saw them: run the prefill through the model the cache was built for")
             self.decoding = self.length > 0
             self.step = self.paged.plan([n] * B)
             self.length += n
@@ -177,14 +187,32 @@ class KernelKVCache(Cache):
             t0 = self.length - n
             cos, sin = self._rope[layer]
             k_in = unrotate(k.float(), cos[t0:self.length], sin[t0:self.length])
+        if self.config.salient and not self.decoding:
+            self._awaiting[layer] = (k_in, v)  # stored once the queries chose the salient tokens
+        else:
+            self._write(layer, k_in, v)
+        return k, v
+
+    def _write(self, layer: int, k_in: torch.Tensor, v: torch.Tensor, salient: torch.Tensor | None = None) -> None:
         if self.paged.static_pending(layer):
             # the first chunk quantized sets the static scales, jointly over the batch, from the
-            # same tokens KverrCache quantizes first: the prefill's, sinks and window left out
+            # same tokens KverrCache quantizes first: the prefill's, sinks, window and salient
+            # tokens left out
             from kverr.gpu.cache import layer_static_scales
 
-            self.paged.set_static_scales(layer_static_scales(self.config, layer, k_in, v))
-        self.paged.store(self.step, layer, k_in, v)
-        return k, v
+            self.paged.set_static_scales(layer_static_scales(self.config, layer, k_in, v, salient=salient))
+        self.paged.store(self.step, layer, k_in, v, salient=salient)
+
+    def _observe(self, module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """The prefill's queries reached ``module``'s attention: choose the salient tokens of each
+        sequence (:mod:`kverr.error.salient`), then store the layer's prefill."""
+        from kverr.error.salient import positions
+        from kverr.hf.salient import attention_context
+
+        layer = module.layer_idx
+        k_in, v = self._awaiting.pop(layer)
+        pos = positions(self.config, layer, query.detach(), key.detach(), **attention_context(module, kwargs))
+        self._write(layer, k_in, v, salient=pos)
 
     def __deepcopy__(self, memo: dict) -> KernelKVCache:
         raise ConfigError("a KernelKVCache cannot be copied (it is attached to its model and holds device pages); "

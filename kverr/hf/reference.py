@@ -60,7 +60,7 @@ import torch
 from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
-from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows
+from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, without_salient
 from kverr.quant.reference import table_nbytes
 from kverr.rope import rotate, unrotate
 
@@ -552,26 +552,19 @@ class KverrLayer(CacheLayerMixin):
         """The prefill's queries ``[B, q_head, n, D]`` and fresh keys ``[B, kv_head, n, D]``:
         choose each sequence's salient tokens, keep their rows, then quantize the prefill as the
         token policy says."""
-        from kverr.hf.salient import choose, token_saliency
+        from kverr.error.salient import positions
 
         self._release()
-
-        def saliency(i: int, pads: int) -> torch.Tensor:  # sequence i, from its first real token
-            return token_saliency(query[i, :, pads:], key[i, :, pads:], scaling, sliding_window=sliding_window,
-                                  sink=sink)
-
-        # (the layer storing the sequences, their saliency [B, kv_head, n]); a padded batch: per row
-        seqs = ([(self, torch.stack([saliency(i, 0) for i in range(query.shape[0])]))] if self.rows is None
-                else [(r, saliency(b, p)[None]) for b, (r, p) in enumerate(zip(self.rows, self.pads))])
-        for layer, sal in seqs:
-            for w in WHICH:
-                for g in layer.groups[w]:
-                    if g.fmt.is_float:
-                        continue
-                    lo = g.n_sinks + g.n_quantized
-                    pos = choose(sal[:, g.heads], lo, lo + layer._flushable(g, respect_window=True), self.config.salient)
-                    g.salient = g.pending.gather(pos - lo)
-                    g.salient_pos = pos.to(SALIENT_INDEX_DTYPE)
+        ctx = dict(scaling=scaling, sliding_window=sliding_window, sink=sink)
+        # (the layer storing the sequences, their positions [B, kv_head, m]); a padded batch: per
+        # row, from its first real token
+        seqs = ([(self, positions(self.config, self.layer_idx, query, key, **ctx))] if self.rows is None
+                else [(r, positions(self.config, self.layer_idx, query[b:b + 1, :, p:], key[b:b + 1, :, p:], **ctx))
+                      for b, (r, p) in enumerate(zip(self.rows, self.pads))])
+        for layer, pos in seqs:
+            for g in (g for w in WHICH for g in layer.groups[w] if not g.fmt.is_float):
+                g.salient = g.pending.gather(pos[:, g.heads] - (g.n_sinks + g.n_quantized))
+                g.salient_pos = pos[:, g.heads].to(SALIENT_INDEX_DTYPE)
         self._flush(respect_window=True)
 
     def _release(self) -> None:
@@ -587,12 +580,9 @@ class KverrLayer(CacheLayerMixin):
         sinks and the quantized ones) that static scales are fitted on: all but the salient.
         Static scales are fitted on the first block, the one :meth:`observe` chose the salient
         tokens in."""
-        if g.salient_pos is None or not g.salient_pos.numel():
+        if g.salient_pos is None:
             return x
-        B, h, n, D = x.shape
-        rel = g.salient_pos.long().to(x.device) - (g.n_sinks + g.n_quantized)
-        keep = torch.ones((B, h, n), dtype=torch.bool, device=x.device).scatter_(2, rel, False)
-        return x[keep].reshape(B, h, n - rel.shape[-1], D)
+        return without_salient(x, g.salient_pos.long() - (g.n_sinks + g.n_quantized))
 
     def nbytes(self) -> int:
         if self.rows is not None:

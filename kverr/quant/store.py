@@ -164,6 +164,28 @@ def token_regions(T: int, config: CacheConfig, fmt: QuantFormat, prefill_quantiz
     return start, start + flushed + avail - avail % tb
 
 
+def salient_candidates(T: int, config: CacheConfig, formats) -> tuple[int, int]:
+    """Tokens ``[lo, hi)`` of a ``T``-token prefill that may be salient (``config.salient``): those
+    it quantizes (:func:`token_regions`) in every one of ``formats`` that quantizes, so that one
+    list of positions per kv head serves K and V."""
+    lo = min(config.sinks, T)
+    return lo, min((token_regions(T, config, f)[1] for f in formats if not f.is_float), default=lo)
+
+
+def without_salient(x: torch.Tensor, rel: torch.Tensor | None) -> torch.Tensor:
+    """``x [B, h, n, D]`` without its salient tokens ``rel [B, h, m]`` (distinct indices into
+    ``n``): ``[B, h, n − m, D]``, the others in order. Static scales are fitted on these: a
+    salient token is read back from its row, so its codes may saturate."""
+    if rel is None or not rel.numel():
+        return x
+    B, h, n, D = x.shape
+    if rel.shape[:2] != (B, h) or int(rel.min()) < 0 or int(rel.max()) >= n:
+        raise ShapeError(f"salient indices of shape {tuple(rel.shape)} (range {int(rel.min())}..{int(rel.max())}) "
+                         f"do not index the tokens of a [{B}, {h}, {n}, {D}] block")
+    keep = torch.ones((B, h, n), dtype=torch.bool, device=x.device).scatter_(2, rel.long().to(x.device), False)
+    return x[keep].reshape(B, h, n - rel.shape[-1], D)
+
+
 def live_start(T: int, sliding_window: int) -> int:
     """First token a cache of ``T`` tokens still holds in a layer with this sliding window: the
     last query, at position ``T − 1``, reads the keys ``T − W .. T − 1``; 0 means full attention

@@ -14,6 +14,7 @@ import torch
 from kverr.config import CacheConfig, Override
 from kverr.exceptions import KernelError, ShapeError
 from kverr.gpu import PagedKVCache, calibrate_static_scales
+from kverr.memory import ModelShape, account
 from kverr.quant import (
     MSEClip, PerChannel, PerHead, PerPage, PerToken, PerTokenGroup, float_format, fp8_format, int_format, reconstruct,
 )
@@ -328,3 +329,79 @@ def test_sliding_window_and_learned_sinks(window, with_sinks):
             row += 1
     assert worst <= 1e-3
     assert moved > 1e-2  # the window and the sinks change the attention: the check is not vacuous
+
+
+@pytest.mark.parametrize("kf", [KIVI2.k, float_format("fp16")], ids=["int2-keys", "fp16-keys"])
+def test_salient_rows_are_read_in_place_of_their_codes(kf):
+    """Salient tokens (``config.salient``): the prefill's store keeps their int8 rows beside their
+    codes. What the cache holds is the oracle's reconstruction with those tokens' rows (bit for
+    bit); a chunked prefill after them and decode -- the main launch masking them out of its
+    chunks, the tail attending to them from their rows, or from the pages for fp16 keys, which
+    keep none -- match reference attention over it. Each head has its own positions; one
+    sequence keeps none (its prefill quantizes no token: -1 entries); reset frees the slot."""
+    from kverr.error.salient import choose
+    from kverr.quant.store import receive, salient_candidates
+
+    cfg = KIVI2.with_(k=kf, window_dtype="int8", salient=3)
+    H, Hq, lens, second = 2, 6, [45, 6, 37], 4
+    B, T = len(lens), max(lens)
+    q, k, v = _data(1, B, Hq, H, T, 3)
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                         device="cpu", block_n=16)
+    first = [n - second for n in lens]
+    score = torch.rand(1, H, T, generator=torch.Generator().manual_seed(0))
+    pos = torch.full((B, H, cfg.salient), -1)
+    for b, n in enumerate(first):
+        p = choose(score, *salient_candidates(n, cfg, [cfg.k, cfg.v]), cfg.salient)[0]
+        pos[b, :, :p.shape[-1]] = p
+    assert (pos[1] == -1).all() and (pos[[0, 2]] >= 0).all()
+
+    def rows(x, counts, off):
+        return torch.cat([x[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))])
+
+    step = cache.plan(first, num_splits=3)
+    kp, vp = rows(k, first, [0] * B), rows(v, first, [0] * B)
+    window = pos.clone()
+    window[0, 0, -1] = first[0] - 1  # a window token cannot be salient
+    with pytest.raises(ShapeError, match="must ascend"):
+        cache.store(step, 0, kp, vp, salient=window)
+    cache.store(step, 0, kp, vp, salient=pos)
+    with pytest.raises(KernelError, match="already holds"):
+        cache.store(cache.plan([0] * B), 0, kp[:0], vp[:0], salient=pos)
+    step = cache.plan([second] * B, num_splits=3)
+    cache.store(step, 0, rows(k, [second] * B, first), rows(v, [second] * B, first))
+    qr = rows(q, [second] * B, first)
+    out = torch.full_like(qr, float("nan"))
+    cache.prefill(step, 0, qr, out=out)
+    kv_map = [h // (Hq // H) for h in range(Hq)]
+    worst = 0.0
+    for b, n in enumerate(lens):
+        held = {}
+        for which, x in (("k", k), ("v", v)):
+            want = reconstruct(x[0, b, :, :n], cfg, layer=0, which=which)
+            if not (which == "k" and kf.is_float):
+                for h in range(H):
+                    at = pos[b, h][pos[b, h] >= 0]
+                    want[h, at] = receive(x[0, b, h:h + 1, at], "int8")[0]
+            held[which] = cache.read(0, which, b)
+            assert torch.equal(held[which], want), (b, which)
+        for i, p in enumerate(range(first[b], n)):
+            ref, _, _ = reference_decode(q[0, b, :, p], k[0, b, :, :p + 1], v[0, b, :, :p + 1], held["k"][:, :p + 1],
+                                         held["v"][:, :p + 1], kv_map)
+            worst = max(worst, rel_rms(out[b * second + i], ref))
+    assert worst <= 1e-3
+    dec = cache.decode(step, 0, torch.stack([q[0, b, :, n - 1] for b, n in enumerate(lens)]))
+    assert rel_rms(out[second - 1::second], dec) <= 1e-5
+    # the rows matter: without them the cache would hold other values at those positions
+    plain = reconstruct(v[0, 0, :, :lens[0]], cfg, layer=0, which="v")
+    assert not torch.equal(plain[0, pos[0, 0]], cache.read(0, "v", 0)[0, pos[0, 0]])
+    cache.reset(0)
+    sal = cache.pools[0]["v"][0].sal_pos
+    assert (sal[0] == -1).all() and (sal[2] >= 0).all()
+    # bytes: per slot, what kverr.memory counts for one sequence (an int8 row, its fp16 scale and
+    # an int32 position per salient token, kv head and quantized side)
+    plain = PagedKVCache(cfg.with_(salient=0), n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B,
+                         max_tokens=T, device="cpu")
+    counted = account(cfg, ModelShape(1, H, D), T).totals.salient
+    assert counted == (1 if kf.is_float else 2) * H * cfg.salient * (D + 2 + 4)
+    assert cache.nbytes - plain.nbytes == B * counted

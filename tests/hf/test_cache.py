@@ -308,6 +308,14 @@ def _kernel_path_agrees(model, cfg, ids, chunks):
                     held = rotate(held, cos, sin)
                 want = reference.read(i, which)
                 assert torch.equal(held, want), (i, which, int((held != want).sum()))
+                if cfg.salient:  # the same positions, chosen by the same prefill queries
+                    for g in reference.layers[i].groups[which]:
+                        pool = next(p for p in kc.paged.pools[i][which] if p.heads == g.heads)
+                        if g.salient_pos is None:
+                            assert pool.sal_pos is None
+                        else:
+                            assert torch.equal(pool.sal_pos[:, :, :g.salient_pos.shape[-1]], g.salient_pos)
+                            assert g.salient_pos.shape[-1] == cfg.salient
     assert model.config._attn_implementation == attn  # the model is restored
     assert float((ref - got).abs().max()) <= _logprob_bound(model, len(ids), ref)
     return ref
@@ -323,19 +331,21 @@ def _logprob_bound(model, T, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "static-pre-rope", "int8-window-pre-rope"])
+@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "static-pre-rope", "int8-window-pre-rope", "salient"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same cache contents and next-token distributions, through every layer of a real
     transformers model (including Hadamard-rotated, MSE-clipped formats on keys stored before
-    RoPE with sinks, window and pending key blocks held as int8 rows, and static per-channel
-    scales, which both caches set from the prefill). A prefill of 40 tokens, then three
+    RoPE with sinks, window and pending key blocks held as int8 rows, static per-channel
+    scales, which both caches set from the prefill, and salient prompt tokens, which both
+    choose from the prefill's queries, K and V with different token blocks). A prefill of 40 tokens, then three
     single-token decode steps (the decode kernel; each moves a token out of the 8-token window
     into the quantized region, the path every later step repeats)."""
     from kverr.hf import cache_for
 
     named = {"static-pre-rope": _static_pre_rope,
-             "int8-window-pre-rope": lambda: _rotated_pre_rope().with_(window_dtype="int8")}
+             "int8-window-pre-rope": lambda: _rotated_pre_rope().with_(window_dtype="int8"),
+             "salient": lambda: _static_pre_rope().with_(v=_rotated_pre_rope().k, window_dtype="int8", salient=5)}
     cfg = (named[name]() if name in named else PRESETS[name]).with_(window=8)
     ids = torch.randint(0, 256, (43,), generator=torch.Generator().manual_seed(3))
     chunks = [40] + [1] * 3

@@ -8,8 +8,8 @@ import torch
 
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError
-from kverr.hf import KverrCache, cache_for, cache_kwarg, kernels_support
-from kverr.hf.salient import OBSERVED_QUERIES, choose
+from kverr.hf import KverrCache, cache_kwarg, kernels_support
+from kverr.error.salient import OBSERVED_QUERIES, choose
 from kverr.memory import ModelShape, account
 from kverr.quant import PerChannel, PerToken, int_format, quantize
 from kverr.quant.store import receive
@@ -135,12 +135,10 @@ def test_a_cache_that_never_sees_the_queries_refuses_to_quantize(tiny):
         cache.flush()
 
 
-def test_the_kernel_path_and_crop_refuse_salient_tokens(tiny):
+def test_crop_refuses_the_prefill_of_salient_tokens(tiny):
+    # (the kernel path runs salient tokens: tests/hf/test_cache.py compares it with this cache)
     cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, salient=N)
-    assert not kernels_support(cfg) and kernels_support(cfg.with_(salient=0))
-    assert isinstance(cache_for(tiny.model, cfg), KverrCache)
-    with pytest.raises(ConfigError, match="salient"):
-        cache_for(tiny.model, cfg, backend="triton")
+    assert kernels_support(cfg)
     cache = _prefill(tiny, cfg, _ids())
     with pytest.raises(ConfigError, match="crop the prefill"):
         cache.crop(-1)

@@ -1,0 +1,97 @@
+"""Salient prompt tokens: the tokens a prompt's own last queries attend to most, kept apart.
+
+A config with ``salient`` = N keeps, for every (layer, kv head, K|V) whose format quantizes, the
+N prompt tokens of highest saliency as ``window_dtype`` rows (what the sinks and the window
+hold) with their positions (int32), beside their codes; reading the cache gives those rows at
+those positions. A value error at token ``t`` reaches a query's output as ``a_qt · e_t``, so
+with independent row errors its expected cost is ``Σ_q a_qt² ‖e_t‖²``: the saliency of ``t`` is
+``Σ a_qt²`` over the last :data:`OBSERVED_QUERIES` queries of the prompt and the query heads
+that read the kv head (:func:`kverr.error.terms.value_error_weight`, as fitted widths weigh values),
+from the prefill's own attention over its fresh keys. Keys take the same positions: a key error
+costs through the same attention weights.
+
+Rules:
+
+* The candidates are the tokens the prefill itself quantizes under the token policy (after the
+  sinks, before the window; whole token blocks) in every format of the layer that quantizes
+  (:func:`kverr.quant.store.salient_candidates`), so that K and V of a kv head keep the same
+  positions (a token still in the window is kept anyway). Fewer than N candidates keep all of
+  them.
+* Static scales not given are fitted on the prefill's other tokens: a salient token is read
+  back from its row, so its codes may saturate.
+* Ties go to the earlier token. Decode tokens are never salient.
+
+The caches that choose them -- :class:`kverr.hf.KverrCache` and the kernel path -- take the
+prefill's queries from the model's attention (:mod:`kverr.hf.salient`); ``kverr validate`` from
+a capture.
+
+This is SnapKV's observation window (the prompt's last queries vote for the tokens to keep),
+spent on precision instead of eviction, with the decomposition's ``a²`` weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kverr.error.terms import value_error_weight
+
+#: How many of the prompt's last queries vote for its salient tokens.
+OBSERVED_QUERIES = 256
+
+
+def token_saliency(query: torch.Tensor, key: torch.Tensor, scaling: float, *, sliding_window: int = 0,
+                   sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Saliency ``[kv head, n]`` float64 of one sequence's prefill tokens.
+
+    ``query [q_head, n, D]`` and ``key [kv_head, n, D]`` (post-RoPE) of the prefill; query head
+    ``i`` reads kv head ``i // (q_heads / kv_heads)``. Causal attention of the last
+    :data:`OBSERVED_QUERIES` queries (a ``sliding_window`` limits what each sees; learned
+    ``sink`` logits, one per query head, take their share of the softmax and no saliency).
+    """
+    Hq, n, _ = query.shape
+    Hkv = key.shape[0]
+    G = Hq // Hkv
+    Q = min(OBSERVED_QUERIES, n)
+    rows = torch.arange(n - Q, n, device=query.device)
+    cols = torch.arange(n, device=query.device)
+    allowed = cols[None, :] <= rows[:, None]
+    if sliding_window > 0:
+        allowed &= cols[None, :] > rows[:, None] - sliding_window
+    out = torch.empty((Hkv, n), dtype=torch.float64)
+    for h in range(Hkv):
+        s = query[h * G:(h + 1) * G, n - Q:].float() @ key[h].float().T * scaling  # [G, Q, n]
+        s = s.masked_fill(~allowed, float("-inf"))
+        if sink is not None:
+            extra = sink[h * G:(h + 1) * G].float().to(s.device)[:, None, None].expand(G, Q, 1)
+            a = torch.softmax(torch.cat([s, extra], -1), -1)[..., :n]
+        else:
+            a = torch.softmax(s, -1)
+        out[h] = value_error_weight(a.reshape(G * Q, n).cpu())
+    return out
+
+
+def choose(saliency: torch.Tensor, lo: int, hi: int, count: int) -> torch.Tensor:
+    """Positions ``[..., m]`` (ascending, int64) of the ``m = min(count, hi - lo)`` most salient
+    tokens among ``lo .. hi-1`` of ``saliency [..., n]``; ties go to the earlier token."""
+    m = max(0, min(count, hi - lo))
+    part = saliency[..., lo:hi]
+    order = torch.argsort(-part, dim=-1, stable=True)[..., :m]
+    return (order.sort(dim=-1).values + lo).long()
+
+
+def positions(config: Any, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, *,
+              sliding_window: int = 0, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Salient positions ``[B, kv_head, m]`` (int64, ascending) of ``layer`` for a batch of
+    equal-length prefills, ``query [B, q_head, n, D]`` and ``key [B, kv_head, n, D]`` (post-RoPE):
+    per sequence and kv head, the ``config.salient`` candidates
+    (:func:`kverr.quant.store.salient_candidates` over the layer's formats) of highest
+    :func:`token_saliency`."""
+    from kverr.quant.store import salient_candidates
+
+    H, n = key.shape[1], key.shape[2]
+    sal = torch.stack([token_saliency(query[b], key[b], scaling, sliding_window=sliding_window, sink=sink)
+                       for b in range(query.shape[0])])
+    fmts = [fmt for which in ("k", "v") for fmt, _ in config.head_groups(layer, H, which)]
+    return choose(sal, *salient_candidates(n, config, fmts), config.salient)
