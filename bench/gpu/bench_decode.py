@@ -9,8 +9,10 @@ Measures in one process (under 8 minutes on an H200):
    128k tokens x batch 1 and 16: decode launched eagerly and replayed from a CUDA graph;
 3. every layer of the bundled model's shape (30 layers, 9 query heads, 3 kv heads, head dim 64):
    the committed calibrated configs at 3 and 4.5 bits and their one-group variants
-   (``--max-groups-per-layer 1``), the fp16 and int8-token presets, at 4k and 32k tokens x batch
-   1 and 16: the decode of all layers from one CUDA graph, and one eager step (store + decode).
+   (``--max-groups-per-layer 1``), ``salient-2.5b`` beside the same formats without salient
+   tokens (what the 8 salient rows cost a decode step), the fp16 and int8-token presets, at 4k and
+   32k tokens x batch 1 and 16: the decode of all layers from one CUDA graph, and one eager step
+   (store + decode).
 
 Each case prints measured and predicted time (the plan's decode launches, with the measured copy
 bandwidth) and their ratio; the per-launch device cost is then fitted by least squares over the
@@ -42,6 +44,7 @@ from kverr.cost import DECODE_KINDS, GPUS, OVERHEADS, fp16_step, step_cost  # no
 from kverr.gpu import PagedKVCache, calibrate_static_scales  # noqa: E402
 from kverr.memory import DEFAULT_SHAPE, ModelShape  # noqa: E402
 from kverr.quant import PerToken, PerTokenGroup, int_format  # noqa: E402
+from kverr.quant.store import salient_candidates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results"
@@ -72,6 +75,9 @@ def model_configs() -> dict[str, CacheConfig]:
         for suffix in ("", "-g1"):
             c = CacheConfig.load(ROOT / "data" / "configs" / f"calibrated-{b}b{suffix}.json")
             cfgs[c.name] = c
+    sal = CacheConfig.load(ROOT / "data" / "configs" / "salient-2.5b.json")
+    cfgs[sal.name] = sal
+    cfgs[f"{sal.name} without salient"] = sal.with_(salient=0)
     return cfgs
 
 
@@ -132,8 +138,14 @@ def filled(cfg, shape: ModelShape, T: int, B: int, dev, k, v) -> tuple[PagedKVCa
                          rope=_rope(T, D, dev) if cfg.key_pre_rope else None)
     rows = lambda x: x.permute(0, 2, 1, 3).reshape(-1, H, D)  # noqa: E731
     step = cache.plan([T - 1] * B)
+    salient = None
+    if cfg.salient:  # evenly spread over the tokens the prefill quantizes (no queries here)
+        fmts = [f for w in ("k", "v") for layer in range(L) for f, _ in cfg.head_groups(layer, H, w)]
+        lo, hi = salient_candidates(T - 1, cfg, fmts)
+        pos = torch.linspace(lo, hi - 1, min(cfg.salient, hi - lo)).long().unique()
+        salient = pos.expand(B, H, pos.numel())
     for layer in range(shape.n_layers):
-        cache.store(step, layer, rows(k[:, :, : T - 1]), rows(v[:, :, : T - 1]))
+        cache.store(step, layer, rows(k[:, :, : T - 1]), rows(v[:, :, : T - 1]), salient=salient)
     step = cache.plan([1] * B)
     for layer in range(shape.n_layers):
         cache.store(step, layer, rows(k[:, :, T - 1:]), rows(v[:, :, T - 1:]))

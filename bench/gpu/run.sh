@@ -30,7 +30,10 @@ for name, cfg in {"kivi-2": CacheConfig(k=int_format(2, PerChannel(32)), v=int_f
                   # Hadamard rotation + MSE clip search: bit-exact codes on the device too (no fp contraction)
                   "rot-mse": CacheConfig(k=int_format(4, PerChannel(32), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6)),
                                          v=int_format(3, PerTokenGroup(32), rotate="hadamard", clip=MSEClip(grid=5, min_ratio=0.6)),
-                                         window=20, sinks=4)}.items():
+                                         window=20, sinks=4),
+                  # salient prompt tokens: rows after the window ring, masked in the main launch, read in the tail
+                  "salient": CacheConfig(k=int_format(2, PerChannel(32)), v=int_format(2, PerTokenGroup(32)), window=20,
+                                         sinks=4, window_dtype="int8", salient=8)}.items():
     rep = validate_arrays(cfg, q, k, v, [h // 4 for h in range(Hq)], steps=3, device="cuda")
     print(name, "AGREE" if rep.ok else "DISAGREE", max(r.rel_rms for r in rep.layers), sum(r.mismatched for r in rep.layers))
 PY
