@@ -8,7 +8,8 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 ``key_pre_rope``; the quantized tokens live in pages of ``page_size`` tokens whose sections are
 aligned to ``align`` bytes. With ``salient`` = N > 0, each (layer, kv head) also keeps the N prompt
 tokens its prompt's last queries attend to most as ``window_dtype`` rows with their positions,
-beside their codes (:mod:`kverr.error.salient`).
+beside their codes (:mod:`kverr.error.salient`), for the sides ``salient_sides`` names (``"kv"``,
+``"k"`` or ``"v"``; formats that quantize).
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
 formats or values raise :class:`kverr.exceptions.ConfigError` naming the field, the value and what is
@@ -25,6 +26,7 @@ JSON layout::
       "v": {...},
       "window": 128, "sinks": 0, "key_pre_rope": false,
       "salient": 16,                          # optional (0 when absent)
+      "salient_sides": "k",                   # optional ("kv" when absent)
       "page_size": 64, "window_dtype": "fp16", "align": 16,
       "layers": {"3": {"k": {...}}},          # optional overrides for a whole layer
       "heads": {"3:1": {"v": {...}}},         # optional overrides for (layer, kv_head)
@@ -66,6 +68,8 @@ CONFIG_VERSION = 1
 
 Which = Literal["k", "v"]
 WHICH = ("k", "v")
+#: Which sides keep salient rows (``CacheConfig.salient_sides``).
+SALIENT_SIDES = ("kv", "k", "v")
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class CacheConfig:
     name: str | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict)
     salient: int = 0
+    salient_sides: str = "kv"
 
     def __post_init__(self) -> None:
         for w in WHICH:
@@ -130,6 +135,8 @@ class CacheConfig:
         _positive_int(self.window, "window", minimum=0)
         _positive_int(self.sinks, "sinks", minimum=0)
         _positive_int(self.salient, "salient", minimum=0)
+        if self.salient_sides not in SALIENT_SIDES:
+            raise ConfigError(f"salient_sides={self.salient_sides!r} is not allowed; one of {', '.join(SALIENT_SIDES)}")
         _positive_int(self.page_size, "page_size", maximum=1 << 16)
         _positive_int(self.align, "align", maximum=4096)
         if self.align & (self.align - 1):
@@ -189,6 +196,11 @@ class CacheConfig:
             if ov is not None and getattr(ov, which) is not None:
                 return getattr(ov, which)
         return getattr(self, which)
+
+    def keeps_salient(self, which: Which, fmt: QuantFormat) -> bool:
+        """Whether the heads of side ``which`` stored with ``fmt`` keep salient rows: the config
+        keeps salient tokens on that side and ``fmt`` quantizes."""
+        return bool(self.salient) and which in self.salient_sides and not fmt.is_float
 
     def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
         """kv heads of ``layer`` grouped by format, in order of first appearance.
@@ -267,6 +279,8 @@ class CacheConfig:
         )
         if self.salient:
             out["salient"] = self.salient
+        if self.salient_sides != "kv":
+            out["salient_sides"] = self.salient_sides
         if self.layers:
             out["layers"] = {str(k): ov.to_dict() for k, ov in sorted(self.layers.items())}
         if self.heads:
@@ -283,7 +297,7 @@ class CacheConfig:
         required = {"version", "k", "v"}
         optional = {
             "name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
-            "layers", "heads", "provenance",
+            "salient_sides", "layers", "heads", "provenance",
         }
         _check_keys(obj, "config", required, optional)
         version = obj["version"]
@@ -296,7 +310,7 @@ class CacheConfig:
             "v": QuantFormat.from_dict(obj["v"], "v"),
         }
         for key in ("name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
-                    "provenance"):
+                    "salient_sides", "provenance"):
             if key in obj:
                 kwargs[key] = obj[key]
         if "provenance" in kwargs and not isinstance(kwargs["provenance"], dict):

@@ -368,7 +368,8 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
             main = Launch("main", 1.0 if splits else 0.0, tuple(heads), dict.fromkeys(BYTE_KINDS, 0.0))
             tail = Launch("tail", 1.0, tuple(heads), dict.fromkeys(BYTE_KINDS, 0.0))
             for fmt, is_key in ((kf, True), (vf, False)):
-                b, _ = group_bytes(config, fmt, h, T, D, B, sliding_window=W)
+                which = "k" if is_key else "v"
+                b, _ = group_bytes(config, fmt, h, T, D, B, sliding_window=W, which=which)
                 n_sink, n_q, n_win = held_tokens(T, *token_regions(T, config, fmt), live)
                 n_fp = n_sink + n_win
                 main.bytes["codes"] += b.payload
@@ -380,7 +381,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                 main.bytes["static"] += static * B * splits
                 tail.bytes["static"] += static * B
                 # salient rows (and positions) are read by the tail, beside the sinks and window
-                n_sal = 0 if fmt.is_float else min(config.salient, n_q)
+                n_sal = min(config.salient, n_q) if config.keeps_salient(which, fmt) else 0
                 tail.bytes["window"] += b.sinks + b.window + b.salient
                 main.alu += B * h * n_q * D * _dequant_ops(fmt)
                 tail.alu += B * h * (n_fp + n_sal) * D * win_ops
@@ -397,7 +398,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
             n_sink, n_main, n_win = held_tokens(T, min(config.sinks, T), e0, live)
             # salient tokens: each main program loads the head's N positions and masks them out
             # (a compare per token and position); the tail attends to N more entries, their rows
-            n_sal = 0 if kf.is_float and vf.is_float else config.salient
+            n_sal = config.salient if config.keeps_salient("k", kf) or config.keeps_salient("v", vf) else 0
             main.bytes["static"] += SALIENT_INDEX_BYTES * n_sal * B * h * splits
             main.alu += B * h * n_main * n_sal
             n_tail = n_sink + n_win + n_sal
@@ -417,7 +418,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                 h = len(heads)
                 tb = token_block(fmt.granularity, config.page_size)
                 blocks.add(tb)
-                b1, _ = group_bytes(config, fmt, h, T, D, B)
+                b1, _ = group_bytes(config, fmt, h, T, D, B, which=w)
                 start, end = token_regions(T, config, fmt)
                 per_tok = (b1.payload + b1.scales + b1.zeros) / max(end - start, 1)
                 # steady state: past the sinks and window, a token block is quantized every tb-th

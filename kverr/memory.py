@@ -267,8 +267,10 @@ def group_bytes(
     batch: int,
     prefill_quantized: int = 0,
     sliding_window: int = 0,
+    *,
+    which: str,
 ) -> tuple[Bytes, int]:
-    """Bytes of one (layer, K|V) head group of ``h`` heads, and its seed-formula bytes.
+    """Bytes of one (layer, K|V) head group of ``h`` heads (side ``which``), and its seed-formula bytes.
 
     A sliding-window layer holds only its last ``sliding_window`` tokens: the pages wholly
     behind them are freed (:func:`kverr.quant.store.live_start`), the page the window starts in
@@ -293,7 +295,7 @@ def group_bytes(
     b.window = rows * n_win * per_token
     b.padding += rows * sum(align_up(n_fp * e, A) - n_fp * e for e in sections)
     # Salient prompt tokens: a window-dtype row and a position each, beside their codes.
-    n_sal = 0 if fmt.is_float else min(config.salient, n_held)
+    n_sal = min(config.salient, n_held) if config.keeps_salient(which, fmt) else 0
     b.salient = rows * n_sal * (per_token + SALIENT_INDEX_BYTES)
     b.padding += rows * sum(align_up(n_sal * e, A) - n_sal * e for e in [*sections, SALIENT_INDEX_BYTES])
     # Codes, in pages.
@@ -366,7 +368,7 @@ def account(
             total = Bytes()
             for fmt, heads in config.head_groups(layer, shape.n_kv_heads, w):
                 b, seed = group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized,
-                                      shape.sliding_window(layer))
+                                      shape.sliding_window(layer), which=w)
                 total.add(b)
                 report.seed_bytes += seed
             entry[w] = total

@@ -261,7 +261,7 @@ def _salient_rows(hat: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, config,
 
     out = hat.clone()
     for fmt, heads in config.head_groups(layer, x.shape[1], which):
-        if fmt.is_float:
+        if not config.keeps_salient(which, fmt):
             continue
         idx = pos[:, heads].long()[..., None].expand(-1, -1, -1, x.shape[-1])
         rows = receive(x[:, heads].gather(2, idx), config.window_dtype)

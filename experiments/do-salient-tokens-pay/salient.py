@@ -8,7 +8,9 @@ for kv head g: sum over the last Q prompt queries and the query heads of g of a_
 a value error at t takes in the value term), from the full-precision prefill's attention; with
 ``--oracle`` from the decode queries' attention instead (a bound no server can reach).
 
-Usage: python salient.py CONFIG [--segments 0 1] [--fractions 0.01 0.02 0.05] [--queries 256]
+With ``--sides k v`` the rows replace the keys only, then the values only (default ``kv``: both).
+
+Usage: python salient.py CONFIG [--segments 0 1] [--fractions 0.01 0.02 0.05] [--queries 256] [--sides kv k v]
 """
 from __future__ import annotations
 
@@ -43,15 +45,16 @@ def saliency(model, ids, prefill, queries, oracle):
     return torch.stack(sal)
 
 
-def patch(cache, keep, originals):
-    """Make every layer read the ``keep`` rows of the prompt as their int8 round trip."""
+def patch(cache, keep, originals, sides="kv"):
+    """Make every layer read the ``keep`` rows of the prompt as their int8 round trip (keys,
+    values or both: ``sides``)."""
     for li, layer in enumerate(cache.layers):
         read = layer._read
 
         def patched(which, read=read, li=li):
             x = read(which)
             orig = originals.get((li, which))
-            if x is None or orig is None:
+            if x is None or orig is None or which not in sides:
                 return x
             for h in range(x.shape[1]):
                 idx = keep[li, h]
@@ -71,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--decode", type=int, default=256)
     ap.add_argument("--oracle", action="store_true")
+    ap.add_argument("--sides", nargs="+", default=["kv"], choices=["kv", "k", "v"])
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     loaded = load_model("default")
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
     cfg = CacheConfig.load(a.config)
     jobs = segment_jobs(loaded, load_text(a.text), prefill=[a.prefill], decode=a.decode,
                         segments=max(a.segments) + 1, offset=0)
-    print("segment fraction mean_kl top1", flush=True)
+    print("segment fraction sides mean_kl top1", flush=True)
     for p, i, off, ids in jobs:
         if i not in a.segments:
             continue
@@ -95,14 +99,14 @@ def main(argv=None) -> int:
         for li, layer in enumerate(grab.layers):
             for w in ("k", "v"):
                 originals[(li, w)] = layer._read(w)  # window rows: as the sinks hold them
-        for f in [0.0] + a.fractions:
+        for f, sides in [(0.0, "kv")] + [(f, s) for f in a.fractions for s in a.sides]:
             k = int(round(f * p))
             keep = sal.topk(k, dim=-1).indices if k else sal[..., :0].long()
             cache = KverrCache.for_model(model, cfg)
             if k:
-                patch(cache, keep, originals)
+                patch(cache, keep, originals, sides)
             m = compare(ref, teacher_forced(model, cache, ids, p, flush=True), targets)
-            print(f"{i} {f:.3f} {m['mean_kl']:.5f} {m['top1']:.3f}", flush=True)
+            print(f"{i} {f:.3f} {sides} {m['mean_kl']:.5f} {m['top1']:.3f}", flush=True)
     return 0
 
 

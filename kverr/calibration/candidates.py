@@ -69,9 +69,10 @@ class OuterOption:
     sinks: int = 0
     key_pre_rope: bool = False
     salient: int = 0  # salient prompt tokens kept per (layer, kv head, K|V): counted, not scored
+    salient_sides: str = "kv"  # the sides that keep them (CacheConfig.salient_sides)
 
     def label(self) -> str:
-        tail = f"/X{self.salient}" if self.salient else ""
+        tail = f"/X{self.salient}{'' if self.salient_sides == 'kv' else self.salient_sides}" if self.salient else ""
         return f"S{self.sinks}/R{self.window}/{'pre' if self.key_pre_rope else 'post'}{tail}"
 
 
@@ -176,8 +177,10 @@ def head_bytes(
     window_dtype: str = "fp16",
     align: int = 16,
     sliding_window: int = 0,
+    *,
+    which: str,
 ) -> int:
-    """Exact cache bytes of one kv head's keys (or values) stored with ``fmt`` at ``context`` tokens.
+    """Exact cache bytes of one kv head's keys or values (``which``) stored with ``fmt`` at ``context`` tokens.
 
     Counted by :func:`kverr.memory.account` on a one-layer, one-head model, so payload, scales,
     zero points, page rounding, alignment, sinks and window are all included; because no
@@ -189,6 +192,7 @@ def head_bytes(
     cfg = CacheConfig(
         k=fmt, v=fmt, window=option.window, sinks=option.sinks, key_pre_rope=option.key_pre_rope,
         page_size=page_size, window_dtype=window_dtype, align=align, salient=option.salient,
+        salient_sides=option.salient_sides,
     )
     shape = ModelShape(1, 1, head_dim, sliding_windows=(sliding_window,))
-    return account(cfg, shape, context).per_layer[0]["k"].total
+    return account(cfg, shape, context).per_layer[0][which].total

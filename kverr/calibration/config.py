@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kverr.config import SALIENT_SIDES
 from kverr.exceptions import ConfigError
 from kverr.quant.formats import QuantFormat
 
@@ -91,6 +92,8 @@ class CalibrationConfig:
     salient : int
         Salient prompt tokens kept per (layer, kv head, K|V) (:mod:`kverr.error.salient`) in every
         option: their bytes count against the budget; the objective does not score them (0: none).
+    salient_sides : str
+        The sides that keep them: ``"kv"`` (default), ``"k"`` or ``"v"`` (``CacheConfig.salient_sides``).
     window_dtype : str
         What the sinks, window and pending tokens are kept in: ``auto`` (per budget,
         :func:`~.candidates.window_dtype_for_budget`), ``int8`` or a float dtype.
@@ -141,6 +144,7 @@ class CalibrationConfig:
     cands_k: tuple[QuantFormat, ...] | None = None
     cands_v: tuple[QuantFormat, ...] | None = None
     salient: int = 0
+    salient_sides: str = "kv"
     window_dtype: str = DEFAULT_WINDOW_DTYPE
     queries: int = 32
     decode: int | None = None
@@ -198,6 +202,8 @@ class CalibrationConfig:
             raise _fail("window_dtype", self.window_dtype, f"one of {', '.join(CALIBRATION_WINDOW_DTYPES)}")
         _int(self.queries, "queries", 1)
         _int(self.salient, "salient", 0)
+        if self.salient_sides not in SALIENT_SIDES:
+            raise _fail("salient_sides", self.salient_sides, f"one of {', '.join(SALIENT_SIDES)}")
         if self.decode is not None:
             _int(self.decode, "decode", 1)
         _int(self.page_size, "page_size", 1, 1 << 16)

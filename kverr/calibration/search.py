@@ -532,8 +532,8 @@ def _groups(scores: Scores, opt_i: int, n_kv: int, weights: tuple[np.ndarray, np
     return keys, dmg
 
 
-def _costs(cands, opt, head_dim, context, page_size, window_dtype, align, sliding_window=0) -> np.ndarray:
-    return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align, sliding_window)
+def _costs(cands, opt, head_dim, context, page_size, window_dtype, align, sliding_window=0, *, which) -> np.ndarray:
+    return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align, sliding_window, which=which)
                      for f in cands], dtype=np.int64)
 
 
@@ -618,8 +618,8 @@ def check_budget(
     # Infeasible budgets are refused before any scoring work.
     windows = _layer_windows(sliding_windows, n_layers)
     cheapest = min(
-        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align, w))) * windows.count(w)
-            for c in (cands_k, cands_v) for w in set(windows)) * n_kv
+        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align, w, which=s))) * windows.count(w)
+            for s, c in (("k", cands_k), ("v", cands_v)) for w in set(windows)) * n_kv
         for o in options
     )
     cheapest_bits = bits_of(cheapest, n_layers, n_kv, head_dim, context)
@@ -733,7 +733,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     check_queries(cfg.queries, n_tok)
     options = cfg.options or tuple(outer_options(capture, cfg.key_rope, cfg.sinks, cfg.windows))
     if cfg.salient:
-        options = tuple(dataclasses.replace(o, salient=cfg.salient) for o in options)
+        options = tuple(dataclasses.replace(o, salient=cfg.salient, salient_sides=cfg.salient_sides) for o in options)
     need_pre = any(o.key_pre_rope for o in options)
     if need_pre and "k_pre" not in capture:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
@@ -906,8 +906,8 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
     for oi, opt in enumerate(options):
         keys, dmg = _groups(scores, oi, n_kv, weights)
         windows = _layer_windows(sliding_windows, n_layers)
-        by_w = {w: (_costs(scores.cands_k, opt, head_dim, context, page_size, window_dtype, align, w),
-                    _costs(scores.cands_v, opt, head_dim, context, page_size, window_dtype, align, w))
+        by_w = {w: (_costs(scores.cands_k, opt, head_dim, context, page_size, window_dtype, align, w, which="k"),
+                    _costs(scores.cands_v, opt, head_dim, context, page_size, window_dtype, align, w, which="v"))
                 for w in set(windows)}
         ck = [by_w[windows[layer]][0] for layer in scores.layers]
         cv = [by_w[windows[layer]][1] for layer in scores.layers]
@@ -966,7 +966,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
         b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
-                       search.shape.sliding_window(layer))
+                       search.shape.sliding_window(layer), which=w)
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.element_bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
                          bytes=b, predicted=float(d), relative=rel))
@@ -1013,6 +1013,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         prov["sensitivity"] = search.sensitivity.to_dict()
     cfg = CacheConfig(
         k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope, salient=opt.salient,
+        salient_sides=opt.salient_sides,
         page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
         name=(name or "calibrated-{bits}b").replace("{bits}", f"{budget_bits:g}"), provenance=prov,
     )

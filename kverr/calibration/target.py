@@ -81,7 +81,7 @@ def vllm_families(head_dim: int) -> tuple[Family, ...]:
 
 def _layer_bytes(fmt: QuantFormat, n_kv: int, head_dim: int, context: int, settings: CalibrationConfig) -> int:
     """Bytes of one side of one layer in ``fmt`` at ``context`` tokens (vLLM's option, batch 1)."""
-    return head_bytes(fmt, VLLM_OPTION, head_dim, context, settings.page_size, "fp16", settings.align) * n_kv
+    return head_bytes(fmt, VLLM_OPTION, head_dim, context, settings.page_size, "fp16", settings.align, which="k") * n_kv
 
 
 def cheapest_bits(shape: Any, context: int, settings: CalibrationConfig) -> float:

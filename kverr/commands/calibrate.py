@@ -75,6 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep the N prompt tokens each (layer, kv head) attends to most as window-dtype rows "
                         "with their positions, besides their codes (counted against the budget, not scored "
                         "by the objective; serving engines' exports refuse them; default 0)")
+    p.add_argument("--salient-sides", choices=("kv", "k", "v"), default="kv",
+                   help="the sides whose salient rows are kept: keys and values (kv, the default), keys or values")
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")
@@ -154,7 +156,7 @@ def settings_of(args: argparse.Namespace):
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,
-        salient=args.salient,
+        salient=args.salient, salient_sides=args.salient_sides,
         decode=args.decode or None, max_bits=args.max_bits, objective=args.objective,
         sensitivity_noise=args.sensitivity_noise, sensitivity_tokens=args.sensitivity_tokens,
         model=args.model, name=args.name, max_groups_per_layer=args.max_groups_per_layer,
@@ -187,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         given += [o for o, v in (("--window-dtype", args.window_dtype), ("--candidates", args.candidates))
                   if v != "auto"]
         given += ["--salient"] if args.salient else []
+        given += ["--salient-sides"] if args.salient_sides != "kv" else []
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "
                               f"{', '.join(given)} does not apply")

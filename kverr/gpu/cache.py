@@ -17,7 +17,7 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
   ``int8`` window holds the oracle's uint8 codes there and a scale per slot in ``fp_scale``
   ``[max_batch, h, sinks + window + tb]`` fp16.
 * with ``config.salient`` = N, a pool whose format quantizes keeps each sequence's salient prompt
-  tokens (:mod:`kverr.error.salient`) as N more ``window_dtype`` rows after the ring (slots
+  tokens (:mod:`kverr.error.salient`; on the sides ``config.salient_sides`` names) as N more ``window_dtype`` rows after the ring (slots
   ``sinks + window + tb + j``) and their positions in ``sal_pos`` ``[max_batch, h, N]`` int32
   (-1: none); :meth:`PagedKVCache.store` takes them with the prefill. Their codes stay in the
   pages, unread: the decode kernel reads the rows.
@@ -180,8 +180,8 @@ def calibrate_static_scales(config, keys, values) -> dict[tuple[int, str, int], 
 def layer_static_scales(config, layer: int, k, v, salient: torch.Tensor | None = None,
                         ) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]:
     """:func:`calibrate_static_scales` of one layer (``k, v [B, kv_head, token, channel]``);
-    ``salient [B, kv_head, m]``: the prefill's salient positions, left out of the fit (as
-    :class:`kverr.hf.KverrCache` leaves them out)."""
+    ``salient [B, kv_head, m]``: the prefill's salient positions, left out of the fit on the sides
+    that keep their rows (as :class:`kverr.hf.KverrCache` leaves them out)."""
     from kverr.quant.store import token_regions, without_salient
 
     out = {}
@@ -193,7 +193,8 @@ def layer_static_scales(config, layer: int, k, v, salient: torch.Tensor | None =
                 continue  # a fixed scale is the format's own, set by the cache
             start, end = token_regions(T, config, fmt)
             if end > start:
-                rel = None if salient is None else salient[:, heads].long() - start
+                keeps = salient is not None and config.keeps_salient(which, fmt)
+                rel = salient[:, heads].long() - start if keeps else None
                 region = without_salient(x[:, heads, start:end], rel)
             else:
                 region = x[:, heads]
@@ -343,7 +344,7 @@ class PagedKVCache:
                             if spec.kind == 1:
                                 zero = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
                     cap = self.W + spec.tb
-                    nsal = 0 if spec.kind == KIND_FLOAT else config.salient
+                    nsal = config.salient if config.keeps_salient(which, fmt) else 0
                     fp = torch.zeros((max_batch, h, self.S + cap + nsal, head_dim), dtype=wdt, device=dev)
                     fp_scale = (torch.zeros((max_batch, h, self.S + cap + nsal), dtype=torch.float16, device=dev)
                                 if self.fp_q else None)
@@ -685,8 +686,9 @@ class PagedKVCache:
             raise ShapeError(f"salient positions of shape {tuple(pos.shape)} ({pos.dtype}): want integer "
                              f"[{self.B}, {self.H}, m] with m <= config.salient = {N}")
         pos = pos.long()
-        pools = [p for which in ("k", "v") for p in self.pools[layer][which] if p.nsal]
-        fmts = [p.spec.fmt for p in pools]
+        every = [p for which in ("k", "v") for p in self.pools[layer][which]]
+        pools = [p for p in every if p.nsal]
+        fmts = [p.spec.fmt for p in every]  # the candidates: quantized in every format of the layer
         T1 = step.lengths
         T0 = T1 - step.new_tokens
         cu = np.concatenate([[0], np.cumsum(step.new_tokens)])

@@ -562,7 +562,7 @@ class KverrLayer(CacheLayerMixin):
                 else [(r, positions(self.config, self.layer_idx, query[b:b + 1, :, p:], key[b:b + 1, :, p:], **ctx))
                       for b, (r, p) in enumerate(zip(self.rows, self.pads))])
         for layer, pos in seqs:
-            for g in (g for w in WHICH for g in layer.groups[w] if not g.fmt.is_float):
+            for g in (g for w in WHICH for g in layer.groups[w] if self.config.keeps_salient(w, g.fmt)):
                 g.salient = g.pending.gather(pos[:, g.heads] - (g.n_sinks + g.n_quantized))
                 g.salient_pos = pos[:, g.heads].to(SALIENT_INDEX_DTYPE)
         self._flush(respect_window=True)

@@ -232,12 +232,15 @@ def test_candidate_set_and_exact_bytes():
     assert {"token", "token_group", "channel", "head"} <= kinds
     assert {f.bits for f in c} >= {2, 3, 4, 8, 16} and any(f.is_fp8 for f in c)
     assert any(f.rotate == "hadamard" for f in c) and any(f.clip.kind == "mse" for f in c)
-    # per-head bytes add up to the accounting of a layer of mixed heads
-    opt = OuterOption(sinks=4, window=16)
+    # per-head bytes add up to the accounting of a layer of mixed heads (salient rows on the keys only)
+    opt = OuterOption(sinks=4, window=16, salient=5, salient_sides="k")
     fa, fb = int_format(3, PerChannel(32)), fp8_format(PerHead())
-    cfg = CacheConfig(k=fa, v=fb, sinks=4, window=16, heads={(0, 1): __import__("kverr.config").config.Override(k=fb, v=fa)})
+    cfg = CacheConfig(k=fa, v=fb, sinks=4, window=16, salient=5, salient_sides="k",
+                      heads={(0, 1): __import__("kverr.config").config.Override(k=fb, v=fa)})
     rep = account(cfg, ModelShape(1, 2, 64), 1000)
-    assert rep.total_bytes == 2 * head_bytes(fa, opt, 64, 1000) + 2 * head_bytes(fb, opt, 64, 1000)
+    assert rep.total_bytes == sum(head_bytes(f, opt, 64, 1000, which=w) for f in (fa, fb) for w in "kv")
+    # five fp16 rows (128 bytes each) and five int32 positions, each section aligned to 16 bytes
+    assert head_bytes(fa, opt, 64, 1000, which="k") - head_bytes(fa, opt, 64, 1000, which="v") == 5 * 128 + 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,8 +348,18 @@ def test_salient_tokens_are_counted_against_the_budget(tiny_capture):
     assert rep.totals.salient > 0
     assert account(cfg.with_(salient=0), shape, 160).total_bytes == rep.total_bytes - rep.totals.salient - (
         rep.totals.padding - account(cfg.with_(salient=0), shape, 160).totals.padding)
+    # keys only: half the rows, and the values' bytes as without salient tokens
+    keys = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, salient=6,
+                  salient_sides="k").config
+    kr = account(keys, shape, 160)
+    assert keys.salient_sides == "k" and keys.provenance["outer_option"].endswith("/X6k")
+    assert kr.total_bytes == keys.provenance["bytes"] and kr.effective_bits <= 4.0
+    assert kr.totals.salient == rep.totals.salient // 2
+    assert all(e["v"].salient == 0 and e["k"].salient > 0 for e in kr.per_layer)
     with pytest.raises(ConfigError, match="salient"):
         CalibrationConfig(budgets=3.0, salient=-1)
+    with pytest.raises(ConfigError, match="salient_sides"):
+        CalibrationConfig(budgets=3.0, salient=2, salient_sides="q")
 
 
 def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):

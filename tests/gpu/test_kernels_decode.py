@@ -331,18 +331,20 @@ def test_sliding_window_and_learned_sinks(window, with_sinks):
     assert moved > 1e-2  # the window and the sinks change the attention: the check is not vacuous
 
 
-@pytest.mark.parametrize("kf", [KIVI2.k, float_format("fp16")], ids=["int2-keys", "fp16-keys"])
-def test_salient_rows_are_read_in_place_of_their_codes(kf):
+@pytest.mark.parametrize("kf, sides", [(KIVI2.k, "kv"), (float_format("fp16"), "kv"), (KIVI2.k, "k")],
+                         ids=["int2-keys", "fp16-keys", "key-rows-only"])
+def test_salient_rows_are_read_in_place_of_their_codes(kf, sides):
     """Salient tokens (``config.salient``): the prefill's store keeps their int8 rows beside their
     codes. What the cache holds is the oracle's reconstruction with those tokens' rows (bit for
     bit); a chunked prefill after them and decode -- the main launch masking them out of its
     chunks, the tail attending to them from their rows, or from the pages for fp16 keys, which
-    keep none -- match reference attention over it. Each head has its own positions; one
-    sequence keeps none (its prefill quantizes no token: -1 entries); reset frees the slot."""
+    keep none, as values do when only keys keep rows -- match reference attention over it. Each
+    head has its own positions; one sequence keeps none (its prefill quantizes no token: -1
+    entries); reset frees the slot."""
     from kverr.error.salient import choose
     from kverr.quant.store import receive, salient_candidates
 
-    cfg = KIVI2.with_(k=kf, window_dtype="int8", salient=3)
+    cfg = KIVI2.with_(k=kf, window_dtype="int8", salient=3, salient_sides=sides)
     H, Hq, lens, second = 2, 6, [45, 6, 37], 4
     B, T = len(lens), max(lens)
     q, k, v = _data(1, B, Hq, H, T, 3)
@@ -379,7 +381,7 @@ def test_salient_rows_are_read_in_place_of_their_codes(kf):
         held = {}
         for which, x in (("k", k), ("v", v)):
             want = reconstruct(x[0, b, :, :n], cfg, layer=0, which=which)
-            if not (which == "k" and kf.is_float):
+            if cfg.keeps_salient(which, cfg.k if which == "k" else cfg.v):
                 for h in range(H):
                     at = pos[b, h][pos[b, h] >= 0]
                     want[h, at] = receive(x[0, b, h:h + 1, at], "int8")[0]
@@ -393,15 +395,16 @@ def test_salient_rows_are_read_in_place_of_their_codes(kf):
     dec = cache.decode(step, 0, torch.stack([q[0, b, :, n - 1] for b, n in enumerate(lens)]))
     assert rel_rms(out[second - 1::second], dec) <= 1e-5
     # the rows matter: without them the cache would hold other values at those positions
-    plain = reconstruct(v[0, 0, :, :lens[0]], cfg, layer=0, which="v")
-    assert not torch.equal(plain[0, pos[0, 0]], cache.read(0, "v", 0)[0, pos[0, 0]])
+    side, x = ("v", v) if sides == "kv" else ("k", k)
+    plain = reconstruct(x[0, 0, :, :lens[0]], cfg, layer=0, which=side)
+    assert not torch.equal(plain[0, pos[0, 0]], cache.read(0, side, 0)[0, pos[0, 0]])
     cache.reset(0)
-    sal = cache.pools[0]["v"][0].sal_pos
+    sal = cache.pools[0][side][0].sal_pos
     assert (sal[0] == -1).all() and (sal[2] >= 0).all()
     # bytes: per slot, what kverr.memory counts for one sequence (an int8 row, its fp16 scale and
     # an int32 position per salient token, kv head and quantized side)
     plain = PagedKVCache(cfg.with_(salient=0), n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B,
                          max_tokens=T, device="cpu")
     counted = account(cfg, ModelShape(1, H, D), T).totals.salient
-    assert counted == (1 if kf.is_float else 2) * H * cfg.salient * (D + 2 + 4)
+    assert counted == (1 if kf.is_float or sides == "k" else 2) * H * cfg.salient * (D + 2 + 4)
     assert cache.nbytes - plain.nbytes == B * counted

@@ -154,9 +154,30 @@ def test_choose_breaks_ties_to_the_earlier_token_and_stays_in_range():
 def test_the_json_carries_salient_only_when_set():
     cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, salient=12)
     assert CacheConfig.from_json(cfg.to_json()) == cfg
-    assert "salient" not in cfg.with_(salient=0).to_dict()
+    assert "salient" not in cfg.with_(salient=0).to_dict() and "salient_sides" not in cfg.to_dict()
+    keys = cfg.with_(salient_sides="k")
+    assert keys.to_dict()["salient_sides"] == "k" and CacheConfig.from_json(keys.to_json()) == keys
     with pytest.raises(ConfigError, match="salient"):
         CacheConfig(k=PER_TOKEN, v=PER_TOKEN, salient=-1)
+    with pytest.raises(ConfigError, match="salient_sides='vk'"):
+        cfg.with_(salient_sides="vk")
+
+
+def test_one_side_keeps_rows_the_other_reads_its_codes(tiny):
+    # salient_sides="k": the keys read the rows at the positions a "kv" cache chooses, the values
+    # read what a cache without salient tokens holds; only the key rows are counted and held.
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    ids = _ids()
+    both, keys, plain = (_prefill(tiny, c, ids) for c in (cfg, cfg.with_(salient_sides="k"), cfg.with_(salient=0)))
+    for layer in range(tiny.shape.n_layers):
+        assert torch.equal(keys.read(layer, "k"), both.read(layer, "k"))
+        assert torch.equal(keys.read(layer, "v"), plain.read(layer, "v"))
+        assert not torch.equal(keys.read(layer, "k"), plain.read(layer, "k"))
+        assert keys.layers[layer].groups["v"][0].salient_pos is None
+    shape = ModelShape(tiny.shape.n_layers, tiny.shape.n_kv_heads, tiny.shape.head_dim)
+    counted = account(cfg.with_(salient_sides="k"), shape, P).totals.salient
+    assert counted * 2 == account(cfg, shape, P).totals.salient
+    assert keys.nbytes() - plain.nbytes() == counted
 
 
 def test_a_left_padded_batch_chooses_each_sequence_its_own_tokens(tiny):
