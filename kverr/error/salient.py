@@ -12,11 +12,11 @@ costs through the same attention weights.
 
 Rules:
 
-* The candidates are the tokens the prefill itself quantizes under the token policy (after the
-  sinks, before the window; whole token blocks) in every format of the layer that quantizes
+* The candidates of a kv head are the tokens the prefill itself quantizes under the token
+  policy (after the sinks, before the window; whole token blocks) in both its K and V formats
   (:func:`kverr.quant.store.salient_candidates`), so that K and V of a kv head keep the same
-  positions (a token still in the window is kept anyway). Fewer than N candidates keep all of
-  them.
+  positions (a token still in the window is kept anyway). Fewer than N candidates (short
+  prompts) keep as many, the same number for every kv head of the layer: the fewest any has.
 * Static scales not given are fitted on the prefill's other tokens: a salient token is read
   back from its row, so its codes may saturate.
 * Ties go to the earlier token. Decode tokens are never salient.
@@ -85,13 +85,14 @@ def positions(config: Any, layer: int, query: torch.Tensor, key: torch.Tensor, s
               sliding_window: int = 0, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Salient positions ``[B, kv_head, m]`` (int64, ascending) of ``layer`` for a batch of
     equal-length prefills, ``query [B, q_head, n, D]`` and ``key [B, kv_head, n, D]`` (post-RoPE):
-    per sequence and kv head, the ``config.salient`` candidates
-    (:func:`kverr.quant.store.salient_candidates` over the layer's formats) of highest
-    :func:`token_saliency`."""
+    per sequence and kv head, the ``m`` candidates (:func:`kverr.quant.store.salient_candidates`
+    of the head's K and V formats) of highest :func:`token_saliency`, ``m`` = ``config.salient``
+    or the fewest candidates a kv head of the layer has."""
     from kverr.quant.store import salient_candidates
 
     H, n = key.shape[1], key.shape[2]
     sal = torch.stack([token_saliency(query[b], key[b], scaling, sliding_window=sliding_window, sink=sink)
                        for b in range(query.shape[0])])
-    fmts = [fmt for which in ("k", "v") for fmt, _ in config.head_groups(layer, H, which)]
-    return choose(sal, *salient_candidates(n, config, fmts), config.salient)
+    spans = [salient_candidates(n, config, [config.format_for(layer, h, w) for w in ("k", "v")]) for h in range(H)]
+    m = min([config.salient] + [hi - lo for lo, hi in spans])
+    return torch.stack([choose(sal[:, h], lo, hi, m) for h, (lo, hi) in enumerate(spans)], 1)

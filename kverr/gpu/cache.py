@@ -628,7 +628,7 @@ class PagedKVCache:
         ``salient`` (a config with ``salient`` = N): ``[B, n_kv_heads, m]`` (``m <= N``) positions of
         each sequence's salient tokens (:func:`kverr.error.salient.choose`), ascending, -1 after the
         last where a sequence has fewer; given once, with the prefill: this step's new tokens,
-        among those it quantizes in every format of the layer
+        among those it quantizes in both formats of their kv head
         (:func:`kverr.quant.store.salient_candidates`). Their rows, as received, are kept beside
         their codes and read in their place.
         """
@@ -686,18 +686,18 @@ class PagedKVCache:
             raise ShapeError(f"salient positions of shape {tuple(pos.shape)} ({pos.dtype}): want integer "
                              f"[{self.B}, {self.H}, m] with m <= config.salient = {N}")
         pos = pos.long()
-        every = [p for which in ("k", "v") for p in self.pools[layer][which]]
-        pools = [p for p in every if p.nsal]
-        fmts = [p.spec.fmt for p in every]  # the candidates: quantized in every format of the layer
+        pools = [p for which in ("k", "v") for p in self.pools[layer][which] if p.nsal]
+        # a kv head's candidates: quantized in both its K and V formats
+        fmts = [[self.config.format_for(layer, h, w) for w in ("k", "v")] for h in range(self.H)]
         T1 = step.lengths
         T0 = T1 - step.new_tokens
         cu = np.concatenate([[0], np.cumsum(step.new_tokens)])
         for b in range(self.B):
             if any(bool((pl.sal_pos[b] >= 0).any()) for pl in pools):
                 raise KernelError(f"layer {layer} sequence {b} already holds salient tokens (reset the slot first)")
-            lo, hi = salient_candidates(int(T1[b]), self.config, fmts)
-            lo = max(lo, int(T0[b]))
             for h, p in enumerate(pos[b]):
+                lo, hi = salient_candidates(int(T1[b]), self.config, fmts[h])
+                lo = max(lo, int(T0[b]))
                 n = int((p >= 0).sum())
                 if (p[n:] != -1).any() or (n and (int(p[0]) < lo or int(p[n - 1]) >= hi or (p[:n].diff() <= 0).any())):
                     raise ShapeError(f"sequence {b} head {h}: salient positions {p.tolist()} must ascend, each among "

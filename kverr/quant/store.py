@@ -166,8 +166,8 @@ def token_regions(T: int, config: CacheConfig, fmt: QuantFormat, prefill_quantiz
 
 def salient_candidates(T: int, config: CacheConfig, formats) -> tuple[int, int]:
     """Tokens ``[lo, hi)`` of a ``T``-token prefill that may be salient (``config.salient``): those
-    it quantizes (:func:`token_regions`) in every one of ``formats`` that quantizes, so that one
-    list of positions per kv head serves K and V."""
+    it quantizes (:func:`token_regions`) in every one of ``formats`` that quantizes (a kv head's K
+    and V formats: one list of positions per kv head serves both)."""
     lo = min(config.sinks, T)
     return lo, min((token_regions(T, config, f)[1] for f in formats if not f.is_float), default=lo)
 

@@ -73,6 +73,36 @@ def test_the_salient_tokens_are_those_the_last_queries_attend_to_most(tiny):
                 assert torch.equal(got[0, h, rest], other[0, h, rest])
 
 
+def test_each_kv_head_chooses_among_the_tokens_both_its_formats_quantize(tiny):
+    # kv head 1's values are quantized in blocks of 16 tokens: its prefill quantizes tokens
+    # SINKS .. 33 of both sides (32 tokens), so its positions, keys and values alike, lie there;
+    # kv head 0, per token on both sides, chooses up to the window. Asked for more tokens than
+    # head 1 has, every head keeps as many as head 1 can: 32.
+    from kverr.config import Override
+
+    blocks = int_format(2, granularity=PerChannel(16))
+    n_layers, many = tiny.shape.n_layers, 36
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=many,
+                      heads={(layer, 1): Override(v=blocks) for layer in range(n_layers)})
+    ids = _ids()
+    cache = _prefill(tiny, cfg, ids)
+    attn = _attention(tiny, ids)
+    hi1 = SINKS + (P - SINKS - WINDOW) // 16 * 16
+    m = hi1 - SINKS
+    assert m < many
+    beyond = 0
+    for layer, a in enumerate(attn):
+        G = a.shape[0] // tiny.shape.n_kv_heads
+        votes = (a ** 2).sum(1).reshape(-1, G, P).sum(1)
+        for h, hi in ((0, P - WINDOW), (1, hi1)):
+            want = sorted((torch.topk(votes[h, SINKS:hi], m).indices + SINKS).tolist())
+            for w in ("k", "v"):
+                g = next(g for g in cache.layers[layer].groups[w] if h in g.heads)
+                assert g.salient_pos[0, g.heads.index(h)].tolist() == want, (layer, h, w)
+            beyond += h == 0 and max(want) >= hi1
+    assert beyond  # head 0 did choose tokens head 1 could not: the ranges are per head
+
+
 def test_static_scales_are_fitted_on_the_other_tokens(tiny):
     cfg = CacheConfig(k=STATIC, v=STATIC, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
     cache = _prefill(tiny, cfg, _ids(1))
