@@ -255,8 +255,9 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 
 def _salient_rows(hat: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, config, layer: int, which: str) -> torch.Tensor:
-    """``hat [B, H, t, D]`` with the salient tokens ``pos [B, H, m]`` of the kv heads whose format
-    quantizes read as their ``window_dtype`` rows of ``x``."""
+    """``hat [B, H, t, D]`` with the salient tokens ``pos [B, H, m]`` of the kv heads that keep
+    salient rows on side ``which`` (:meth:`~kverr.config.CacheConfig.keeps_salient`) read as their
+    ``window_dtype`` rows of ``x``."""
     from kverr.quant.store import receive
 
     out = hat.clone()
