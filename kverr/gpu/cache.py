@@ -16,8 +16,9 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
   ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data. An
   ``int8`` window holds the oracle's uint8 codes there and a scale per slot in ``fp_scale``
   ``[max_batch, h, sinks + window + tb]`` fp16.
-* with ``config.salient`` = N, a pool whose format quantizes keeps each sequence's salient prompt
-  tokens (:mod:`kverr.error.salient`; on the sides ``config.salient_sides`` names) as N more ``window_dtype`` rows after the ring (slots
+* with ``config.salient`` = N, a pool that keeps salient rows (``config.keeps_salient``: its side
+  and a format that quantizes) holds each sequence's salient prompt tokens
+  (:mod:`kverr.error.salient`) as N more ``window_dtype`` rows after the ring (slots
   ``sinks + window + tb + j``) and their positions in ``sal_pos`` ``[max_batch, h, N]`` int32
   (-1: none); :meth:`PagedKVCache.store` takes them with the prefill. Their codes stay in the
   pages, unread: the decode kernel reads the rows.
@@ -701,7 +702,7 @@ class PagedKVCache:
                 n = int((p >= 0).sum())
                 if (p[n:] != -1).any() or (n and (int(p[0]) < lo or int(p[n - 1]) >= hi or (p[:n].diff() <= 0).any())):
                     raise ShapeError(f"sequence {b} head {h}: salient positions {p.tolist()} must ascend, each among "
-                                     f"this step's tokens the layer quantizes ({lo} .. {hi - 1}), -1 after the last")
+                                     f"this step's tokens both formats of the kv head quantize ({lo} .. {hi - 1}), -1 after the last")
         # a -1 entry copies the step's first row into a slot nothing reads
         rows = torch.where(pos >= 0, pos + torch.from_numpy(cu[:-1] - T0)[:, None, None], 0)
         return rows.to(self.device), pos.to(device=self.device, dtype=SALIENT_INDEX_DTYPE)
