@@ -537,12 +537,7 @@ def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.T
                 u[:, :, :, idx] = encode_blocks(fmt.with_bits(b), g[:, :, :, idx], s[:, :, :, idx], m[:, :, :, idx])
         return u
     s32 = s.float().unsqueeze(-1)
-    s_div = torch.where(s32 > 0, s32, torch.ones_like(s32))
-    if fmt.reciprocal:
-        inv = torch.div(torch.ones_like(s_div), s_div)
-        scaled = lambda v: v * inv  # noqa: E731
-    else:
-        scaled = lambda v: v / s_div  # noqa: E731
+    scaled = _quotient(fmt, s32)
     if fmt.is_fp8:
         fmax = minifloat_max(fmt.dtype)
         return scaled(g).clamp(-fmax, fmax).to(TORCH_DTYPES[fmt.dtype]).view(torch.uint8)
@@ -556,6 +551,34 @@ def encode_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.T
     else:
         u = round_codes(fmt, scaled(g - m.float().unsqueeze(-1))).clamp(0, L)
     return u.to(torch.uint8)
+
+
+def _quotient(fmt: QuantFormat, s32: torch.Tensor):
+    """``v -> v / s`` in fp32 for scales ``s32 [..., 1]`` (``v * (1 / s)`` with ``reciprocal``); a
+    zero scale divides by one."""
+    s_div = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    if fmt.reciprocal:
+        inv = torch.div(torch.ones_like(s_div), s_div)
+        return lambda v: v * inv
+    return lambda v: v / s_div
+
+
+def round_trip_blocks(fmt: QuantFormat, g: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """``decode_blocks(fmt, encode_blocks(fmt, g, s, m), s, m)``, bit for bit. For an integer
+    format without ``channel_bits`` the codes are not formed: a code is the clamped rounded
+    quotient ``r`` plus ``2**(bits-1)`` (symmetric) or ``r`` itself, an integer below 256, so the
+    offset and the uint8 round trip are exact and decoding gives ``r · s (+ m)``; ``r + 0.0``
+    turns a rounded ``-0.0`` into the ``+0.0`` a code decodes to. Other formats go through the
+    codes."""
+    if fmt.dtype != "int" or fmt.channel_bits is not None:
+        return decode_blocks(fmt, encode_blocks(fmt, g, s, m), s, m)
+    s32 = s.float().unsqueeze(-1)
+    scaled = _quotient(fmt, s32)
+    L = fmt.levels
+    if fmt.symmetric:
+        return (round_codes(fmt, scaled(g)).clamp(-L, L) + 0.0) * s32
+    m32 = m.float().unsqueeze(-1)
+    return (round_codes(fmt, scaled(g - m32)).clamp(0, L) + 0.0) * s32 + m32
 
 
 def decode_blocks(fmt: QuantFormat, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
@@ -698,7 +721,7 @@ def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo:
         else:
             s, m = range_params(fmt, mid - half * rl, mid + half * rh)
         # float64 squares of fp32 differences are exact; the sums are order-insensitive to ~1e-16
-        sq = (decode_blocks(fmt, encode_blocks(fmt, g, s, m), s, m) - g).double()
+        sq = (round_trip_blocks(fmt, g, s, m) - g).double()
         sq.mul_(sq)
         if mask is not None:
             sq.masked_fill_(~mask, 0.0)
@@ -712,7 +735,7 @@ def mse_search(fmt: QuantFormat, g: torch.Tensor, mask: torch.Tensor | None, lo:
         if m is not None:
             best_m = torch.where(better, m, best_m)
     # the chosen ratio's values: each block encoded with its chosen scale and zero, as in the loop
-    best_v = decode_blocks(fmt, encode_blocks(fmt, g, best_s, best_m), best_s, best_m) if values else None
+    best_v = round_trip_blocks(fmt, g, best_s, best_m) if values else None
     return best_s, best_m, best_v
 
 

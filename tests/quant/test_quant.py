@@ -528,3 +528,28 @@ def test_staged_api_refuses_bad_input():
     blocks = to_blocks(torch.zeros(1, 2, 4, 8), (1, 1, 8))
     with pytest.raises(ConfigError, match="no scales"):
         fit_params(float_format("bf16"), blocks)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("variant", [{}, {"rounding": "half_away"}, {"reciprocal": True}])
+def test_round_trip_without_codes_is_the_codes_round_trip_bit_for_bit(bits, symmetric, variant):
+    """round_trip_blocks (the MSE clip search's inner step) leaves out the codes of integer
+    formats; its values are decode_blocks(encode_blocks(...)) bit for bit, zeros' signs included:
+    values that round to -0, exact halves, values far outside the range (clamped), a zero scale."""
+    from kverr.quant import decode_blocks, encode_blocks
+    from kverr.quant.reference import round_trip_blocks
+
+    fmt = dataclasses.replace(int_format(bits, PerTokenGroup(16), symmetric=symmetric), **variant)
+    g = torch.Generator().manual_seed(bits)
+    s = (torch.rand(5, 2, 7, 4, generator=g) * 0.5).to(torch.float16)
+    s[0, 0, 0, 0] = 0.0
+    x = torch.randn(5, 2, 7, 4, 16, generator=g) * 3
+    x[..., :4] = (torch.randint(-9, 10, (5, 2, 7, 4, 4), generator=g) + 0.5) * s.float().unsqueeze(-1)  # halves
+    x[..., 4] = -1e-6  # rounds to -0
+    x[..., 5] = 0.0
+    x[..., 6] = -1e4
+    m = None if symmetric else (torch.randn(5, 2, 7, 4, generator=g) * 0.1).to(torch.float16)
+    want = decode_blocks(fmt, encode_blocks(fmt, x, s, m), s, m)
+    got = round_trip_blocks(fmt, x, s, m)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
