@@ -68,7 +68,7 @@ class OuterOption:
     window: int = 0
     sinks: int = 0
     key_pre_rope: bool = False
-    salient: int = 0  # salient prompt tokens kept per (layer, kv head, K|V): counted, not scored
+    salient: int = 0  # salient prompt tokens kept per (layer, kv head, K|V): counted, and masked by the objective
     salient_sides: str = "kv"  # the sides that keep them (CacheConfig.salient_sides)
 
     def label(self) -> str:

@@ -91,7 +91,8 @@ class CalibrationConfig:
         Explicit candidates for keys and values, replacing the named set for that side.
     salient : int
         Salient prompt tokens kept per (layer, kv head, K|V) (:mod:`kverr.error.salient`) in every
-        option: their bytes count against the budget; the objective does not score them (0: none).
+        option: their bytes count against the budget, and the objective scores every format with
+        each query's salient tokens taken out (:func:`~.objective.salient_tokens`; 0: none).
     salient_sides : str
         The sides that keep them: ``"kv"`` (default), ``"k"`` or ``"v"`` (``CacheConfig.salient_sides``).
     window_dtype : str

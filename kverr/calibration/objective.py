@@ -25,6 +25,10 @@ the values the cache received). With ``decode`` (:func:`decode_steps`) the token
 :mod:`kverr.evaluation` and of a server that quantizes a prompt whole when it is prefilled: the
 queries are decode steps ``d`` spread evenly over ``decode`` steps, and the window of step ``d``
 holds only the ``min(R, d + 1)`` newest tokens (``S <= t <= p - min(R, d + 1)``).
+An option with ``N`` salient tokens (:mod:`kverr.error.salient`) also takes out of ``M``, per
+kv head and on the sides that keep rows, each query's ``N`` quantized tokens of highest
+saliency for the prompt that ends just before it (:func:`salient_tokens`), as a cache that
+chose them at that prompt's prefill reads them back from their rows.
 Then the terms as :mod:`kverr.error.terms` defines them (the definitions
 :func:`kverr.error.decompose` uses too):
 
@@ -48,7 +52,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,6 +60,7 @@ import torch
 
 from kverr.config import CacheConfig
 from kverr.error import terms as _terms
+from kverr.error.salient import OBSERVED_QUERIES, choose, prompt_saliency
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
 from kverr.quant.store import reconstruct
@@ -64,12 +69,19 @@ from .candidates import OuterOption
 
 log = logging.getLogger(__name__)
 
+#: The objective's salient tokens are voted by every SALIENCY_STRIDE-th of a prompt's last
+#: queries (:func:`kverr.error.salient.prompt_saliency`): an estimate of the cache's choice at
+#: 1/8 of the work (on layers 3, 15 and 27 of the default capture it picks 16–83 % of the same
+#: 8 tokens, the most in layer 3, where they hold 43–75 % of the quantized tokens' attention).
+SALIENCY_STRIDE = 8
 OBJECTIVE_NAME = "rel_attn_out_sq"
 OBJECTIVE_DOC = (
     "sum over layers, kv heads and K|V of mean_q ||term||^2 / (n_q_heads * mean_q ||o||^2), "
     "term = key term (a'-a)V for K errors, value term a E_V for V errors (kverr.error.decompose "
     "definitions), sampled queries over the capture, sinks and per-query window masked (their own "
-    "window_dtype rounding left out); with "
+    "window_dtype rounding left out), and with salient tokens N each query's N most salient quantized "
+    f"tokens for the prompt ending before it (sum of a^2 over every {SALIENCY_STRIDE}th of that "
+    f"prompt's last {OBSERVED_QUERIES} queries); with "
     "decode_steps N the queries are decode steps d spread over N after a prompt quantized whole, "
     "whose window holds the min(R, d + 1) newest tokens"
 )
@@ -128,6 +140,9 @@ class LayerPrep:
         query's window holds its ``window`` most recent tokens.
     rest : Tensor ``[q_head, n]`` or None  weight of a learned sink (no value, no error), so that
         the keys' weights ``a`` sum to ``1 − rest``.
+    saliency : Tensor ``[kv_head, n, T]`` float64 or None  per query, the saliency of every token
+        for the prompt that ends just before it (:func:`salient_tokens`); None unless asked for.
+    masks : dict  the quantized masks of salient options, built once per layer.
     """
 
     layer: int
@@ -145,6 +160,8 @@ class LayerPrep:
     rope: Any
     steps: torch.Tensor | None = None
     rest: torch.Tensor | None = None
+    saliency: torch.Tensor | None = None
+    masks: dict = field(default_factory=dict, repr=False)
 
 
 #: Decode steps the objective models by default: none (every query's window holds its most
@@ -169,7 +186,7 @@ def decode_steps(n_queries: int, decode: int) -> torch.Tensor:
 
 def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: int,
                   positions=None, rope=None, decode: int | None = None, sliding_window: int = 0,
-                  sinks=None) -> LayerPrep:
+                  sinks=None, salient: bool = False) -> LayerPrep:
     """Clean attention of the sampled queries of one layer.
 
     ``q [q_head, T, D]``, ``k, v, k_pre [kv_head, T, D]`` (numpy or torch). ``decode``: model
@@ -178,6 +195,8 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     p sees the keys ``p − W < t ≤ p`` only (the layer's attention mask), so the keys it cannot
     see carry no damage. ``sinks [q_head]``: learned sink logits, a softmax column per head
     without a value (the key growth form is exact with it, since the sink's logit does not move).
+    ``salient``: also the saliency of every token for each query's prompt (:func:`salient_tokens`),
+    which options with salient tokens need.
     """
     q = torch.as_tensor(np.asarray(q), dtype=torch.float32)
     k = torch.as_tensor(np.asarray(k), dtype=torch.float32)
@@ -202,17 +221,56 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
         rest = torch.exp(sk - lse)[..., 0]
     o = torch.einsum("hnt,htd->hnd", a, v[kv_map])
     norm = float((o * o).sum(-1).mean()) * q.shape[0]
+    steps = None if decode is None else decode_steps(len(pos), decode)
+    saliency = None
+    if salient:
+        if not torch.equal(kv_map, torch.arange(q.shape[0]) // (q.shape[0] // k.shape[0])):
+            raise CaptureError("salient tokens need query head i to read kv head i // (q_heads / kv_heads)")
+        saliency = prompt_saliency(q, k, float(scale), _prompt_ends(pos, steps).tolist(), stride=SALIENCY_STRIDE,
+                                   sliding_window=int(sliding_window),
+                                   sink=None if sinks is None else torch.as_tensor(np.asarray(sinks)))
     return LayerPrep(layer, qs, k, v, kp, a, o, causal.to(torch.float32), pos, kv_map,
                      norm if norm > 0 else 1.0,
                      np.arange(T) if positions is None else np.asarray(positions), rope,
-                     None if decode is None else decode_steps(len(pos), decode), rest)
+                     steps, rest, saliency)
 
 
-def _quantized_mask(prep: LayerPrep, sinks: int, window: int, g: int) -> torch.Tensor:
+def _prompt_ends(pos: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
+    """The last token of each sampled query's prompt: the token before it, or before its first
+    generated token for a decode step."""
+    return torch.clamp(pos - 1 - (0 if steps is None else steps), min=0)
+
+
+def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """``mask [n, T]`` (1 where a query sees a token quantized) with kv head ``h``'s salient
+    tokens taken out: per query, the ``count`` quantized tokens of highest saliency for the
+    prompt that ends just before it (for a decode step, before its first generated token), as
+    :func:`kverr.error.salient.choose` picks them. A cache reads those tokens back from their
+    ``window_dtype`` rows, whose rounding the objective leaves out as it does the window's."""
+    if prep.saliency is None:
+        raise ConfigError("salient tokens need the layer prepared with salient=True")
+    out = mask.clone()
+    seen = mask * prep.causal
+    ends = _prompt_ends(prep.pos, prep.steps)
+    for i in range(mask.shape[0]):
+        idx = torch.nonzero(seen[i]).flatten()
+        if idx.numel():
+            lo, hi = int(idx[0]), min(int(idx[-1]), int(ends[i])) + 1
+            out[i, choose(prep.saliency[h, i], lo, hi, count)] = 0.0
+    return out
+
+
+def _quantized_mask(prep: LayerPrep, sinks: int, window: int, g: int, salient: int = 0,
+                    h: int = 0) -> torch.Tensor:
     """``[g*n, T]`` float: 1 on the tokens a query sees quantized (causal, neither sink nor in its
-    window), the rows of one kv head's ``g`` query heads stacked. Key and value damage both apply
-    it directly: subtracting the sink columns from unmasked sums instead cancels catastrophically
-    when a sink's error is large."""
+    window, nor one of kv head ``h``'s ``salient`` tokens), the rows of one kv head's ``g`` query
+    heads stacked. Key and value damage both apply it directly: subtracting the sink columns
+    from unmasked sums instead cancels catastrophically when a sink's error is large."""
+    if salient:
+        key = (sinks, window, salient, h)
+        if key not in prep.masks:
+            prep.masks[key] = salient_tokens(prep, h, _quantized_mask(prep, sinks, window, 1), salient)
+        return prep.masks[key].repeat(g, 1)
     m = prep.causal if window == 0 else _window_mask(prep, window)
     if sinks:
         m = m.clone()
@@ -254,9 +312,14 @@ def _per_kv_head(prep: LayerPrep, err2: torch.Tensor, n_kv: int) -> torch.Tensor
     return out / prep.norm
 
 
-def _option_keys(options: Sequence[OuterOption]) -> list[tuple[int, int]]:
-    """Distinct ``(sinks, window)`` pairs of ``options`` in first-seen order."""
-    return list(dict.fromkeys((o.sinks, o.window) for o in options))
+def _option_key(option: OuterOption, which: str) -> tuple[int, int, int]:
+    """``(sinks, window, salient tokens)`` of ``option`` as side ``which`` sees them."""
+    return option.sinks, option.window, option.salient if which in option.salient_sides else 0
+
+
+def _option_keys(options: Sequence[OuterOption], which: str) -> list[tuple[int, int, int]]:
+    """Distinct :func:`_option_key` of ``options`` in first-seen order."""
+    return list(dict.fromkeys(_option_key(o, which) for o in options))
 
 
 def _head_groups(prep: LayerPrep) -> list[tuple[int, torch.Tensor]]:
@@ -290,7 +353,7 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
     ``δs = c·q E_Kᵀ`` is formed once per candidate and reused by every outer option.
     """
     C, n_kv = e_k.shape[0], e_k.shape[1]
-    keys = _option_keys(options)
+    keys = _option_keys(options, "k")
     res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
     for h, qi in _head_groups(prep):
         g = qi.numel()
@@ -300,9 +363,10 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
         ds = torch.matmul(qh, e_k[:, h].transpose(-1, -2))  # [C, g*n, T]
         ds.mul_(causal)
         u = _terms.growth(ah, ds)
-        finite = bool(torch.isfinite(u).all())
-        for S, R in keys:
-            m = _quantized_mask(prep, S, R, g)
+        # a finite sum has no inf or NaN term (one pass, no mask); else every element is checked
+        finite = bool(torch.isfinite(u.sum())) or bool(torch.isfinite(u).all())
+        for S, R, N in keys:
+            m = _quantized_mask(prep, S, R, g, N, h)
             term = None
             if finite:
                 uw = u * m
@@ -316,8 +380,8 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
                 da = _terms.weight_change(ah.double(), ds.double() * m, rest)
                 term = _terms.key_term(da, vh.double())
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
-            res[(S, R)][:, h] = err2.mean(-1).sum(-1)
-    out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
+            res[(S, R, N)][:, h] = err2.mean(-1).sum(-1)
+    out = torch.stack([res[_option_key(o, "k")] for o in options], 1) / prep.norm
     return out.numpy()
 
 
@@ -329,17 +393,17 @@ Z_MIN = 1e-2
 def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
     """Relative value-term damage ``[cand, option, kv_head]`` of ``e_v [cand, kv_head, T, D]``."""
     C, n_kv = e_v.shape[0], e_v.shape[1]
-    keys = _option_keys(options)
+    keys = _option_keys(options, "v")
     res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
     for h, qi in _head_groups(prep):
         g = qi.numel()
         ah = _grouped(prep, qi, prep.a)  # [g*n, T]
         eh = e_v[:, h]  # [C, T, D]
-        for S, R in keys:
-            term = _terms.value_term(ah * _quantized_mask(prep, S, R, g), eh)  # [C, g*n, D]
+        for S, R, N in keys:
+            term = _terms.value_term(ah * _quantized_mask(prep, S, R, g, N, h), eh)  # [C, g*n, D]
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
-            res[(S, R)][:, h] = err2.mean(-1).sum(-1)
-    out = torch.stack([res[(o.sinks, o.window)] for o in options], 1) / prep.norm
+            res[(S, R, N)][:, h] = err2.mean(-1).sum(-1)
+    out = torch.stack([res[_option_key(o, "v")] for o in options], 1) / prep.norm
     return out.numpy()
 
 
@@ -539,9 +603,11 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
             q, k, v, kp, scale, kv_map = _layer_arrays(capture, layer, need_pre)
             prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
                                  positions=positions, rope=capture.kv.rope_of(layer) if need_pre else None, decode=decode,
-                                 sliding_window=capture.kv.sliding_window(layer), sinks=capture.kv.attn_sink(layer))
+                                 sliding_window=capture.kv.sliding_window(layer), sinks=capture.kv.attn_sink(layer),
+                                 salient=any(c.salient for c in configs))
             for ci, config in enumerate(configs):
-                opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope)
+                opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope,
+                                  salient=config.salient, salient_sides=config.salient_sides)
                 base = config.with_(window=0, sinks=0, provenance={})
                 out[ci, li, 0] = float(key_damage(prep, key_error(prep, base), [opt]).sum())
                 out[ci, li, 1] = float(value_damage(prep, value_error(prep, base), [opt]).sum())

@@ -356,7 +356,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
                              kv_map=kv_map, scale=float(scales[i]), queries=queries, positions=positions,
                              rope=None if rope is None else layer_rope(rope, int(layer_vals[i])), decode=decode,
                              sliding_window=int(windows[i]),
-                             sinks=None if np.isnan(sinks[i]).all() else sinks[i])
+                             sinks=None if np.isnan(sinks[i]).all() else sinks[i],
+                             salient=any(o.salient for o in options))
         fitted: dict = {}
         dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype,
                                    widths=fitted)

@@ -73,8 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="full-precision recent-token windows to try, crossed with --sinks (default: see --sinks)")
     p.add_argument("--salient", type=non_negative_int, default=0, metavar="N",
                    help="keep the N prompt tokens each (layer, kv head) attends to most as window-dtype rows "
-                        "with their positions, besides their codes (counted against the budget, not scored "
-                        "by the objective; serving engines' exports refuse them; default 0)")
+                        "with their positions, besides their codes (counted against the budget; the objective "
+                        "scores each format with them taken out; serving engines' exports refuse them; default 0)")
     p.add_argument("--salient-sides", choices=("kv", "k", "v"), default="kv",
                    help="the sides whose salient rows are kept: keys and values (kv, the default), keys or values")
     p.add_argument("--key-rope", choices=("post", "pre", "both"),

@@ -23,7 +23,9 @@ Rules:
 
 The caches that choose them -- :class:`kverr.hf.KverrCache` and the kernel path -- take the
 prefill's queries from the model's attention (:mod:`kverr.hf.salient`); ``kverr validate`` from
-a capture.
+a capture. The calibration objective takes out, for each query it samples, the tokens the prompt
+ending before it would choose (:func:`prompt_saliency`,
+:func:`kverr.calibration.objective.salient_tokens`).
 
 This is SnapKV's observation window (the prompt's last queries vote for the tokens to keep),
 spent on precision instead of eviction, with the decomposition's ``a²`` weight.
@@ -50,25 +52,40 @@ def token_saliency(query: torch.Tensor, key: torch.Tensor, scaling: float, *, sl
     :data:`OBSERVED_QUERIES` queries (a ``sliding_window`` limits what each sees; learned
     ``sink`` logits, one per query head, take their share of the softmax and no saliency).
     """
+    return prompt_saliency(query, key, scaling, [query.shape[1] - 1], sliding_window=sliding_window, sink=sink)[:, 0]
+
+
+def prompt_saliency(query: torch.Tensor, key: torch.Tensor, scaling: float, ends, *, stride: int = 1,
+                    sliding_window: int = 0, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`token_saliency` of the prompts that end at each of ``ends`` (the index of a prompt's
+    last token) within one sequence ``query [q_head, n, D]``, ``key [kv_head, n, D]``:
+    ``[kv head, len(ends), n]`` float64, 0 past each end. ``stride`` s > 1 lets every s-th of a
+    prompt's last :data:`OBSERVED_QUERIES` queries vote, counting back from its last (the
+    calibration objective's estimate, ``1/s`` of the work; ``stride=1`` is the rule itself)."""
     Hq, n, _ = query.shape
     Hkv = key.shape[0]
     G = Hq // Hkv
-    Q = min(OBSERVED_QUERIES, n)
-    rows = torch.arange(n - Q, n, device=query.device)
-    cols = torch.arange(n, device=query.device)
-    allowed = cols[None, :] <= rows[:, None]
-    if sliding_window > 0:
-        allowed &= cols[None, :] > rows[:, None] - sliding_window
-    out = torch.empty((Hkv, n), dtype=torch.float64)
-    for h in range(Hkv):
-        s = query[h * G:(h + 1) * G, n - Q:].float() @ key[h].float().T * scaling  # [G, Q, n]
-        s = s.masked_fill(~allowed, float("-inf"))
-        if sink is not None:
-            extra = sink[h * G:(h + 1) * G].float().to(s.device)[:, None, None].expand(G, Q, 1)
-            a = torch.softmax(torch.cat([s, extra], -1), -1)[..., :n]
-        else:
-            a = torch.softmax(s, -1)
-        out[h] = value_error_weight(a.reshape(G * Q, n).cpu())
+    if stride < 1:
+        raise ValueError(f"stride={stride} must be a positive number of queries")
+    out = torch.zeros((Hkv, len(ends), n), dtype=torch.float64)
+    for i, end in enumerate(ends):
+        e = int(end)
+        if not 0 <= e < n:
+            raise ValueError(f"prompt end {e} is not a token of the {n}-token sequence")
+        rows = torch.arange(e, max(e - OBSERVED_QUERIES, -1), -stride, device=query.device).flip(0)
+        cols = torch.arange(e + 1, device=query.device)
+        allowed = cols[None, :] <= rows[:, None]
+        if sliding_window > 0:
+            allowed &= cols[None, :] > rows[:, None] - sliding_window
+        for h in range(Hkv):
+            s = query[h * G:(h + 1) * G, rows].float() @ key[h, :e + 1].float().T * scaling  # [G, Q, e+1]
+            s = s.masked_fill(~allowed, float("-inf"))
+            if sink is not None:
+                extra = sink[h * G:(h + 1) * G].float().to(s.device)[:, None, None].expand(G, len(rows), 1)
+                a = torch.softmax(torch.cat([s, extra], -1), -1)[..., :e + 1]
+            else:
+                a = torch.softmax(s, -1)
+            out[h, i, :e + 1] = value_error_weight(a.reshape(G * len(rows), e + 1).cpu())
     return out
 
 

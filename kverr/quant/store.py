@@ -229,7 +229,8 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) 
     """What the cache gives back for ``x``: sinks and window in ``window_dtype``, the rest
     quantized and dequantized with the format of each kv head. Salient prompt tokens
     (``config.salient``) are chosen by queries, which this function does not see: they are left
-    out (read back as quantized), as the calibration objective leaves them out.
+    out (read back as quantized); the calibration objective takes them out per query instead
+    (:func:`kverr.calibration.objective.salient_tokens`).
 
     Parameters
     ----------

@@ -201,6 +201,68 @@ def test_objective_terms_equal_kverr_error_decompose(opt, errors, decode, slidin
     np.testing.assert_allclose(got_v, want_v / prep.norm, rtol=2e-4, atol=1e-12)
 
 
+@pytest.mark.parametrize("sides", ["kv", "k", "v"])
+@pytest.mark.parametrize("decode", [None, 5])
+def test_objective_takes_each_querys_salient_tokens_out(sides, decode):
+    """With salient tokens (``OuterOption.salient``) each sampled query sees its kv head's
+    ``salient`` most salient quantized tokens without error, on the sides that keep them: the
+    tokens of highest ``Σ a²`` over every 8th of the last 256 queries of the prompt that ends
+    just before the query (before its first generated token for a decode step), recomputed here
+    in float64, ties to the earlier token; the damage is then kverr.error.decompose's with
+    those tokens left out of the mask."""
+    from kverr.error import decompose
+
+    q, k, v, kv_map = _layer(seed=4, T=160)
+    T, D = k.shape[1], k.shape[2]
+    scale = 1 / np.sqrt(D)
+    opt = OuterOption(sinks=3, window=7, salient=5, salient_sides=sides)
+    prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=scale, queries=12, decode=decode,
+                         salient=True)
+    e_k = torch.randn(k.shape, generator=torch.Generator().manual_seed(1)) * 0.3
+    e_v = torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) * 0.3
+    got_k = key_damage(prep, e_k, [opt])[0]
+    got_v = value_damage(prep, e_v, [opt])[0]
+    plain = OuterOption(sinks=3, window=7)
+    want_k, want_v = np.zeros(2), np.zeros(2)
+    qd, kd = q.double(), k.double()
+    for i, p in enumerate(prep.pos.numpy()):
+        step = 0 if decode is None else int(prep.steps[i])
+        w = opt.window if decode is None else min(opt.window, step + 1)
+        end = p - 1 - step  # the prompt's last token
+        rows = np.arange(end, max(end - 256, -1), -8)
+        for h in range(2):
+            m = torch.zeros(T, 1)
+            m[opt.sinks: max(opt.sinks, p - w + 1)] = 1.0
+            s = torch.einsum("gqd,td->gqt", qd[kv_map == h][:, rows], kd[h, :end + 1]) * scale
+            s = s.masked_fill(torch.arange(end + 1)[None, None, :] > torch.as_tensor(rows)[None, :, None], -np.inf)
+            sal = (torch.softmax(s, -1) ** 2).sum((0, 1)).numpy()
+            cand = [t for t in range(opt.sinks, min(p - w, end) + 1)]
+            top = sorted(cand, key=lambda t: (-sal[t], t))[:opt.salient]
+            ms = m.clone()
+            ms[top] = 0.0
+            mk, mv = (ms if "k" in sides else m), (ms if "v" in sides else m)
+            qi = np.nonzero(kv_map == h)[0]
+            d1 = decompose(qd[qi][:, p:p + 1], kd[h:h + 1], v[h:h + 1].double(), (k[h:h + 1] + mk * e_k[h:h + 1]).double(),
+                           v[h:h + 1].double(), kv_head_of_q=np.zeros(len(qi), int), q_positions=[p])
+            d2 = decompose(qd[qi][:, p:p + 1], kd[h:h + 1], v[h:h + 1].double(), kd[h:h + 1],
+                           (v[h:h + 1] + mv * e_v[h:h + 1]).double(), kv_head_of_q=np.zeros(len(qi), int), q_positions=[p])
+            want_k[h] += float((d1.total ** 2).sum()) / len(prep.pos)
+            want_v[h] += float((d2.value_term ** 2).sum()) / len(prep.pos)
+    np.testing.assert_allclose(got_k, want_k / prep.norm, rtol=2e-4, atol=1e-12)
+    np.testing.assert_allclose(got_v, want_v / prep.norm, rtol=2e-4, atol=1e-12)
+    # the other side's damage is that of the option without rows (errors can cancel, so the
+    # side that keeps them need not lose damage in every head: it changes)
+    for which, got, damage in (("k", got_k, key_damage), ("v", got_v, value_damage)):
+        base = damage(prep, e_k if which == "k" else e_v, [plain])[0]
+        if which in sides:
+            assert np.all(got != base)
+        else:
+            np.testing.assert_array_equal(got, base)
+    with pytest.raises(ConfigError, match="salient=True"):
+        key_damage(prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=scale, queries=12), e_k,
+                   [OuterOption(salient=2, salient_sides="k")])
+
+
 def test_objective_sanity_more_bits_less_damage_and_zero_error_zero_damage():
     q, k, v, kv_map = _layer(seed=3)
     prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=0.25, queries=16)
@@ -336,12 +398,19 @@ def test_calibrate_respects_budget_bytes_match_memory_and_prediction_matches(tin
 
 
 def test_salient_tokens_are_counted_against_the_budget(tiny_capture):
-    # The objective does not score salient tokens; their rows and positions take budget bytes,
-    # so the formats chosen with them fit in what is left.
+    # Salient rows and positions take budget bytes, so the formats chosen with them fit in what
+    # is left; the objective scores the formats with each query's salient tokens taken out, and
+    # predict() of the written config gives the damage the search chose it at.
     cap, _, loaded = tiny_capture
     opts = (OuterOption(), OuterOption(sinks=4))
     shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
-    cfg = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, salient=6).config
+    cal = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, salient=6)
+    cfg = cal.config
+    sens = cal.sensitivity
+    p = predict(cap, cfg, queries=16, weights=sens.weights_k, weights_v=sens.weights_v)
+    assert p["total"] == pytest.approx(cfg.provenance["predicted_damage"], rel=1e-4)
+    assert p["total"] != pytest.approx(predict(cap, cfg.with_(salient=0), queries=16, weights=sens.weights_k,
+                                               weights_v=sens.weights_v)["total"], rel=1e-4)
     rep = account(cfg, shape, 160)
     assert cfg.salient == 6 and cfg.provenance["outer_option"].endswith("/X6")
     assert rep.total_bytes == cfg.provenance["bytes"] and rep.effective_bits <= 4.0

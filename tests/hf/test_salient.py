@@ -230,3 +230,26 @@ def test_a_left_padded_batch_chooses_each_sequence_its_own_tokens(tiny):
             for w in ("k", "v"):
                 got, want = r.groups[w][0].salient_pos, one.layers[layer].groups[w][0].salient_pos
                 assert torch.equal(got, want)
+
+
+def test_prompt_saliency_is_the_saliency_of_each_prefix():
+    # One sequence, prompts ending at several tokens: each row is token_saliency of that prefix
+    # (bit for bit: the same arithmetic), 0 past its end; stride s lets every s-th query vote.
+    from kverr.error.salient import prompt_saliency, token_saliency
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g)
+    ends = [299, 40, 0]
+    got = prompt_saliency(q, k, 0.3, ends)
+    for i, e in enumerate(ends):
+        assert torch.equal(got[:, i, :e + 1], token_saliency(q[:, :e + 1], k[:, :e + 1], 0.3))
+        assert not got[:, i, e + 1:].any()
+    strided = prompt_saliency(q, k, 0.3, [40], stride=8)[:, 0, :41]
+    a = torch.softmax((q[:, 40 - torch.arange(6) * 8][:, :, None] * k.repeat_interleave(2, 0)[:, None, :41]).sum(-1)
+                      .mul(0.3).masked_fill(torch.arange(41)[None, None] > (40 - torch.arange(6) * 8)[None, :, None],
+                                            float("-inf")), -1)
+    torch.testing.assert_close(strided, (a.double() ** 2).sum(1).reshape(2, 2, 41).sum(1), rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="stride"):
+        prompt_saliency(q, k, 0.3, [40], stride=0)
+    with pytest.raises(ValueError, match="prompt end 300"):
+        prompt_saliency(q, k, 0.3, [300])
