@@ -19,7 +19,7 @@ the long table are summarised from those two files (:func:`summarise`), so
 The full run takes one to two hours on two cores (22 schemes x 8 segments), so ``--quick`` skips it.
 The configs calibrated with fitted per-channel widths (:data:`FITTED_BUDGETS`), with the codebook
 candidates (:data:`CODEBOOK_BUDGETS`) and with both and salient prompt tokens
-(:data:`SALIENT_BUDGETS`; no prediction: the objective does not score salient tokens) joined it the
+(:data:`SALIENT_BUDGETS`; the objective takes each query's salient tokens out) joined it the
 same way (their ``--config`` options only). The
 serving engines' own cache dtypes (:data:`ENGINE_SCHEMES`: vLLM's per-token-head int8 and fp8, its
 nvfp4 (also with four-over-six scales), its int4 and its Lloyd-Max TurboQuant dtypes (emulated, no prediction), transformers' fp8 and
@@ -181,8 +181,6 @@ def predicted(only=None) -> None:
     sens = Sensitivity.from_dict(CacheConfig.load(ROOT / "data/configs/calibrated-4b.json").provenance["sensitivity"])
     configs = {c.name: c for c in map(CacheConfig.load, [*CONFIGS, *served_configs()])}
     cfgs = dict(configs) if only is None else {s: configs[s] for s in only if s in configs}
-    # the objective does not score salient prompt tokens: it cannot predict those configs
-    cfgs = {name: c for name, c in cfgs.items() if not c.salient}
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in configs]:
         if s in EMULATED or s.endswith(REFIT):
             continue  # not a kverr format, or one per prompt: the objective cannot predict it
