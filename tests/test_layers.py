@@ -2,7 +2,7 @@
 
 - Each unit of ``kverr`` (a module or subpackage) imports only from its own layer or those below
   it, in :data:`LAYERS` order; a new unit must be placed in the table.
-- ``kernels/`` holds only ``@triton.jit`` code: it imports triton and its own modules.
+- ``kverr_kernels`` holds only ``@triton.jit`` code: it imports triton and its own modules.
 - The kernel launchers (``kverr.gpu``) know nothing of calibration, evaluation or the CLI.
 - Calibration knows nothing of the kernels (``kverr.gpu``, ``kverr_kernels``).
 - Validation (kernels against the oracle) needs no transformers: RoPE is ``kverr.rope``'s.
@@ -32,6 +32,7 @@ def _imports(path: Path) -> set[str]:
 
 def _modules(where: str) -> list[Path]:
     path = REPO / where
+    assert path.exists(), f"{where} is not in the repository"
     return [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
 
 
@@ -65,9 +66,9 @@ def _rank(unit: str) -> int:
 
 def test_each_unit_imports_only_its_layer_or_below():
     bad = []
-    for path in _modules("kverr") + _modules("kernels"):
+    for path in _modules("kverr") + _modules("kverr_kernels"):
         rel = path.relative_to(REPO).with_suffix("").parts
-        me = "kernels" if rel[0] == "kernels" else (rel[1] if len(rel) > 1 and rel[1] != "__init__" else "kverr")
+        me = "kernels" if rel[0] == "kverr_kernels" else (rel[1] if len(rel) > 1 and rel[1] != "__init__" else "kverr")
         for module in _imports(path):
             other = _unit(module)
             if other is not None and _rank(other) > _rank(me):
@@ -84,7 +85,7 @@ def _offending(paths, forbidden):
 def test_kernels_import_only_triton_and_each_other():
     allowed = {"triton", "kverr_kernels", "__future__"}
     bad = {str(p.relative_to(REPO)): sorted(m for m in _imports(p) if m.split(".")[0] not in allowed)
-           for p in _modules("kernels")}
+           for p in _modules("kverr_kernels")}
     assert not {k: v for k, v in bad.items() if v}
 
 
@@ -101,3 +102,16 @@ def test_a_layer_does_not_reach_into_another(folder, forbidden):
 def test_no_library_module_imports_the_cli():
     library = [p for p in _modules("kverr") if "commands" not in p.parts and p.name != "cli.py"]
     assert library and _offending(library, ("kverr.cli", "kverr.commands")) == {}
+
+
+def test_no_package_in_the_repository_shadows_an_installed_one():
+    """Tests, notebooks and ``python -m`` run with the repository root first on ``sys.path``, so a
+    top-level folder named like another distribution's package is imported in its place (a folder
+    ``kernels/`` hid Hugging Face's ``kernels``, which transformers imports when it is installed)."""
+    import importlib.metadata
+
+    ours = {p.parent.name for p in REPO.glob("*/__init__.py")}
+    assert "kverr" in ours
+    theirs = {name: sorted(set(d) - {"kverr"})
+              for name, d in importlib.metadata.packages_distributions().items()}
+    assert {name: theirs[name] for name in ours if theirs.get(name)} == {}

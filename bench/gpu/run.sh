@@ -7,10 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p bench/results
-# `kverr_kernels` is the kernels/ folder (pyproject maps it); without an install, link it.
-link=$(mktemp -d)
-ln -s "$PWD/kernels" "$link/kverr_kernels"
-export PYTHONPATH="$PWD:$link${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee bench/results/gpu-device.txt
 python - <<'PY'
