@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/kverr demo
 
+# One OpenMP/MKL thread per test worker: torch's default of one per core oversubscribed the two
+# cores (the first pass took 475 s with it, 400 s without, on the 2-core machine).
+test: export OMP_NUM_THREADS = 1
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
 	# Float32 sums whose order belongs to torch or MKL, again as on another processor: ATen's
