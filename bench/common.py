@@ -44,11 +44,13 @@ def cpu_name() -> str:
     return platform.processor() or "unknown cpu"
 
 
-def machine() -> str:
-    """The processor, its logical CPUs, torch's thread count and the software versions."""
+def machine(threads: int | None = None) -> str:
+    """The processor, its logical CPUs, torch's thread count (``threads`` when another process ran
+    the measurement with its own) and the software versions."""
     import torch
 
-    return (f"{cpu_name()}, {os.cpu_count()} cpus, {torch.get_num_threads()} torch threads, "
+    threads = torch.get_num_threads() if threads is None else threads
+    return (f"{cpu_name()}, {os.cpu_count()} cpus, {threads} torch threads, "
             f"torch {torch.__version__}, python {platform.python_version()}")
 
 

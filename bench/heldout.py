@@ -151,9 +151,10 @@ def evaluate(only=None) -> None:
     merge_segments(out.with_name(out.stem + ".segments.csv"), only)
 
 
-def merge_segments(segments_csv, only=None) -> None:
+def merge_segments(segments_csv, only=None, threads=None) -> None:
     """Stamp the per-segment rows of a ``kverr evaluate`` run with this machine and date and write
-    them into :data:`SEGMENTS_CSV` (``only``: replacing just those schemes' rows)."""
+    them into :data:`SEGMENTS_CSV` (``only``: replacing just those schemes' rows; ``threads``: the
+    run's ``--threads``)."""
     import pandas as pd
 
     from kverr.config import atomic_write_text
@@ -161,7 +162,7 @@ def merge_segments(segments_csv, only=None) -> None:
     df = pd.read_csv(segments_csv)
     if only is not None:  # a refit scheme's run measures its config too
         df = df[df.scheme.isin(list(only))]
-    df["machine"], df["date"] = machine(), now()
+    df["machine"], df["date"] = machine(threads), now()
     atomic_write_text(SEGMENTS_CSV, _merged(SEGMENTS_CSV, df, only))
 
 
