@@ -31,7 +31,7 @@ only their ``--scheme`` options and merged into the committed files (``evaluate(
 vLLM's ``turboquant_k8v4`` likewise, as vLLM runs it on the bundled model (its boundary layers
 in 16 bits: :data:`BOUNDARY_SCHEMES`, a ``--config`` file written by :func:`served_configs`), and
 today's methods from their papers (:data:`PAPER_SCHEMES`, emulated; OSCAR and KVQuant fitted to
-the calibration capture, ``--calibration``). The fitted configs (and ``salient-2.5b``) with their widths
+the calibration capture, ``--calibration``). The fitted configs (and ``salient-2.5b``, ``salient-3b``) with their widths
 refit on each prompt (:data:`REFIT_SCHEMES`, ``--refit-widths``) are measured the same way and kept in
 :data:`SEGMENTS_CSV`; they are one config per prompt, so they have no prediction and stay out of
 the long table (``docs/calibration.md`` quotes them).
@@ -50,7 +50,8 @@ BUDGETS = ("2.5", "3", "4", "4.3", "4.5", "5", "5.65", "6.1", "8", "8.5")
 FITTED_BUDGETS = ("2", "2.5", "3")
 #: The fitted configs with their widths refit on each prompt (``kverr evaluate --refit-widths``).
 REFIT = "+refit"
-REFIT_SCHEMES = tuple(f"fitted-{b}b{REFIT}" for b in FITTED_BUDGETS) + (f"salient-2.5b{REFIT}",)
+REFIT_SCHEMES = (tuple(f"fitted-{b}b{REFIT}" for b in FITTED_BUDGETS)
+                 + (f"salient-2.5b{REFIT}", f"salient-3b{REFIT}"))
 #: Budgets of the configs calibrated with the codebook candidates added (``--codebooks``).
 CODEBOOK_BUDGETS = ("2.5", "3", "4")
 #: Budgets of the configs calibrated with fitted widths, codebooks and salient prompt tokens
