@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,30 +35,11 @@ from pathlib import Path
 
 import torch
 
-from kverr.error import decompose_stream
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine  # noqa: E402
+from kverr.error import decompose_stream  # noqa: E402
 
 LAYERS, HQ, HKV, D, T, Q = 30, 9, 3, 64, 4096, 256
-
-
-def _machine() -> str:
-    cpu = platform.processor() or "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores{mem}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), python {platform.python_version()}"
-    )
 
 
 def _data(dtype: torch.dtype, T: int = T, Q: int = Q):
@@ -189,7 +168,7 @@ def main(argv=None) -> int:
     now = _dt.datetime.now(_dt.timezone.utc)
     lines = [
         f"# kverr decomposition benchmark, {now:%Y-%m-%d %H:%M} UTC",
-        f"# machine: {_machine()}",
+        f"# machine: {machine()}",
         f"# command: python bench/bench_decompose.py {' '.join(argv or sys.argv[1:])}",
         f"# shape: {LAYERS} layers, {HQ} q heads / {HKV} kv heads, head dim {D}, "
         f"{T} tokens, {Q} queries per head (causal, last {Q} positions), {args.dtype}",

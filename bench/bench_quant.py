@@ -14,29 +14,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kverr.config import PRESETS
-from kverr.quant import dequantize, quantize
-
-
-def machine() -> str:
-    cpu = "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{platform.node()} | {cpu} | {torch.get_num_threads()} torch threads | "
-        f"torch {torch.__version__} | python {platform.python_version()}"
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine  # noqa: E402
+from kverr.config import PRESETS  # noqa: E402
+from kverr.quant import dequantize, quantize  # noqa: E402
 
 
 def best(fn, repeats: int) -> float:

@@ -45,12 +45,18 @@ def cpu_name() -> str:
 
 
 def machine(threads: int | None = None) -> str:
-    """The processor, its logical CPUs, torch's thread count (``threads`` when another process ran
-    the measurement with its own) and the software versions."""
+    """The processor, its logical CPUs and memory, torch's thread count (``threads`` when another
+    process ran the measurement with its own) and the software versions."""
     import torch
 
     threads = torch.get_num_threads() if threads is None else threads
-    return (f"{cpu_name()}, {os.cpu_count()} cpus, {threads} torch threads, "
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (f"{cpu_name()}, {os.cpu_count()} cpus{mem}, {threads} torch threads, "
             f"torch {torch.__version__}, python {platform.python_version()}")
 
 
