@@ -94,6 +94,32 @@ def typing_py() -> Path:
     return Path(typing.__file__)
 
 
+def protocol_segments(loaded, numbers) -> list:
+    """The segments ``numbers`` of this protocol, numbered as :data:`SEGMENTS_CSV` numbers them
+    (segment ``i`` starts at token ``i * (PREFILL + DECODE + 1)`` of ``typing.py``), as
+    :func:`kverr.evaluation.segment_jobs` gives them: ``(prefill, segment, offset, ids)``, for
+    experiments that run the protocol's segments with their own caches."""
+    from kverr.capturing.text import load_text
+    from kverr.evaluation import segment_jobs
+
+    jobs = segment_jobs(loaded, load_text(str(typing_py())), prefill=[PREFILL], decode=DECODE,
+                        segments=max(numbers) + 1, offset=0)
+    return [job for job in jobs if job[1] in set(numbers)]
+
+
+def protocol_parser(description: str | None):
+    """The command line of such an experiment: ``CONFIG OUT.csv [--segments N ...] [--threads N]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="a kverr config (JSON)")
+    ap.add_argument("out", help="the CSV to write")
+    ap.add_argument("--segments", type=int, nargs="+", default=[0],
+                    help=f"segments of the protocol, 0-{SEGMENTS - 1} as {SEGMENTS_CSV.name} numbers them")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    return ap
+
+
 def _merged(path: Path, new, only) -> str:
     """``new`` rows replacing those of the schemes ``only`` in the CSV at ``path`` (all of it when
     ``only`` is None), as CSV text."""

@@ -373,9 +373,15 @@ def greedy(model: Any, cache: Any, prompt: torch.Tensor, steps: int, *, flush: b
     return tokens
 
 
+def next_token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """``KL(reference || logp)`` of every decode step, ``[N]``, from log-probs ``[N, vocab]``
+    (clamped at 0: a float sum of a distribution against itself can round below it)."""
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0.0)
+
+
 def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     """Metrics of decode log-probs ``logp`` against the reference, ``[N, vocab]`` each."""
-    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0.0).numpy()
+    kl = next_token_kl(ref_logp, logp).numpy()
     nll = -logp.gather(-1, targets[:, None]).squeeze(-1).numpy()
     ref_nll = -ref_logp.gather(-1, targets[:, None]).squeeze(-1).numpy()
     return {
