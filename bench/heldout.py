@@ -107,6 +107,29 @@ def protocol_segments(loaded, numbers) -> list:
     return [job for job in jobs if job[1] in set(numbers)]
 
 
+def protocol_runs(args):
+    """What such an experiment starts from, given its :func:`protocol_parser` arguments: the
+    default model (``args.threads`` torch threads), the config ``args.config``, and an iterator
+    over ``(prefill, segment, offset, ids, reference log-probs)`` of the segments ``args.segments``
+    (the reference's teacher-forced decode steps, :func:`kverr.evaluation.teacher_forced`)."""
+    import torch
+    from transformers import DynamicCache
+
+    from kverr.capturing import load_model
+    from kverr.config import CacheConfig
+    from kverr.evaluation import teacher_forced
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model("default")
+    cfg = CacheConfig.load(args.config)
+
+    def runs():
+        for p, seg, off, ids in protocol_segments(loaded, args.segments):
+            yield p, seg, off, ids, teacher_forced(loaded.model, DynamicCache(), ids, p, flush=False)
+
+    return loaded, cfg, runs()
+
+
 def protocol_parser(description: str | None):
     """The command line of such an experiment: ``CONFIG OUT.csv [--segments N ...] [--threads N]``."""
     import argparse

@@ -29,16 +29,14 @@ from collections import defaultdict
 import pandas as pd
 import torch
 
-from transformers import DynamicCache
-
-from bench.heldout import protocol_parser, protocol_segments
+from bench.heldout import protocol_parser, protocol_runs
 from kverr.calibration.refit import refit_widths
-from kverr.capturing import capture, load_model
+from kverr.capturing import capture
 from kverr.config import CacheConfig
 from kverr.evaluation import compare, teacher_forced
-from kverr.quant.formats import is_static
 from kverr.hf import KverrCache
 from kverr.hf.reference import KverrLayer
+from kverr.quant.formats import is_static
 from kverr.quant.reference import QTensor, hadamard_rotate, pack_codes
 from kverr.rope import rotate
 
@@ -137,15 +135,12 @@ def main(argv=None) -> int:
                     help="refit the config's widths on each segment's prompt first (kverr evaluate --refit-widths)")
     a = ap.parse_args(argv)
     ON.update(queries=a.queries, damp=a.damp)
-    torch.set_num_threads(a.threads)
-    loaded = load_model("default")
-    model = loaded.model
-    cfg = CacheConfig.load(a.config)
-    if not cfg.salient:
+    if not CacheConfig.load(a.config).salient:
         raise SystemExit("the config keeps no salient tokens, so its cache never sees the prefill's queries")
+    loaded, cfg, runs = protocol_runs(a)
+    model = loaded.model
     rows = []
-    for p, seg, off, ids in protocol_segments(loaded, a.segments):
-        ref = teacher_forced(model, DynamicCache(), ids, p, flush=False)
+    for p, seg, off, ids, ref in runs:
         run_cfg = refit_widths(cfg, capture(loaded, ids[:p])) if a.refit else cfg
         for name, on in (("nearest", False), ("compensated", True)):
             if a.skip_base and not on:

@@ -16,11 +16,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from transformers import DynamicCache
-
-from bench.heldout import protocol_parser, protocol_segments
-from kverr.capturing import load_model
-from kverr.config import CacheConfig
+from bench.heldout import protocol_parser, protocol_runs
 from kverr.evaluation import compare, teacher_forced
 from kverr.hf import KverrCache
 from kverr.hf.reference import KverrLayer
@@ -83,13 +79,10 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=int, nargs="+", default=[1, 2, 4], help="decode tokens kept per block")
     ap.add_argument("--block", type=int, default=64, help="decode tokens per block")
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    loaded = load_model("default")
+    loaded, cfg, runs = protocol_runs(a)
     model = loaded.model
-    cfg = CacheConfig.load(a.config)
     rows = []
-    for p, seg, off, ids in protocol_segments(loaded, a.segments):
-        ref = teacher_forced(model, DynamicCache(), ids, p, flush=False)
+    for p, seg, off, ids, ref in runs:
         sal = decode_saliency(model, ids, p, cfg.window)
         n_q = ids.shape[0] - 1 - p - cfg.window  # decode tokens that leave the window
         for k in a.keep:

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
-from transformers import DynamicCache
 
-from bench.heldout import protocol_parser, protocol_segments
-from kverr.capturing import load_model
+from bench.heldout import protocol_parser, protocol_runs
 from kverr.config import CacheConfig, Override
 from kverr.evaluation import next_token_kl, teacher_forced
 from kverr.hf import KverrCache
@@ -89,13 +87,10 @@ def main(argv=None) -> int:
     ap = protocol_parser(__doc__)
     ap.add_argument("--variants", nargs="+", default=["config", "keys", "values", "prompt"], choices=VARIANTS)
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    loaded = load_model("default")
+    loaded, cfg, runs = protocol_runs(a)
     model = loaded.model
-    cfg = CacheConfig.load(a.config)
     rows = []
-    for p, seg, off, ids in protocol_segments(loaded, a.segments):
-        ref = teacher_forced(model, DynamicCache(), ids, p, flush=False)
+    for p, seg, off, ids, ref in runs:
         for v in a.variants:
             logp = run(model, variant(cfg, v), ids, p, v)
             kl = next_token_kl(ref, logp)
