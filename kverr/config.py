@@ -9,7 +9,9 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 aligned to ``align`` bytes. With ``salient`` = N > 0, each (layer, kv head) also keeps the N prompt
 tokens its prompt's last queries attend to most as ``window_dtype`` rows with their positions,
 beside their codes (:mod:`kverr.error.salient`), for the sides ``salient_sides`` names (``"kv"``,
-``"k"`` or ``"v"``; formats that quantize).
+``"k"`` or ``"v"``; formats that quantize). With ``key_rounding`` = ``"compensated"`` the
+integer key formats choose their codes by error compensation under the prefill's queries
+(:mod:`kverr.quant.compensated`): the same grid and bytes, other codes.
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
 formats or values raise :class:`kverr.exceptions.ConfigError` naming the field, the value and what is
@@ -27,6 +29,7 @@ JSON layout::
       "window": 128, "sinks": 0, "key_pre_rope": false,
       "salient": 16,                          # optional (0 when absent)
       "salient_sides": "k",                   # optional ("kv" when absent)
+      "key_rounding": "compensated",          # optional ("nearest" when absent)
       "page_size": 64, "window_dtype": "fp16", "align": 16,
       "layers": {"3": {"k": {...}}},          # optional overrides for a whole layer
       "heads": {"3:1": {"v": {...}}},         # optional overrides for (layer, kv_head)
@@ -70,6 +73,10 @@ Which = Literal["k", "v"]
 WHICH = ("k", "v")
 #: Which sides keep salient rows (``CacheConfig.salient_sides``).
 SALIENT_SIDES = ("kv", "k", "v")
+#: How integer key formats choose their codes (``CacheConfig.key_rounding``): ``nearest`` (the
+#: format's own rounding) or ``compensated`` (:mod:`kverr.quant.compensated`, weighed by the
+#: second moment of the prefill's last :data:`kverr.error.salient.OBSERVED_QUERIES` queries).
+KEY_ROUNDINGS = ("nearest", "compensated")
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,7 @@ class CacheConfig:
     provenance: Mapping[str, Any] = field(default_factory=dict)
     salient: int = 0
     salient_sides: str = "kv"
+    key_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         for w in WHICH:
@@ -137,6 +145,8 @@ class CacheConfig:
         _positive_int(self.salient, "salient", minimum=0)
         if self.salient_sides not in SALIENT_SIDES:
             raise ConfigError(f"salient_sides={self.salient_sides!r} is not allowed; one of {', '.join(SALIENT_SIDES)}")
+        if self.key_rounding not in KEY_ROUNDINGS:
+            raise ConfigError(f"key_rounding={self.key_rounding!r} is not allowed; one of {', '.join(KEY_ROUNDINGS)}")
         _positive_int(self.page_size, "page_size", maximum=1 << 16)
         _positive_int(self.align, "align", maximum=4096)
         if self.align & (self.align - 1):
@@ -201,6 +211,12 @@ class CacheConfig:
         """Whether the heads of side ``which`` stored with ``fmt`` keep salient rows: the config
         keeps salient tokens on that side and ``fmt`` quantizes."""
         return bool(self.salient) and which in self.salient_sides and not fmt.is_float
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether a cache must see the prefill's queries before it quantizes the prefill: the
+        config keeps salient tokens, or rounds keys with compensation."""
+        return bool(self.salient) or self.key_rounding == "compensated"
 
     def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
         """kv heads of ``layer`` grouped by format, in order of first appearance.
@@ -281,6 +297,8 @@ class CacheConfig:
             out["salient"] = self.salient
         if self.salient_sides != "kv":
             out["salient_sides"] = self.salient_sides
+        if self.key_rounding != "nearest":
+            out["key_rounding"] = self.key_rounding
         if self.layers:
             out["layers"] = {str(k): ov.to_dict() for k, ov in sorted(self.layers.items())}
         if self.heads:
@@ -297,7 +315,7 @@ class CacheConfig:
         required = {"version", "k", "v"}
         optional = {
             "name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
-            "salient_sides", "layers", "heads", "provenance",
+            "salient_sides", "key_rounding", "layers", "heads", "provenance",
         }
         _check_keys(obj, "config", required, optional)
         version = obj["version"]
@@ -310,7 +328,7 @@ class CacheConfig:
             "v": QuantFormat.from_dict(obj["v"], "v"),
         }
         for key in ("name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
-                    "salient_sides", "provenance"):
+                    "salient_sides", "key_rounding", "provenance"):
             if key in obj:
                 kwargs[key] = obj[key]
         if "provenance" in kwargs and not isinstance(kwargs["provenance"], dict):

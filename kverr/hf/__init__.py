@@ -50,9 +50,13 @@ def cache_for(model: Any, config: CacheConfig, *, backend: str = "auto", **kwarg
 
 
 def kernels_support(config: CacheConfig) -> bool:
-    """Whether the Triton kernels can run ``config`` (all but percentile clips with dynamic scales)."""
+    """Whether the Triton kernels can run ``config`` (all but percentile clips with dynamic scales
+    and keys rounded with compensation)."""
     from kverr.exceptions import KernelError
     from kverr.gpu.spec import kernel_spec
+
+    if config.key_rounding != "nearest":
+        return False
 
     for _, fmt in config._all_formats():
         try:

@@ -43,6 +43,11 @@ they are.
 Keys can be stored before RoPE (``key_pre_rope``): the cache undoes the rotation with the
 model's own rotary embedding and applies it again when it reads keys back.
 
+With ``key_rounding`` ``"compensated"`` the cache waits for the prefill's queries as it does for
+salient tokens, and every integer key format then chooses its codes -- prompt and decode tokens
+alike -- by :mod:`kverr.quant.compensated` under the second moment of the prefill's last queries
+(per sequence and kv head), turned to each token's position for keys stored before RoPE.
+
 On a CUDA device the paged Triton path (:class:`kverr.hf.kernel.KernelKVCache`) runs the same
 config; this class is the CPU reference path that evaluation runs on.
 """
@@ -60,6 +65,7 @@ import torch
 from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
+from kverr.quant.compensated import compensable, compensated_quantize, query_moment, turned_cost
 from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, without_salient
 from kverr.quant.reference import table_nbytes
 from kverr.rope import rotate, unrotate
@@ -148,6 +154,9 @@ class _Group:
     # salient prompt tokens (config.salient): their rows as received, and positions [B, h, m]
     salient: WindowRows | None = None
     salient_pos: torch.Tensor | None = None
+    # config.key_rounding "compensated", keys: the prefill queries' second moment [B, h, D, D]
+    # float64 that weighs the rounding of every key of the group (a cost, not storage)
+    key_cost: torch.Tensor | None = None
 
     @property
     def n_sinks(self) -> int:
@@ -222,7 +231,7 @@ class KverrLayer(CacheLayerMixin):
         # (state before the last update, its keys, its values, its pads): what crop restores
         self._undo: tuple[dict[str, Any], torch.Tensor, torch.Tensor, list[int] | None] | None = None
         self._no_undo = "it holds no update"  # why there is nothing to undo
-        # config.salient: the prefill's keys while the layer waits for their queries (observe)
+        # config.needs_queries: the prefill's keys while the layer waits for their queries (observe)
         self._awaiting: torch.Tensor | None = None
 
     # ---- transformers API -----------------------------------------------------------------
@@ -244,8 +253,9 @@ class KverrLayer(CacheLayerMixin):
         start = self.cumulative_length
         pads = left_pads(kwargs, key_states.shape[0], key_states.shape[-2]) if start == 0 else None
         self._store_update(key_states, value_states, pads)
-        if start == 0 and self.config.salient:
-            # nothing is quantized before the prefill's queries choose the salient tokens
+        if start == 0 and self.config.needs_queries:
+            # nothing is quantized before the prefill's queries choose the salient tokens or
+            # weigh the keys' rounding
             from kverr.hf.salient import await_queries
 
             self._awaiting = key_states
@@ -289,9 +299,10 @@ class KverrLayer(CacheLayerMixin):
                               "the last update can be removed exactly (older ones may already be quantized from "
                               "values the cache no longer holds)")
         before, k, v, pads = self._undo
-        if self.config.salient and before["length"] == 0:
-            raise ConfigError(f"layer {self.layer_idx}: cannot crop the prefill of a cache with salient tokens: the "
-                              "prefill's queries chose them and would not be seen again")
+        if self.config.needs_queries and before["length"] == 0:
+            raise ConfigError(f"layer {self.layer_idx}: cannot crop the prefill of a cache that keeps salient tokens "
+                              "or rounds keys with compensation: the prefill's queries chose or weighed them and "
+                              "would not be seen again")
         self._restore(before)
         self._undo, self._no_undo = None, "the last update was already cropped away"
         keep = last - remove
@@ -323,6 +334,8 @@ class KverrLayer(CacheLayerMixin):
                 if g.salient is not None:
                     g.salient = g.salient.select(beam_idx)
                     g.salient_pos = g.salient_pos.index_select(0, beam_idx.to(g.salient_pos.device))
+                if g.key_cost is not None:
+                    g.key_cost = g.key_cost.index_select(0, beam_idx.to(g.key_cost.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each sequence ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
@@ -366,7 +379,7 @@ class KverrLayer(CacheLayerMixin):
         return {
             "length": self.cumulative_length,
             "groups": {w: [(g.sinks, list(g.chunks), list(g.decoded), g.pending, g.static_scale, g.static_zero,
-                            g.salient, g.salient_pos) for g in self.groups[w]] for w in WHICH},
+                            g.salient, g.salient_pos, g.key_cost) for g in self.groups[w]] for w in WHICH},
             "rows": None if self.rows is None else [(r, r._state()) for r in self.rows],
             "pads": self.pads,
         }
@@ -375,7 +388,8 @@ class KverrLayer(CacheLayerMixin):
         self.cumulative_length = state["length"]
         for w in WHICH:
             for g, saved in zip(self.groups[w], state["groups"][w]):
-                g.sinks, chunks, decoded, g.pending, g.static_scale, g.static_zero, g.salient, g.salient_pos = saved
+                (g.sinks, chunks, decoded, g.pending, g.static_scale, g.static_zero, g.salient, g.salient_pos,
+                 g.key_cost) = saved
                 g.chunks, g.decoded = list(chunks), list(decoded)
         self.rows, self.pads = None, state["pads"]
         if state["rows"] is not None:
@@ -394,8 +408,9 @@ class KverrLayer(CacheLayerMixin):
             self.rows = [KverrLayer(self.config, self.layer_idx, self.n_kv_heads, self.rotary, self.static_scales)
                          for _ in pads]
             self.pads = list(pads)
-        # a cache with salient tokens quantizes the prefill once its queries chose them (observe)
-        defer = bool(self.config.salient) and start == 0
+        # a cache with salient tokens or compensated keys quantizes the prefill once its queries
+        # chose or weighed them (observe)
+        defer = self.config.needs_queries and start == 0
         if self.rows is None:
             self._ingest(k, v)
             if not defer:
@@ -474,9 +489,9 @@ class KverrLayer(CacheLayerMixin):
     def _flush(self, respect_window: bool) -> None:
         if self._awaiting is not None:
             raise ConfigError(
-                f"layer {self.layer_idx}: the config keeps salient tokens, chosen by the prefill's queries, and this "
-                "cache never saw them: build it with KverrCache.for_model(model, config) and run the prefill "
-                "through that model")
+                f"layer {self.layer_idx}: the config keeps salient tokens or rounds keys with compensation, both "
+                "from the prefill's queries, and this cache never saw them: build it with "
+                "KverrCache.for_model(model, config) and run the prefill through that model")
         if self.rows is not None:
             self._share_static_scales(respect_window)
             for row in self.rows:
@@ -494,7 +509,7 @@ class KverrLayer(CacheLayerMixin):
     def _quantize(self, which: str, g: _Group, x: torch.Tensor) -> QTensor:
         fmt, P = g.fmt, self.config.page_size
         if fmt.is_float or not is_static(fmt.granularity):
-            return quantize(x, fmt, page_size=P)
+            return self._encode(g, x)
         if g.static_scale is None:
             given = self.static_scales.get(which)
             if given is not None:
@@ -504,7 +519,22 @@ class KverrLayer(CacheLayerMixin):
                 B, h, n, D = fit.shape
                 ref = quantize(fit.permute(1, 0, 2, 3).reshape(1, h, B * n, D), fmt, page_size=P)
                 g.static_scale, g.static_zero = ref.scale[0], None if ref.zero is None else ref.zero[0]
-        return quantize(x, fmt, page_size=P, scale=g.static_scale, zero=g.static_zero)
+        return self._encode(g, x, g.static_scale, g.static_zero)
+
+    def _encode(self, g: _Group, x: torch.Tensor, scale: torch.Tensor | None = None,
+                zero: torch.Tensor | None = None) -> QTensor:
+        """The block ``x [B, h, n, D]`` (the next after the sinks and the quantized tokens) in
+        ``g``'s format: compensated codes where the group has a key cost
+        (:mod:`kverr.quant.compensated`; turned to each token's position for keys stored before
+        RoPE), the format's own rounding elsewhere."""
+        P = self.config.page_size
+        if g.key_cost is None:
+            return quantize(x, g.fmt, page_size=P, scale=scale, zero=zero)
+        cost = g.key_cost[:, :, None]  # [B, h, 1, D, D]: one for every token after RoPE
+        if self.config.key_pre_rope:
+            lo = g.n_sinks + g.n_quantized
+            cost = turned_cost(g.key_cost, *self._cos_sin(lo, lo + x.shape[2]))
+        return compensated_quantize(x, g.fmt, cost.to(x.device), page_size=P, scale=scale, zero=zero)
 
     def _read(self, which: str) -> torch.Tensor | None:
         """Everything stored for ``which`` as ``[B, H, T, D]`` float32 (post-RoPE keys), or None.
@@ -550,21 +580,28 @@ class KverrLayer(CacheLayerMixin):
     def observe(self, query: torch.Tensor, key: torch.Tensor, scaling: float, *, sliding_window: int = 0,
                 sink: torch.Tensor | None = None) -> None:
         """The prefill's queries ``[B, q_head, n, D]`` and fresh keys ``[B, kv_head, n, D]``:
-        choose each sequence's salient tokens, keep their rows, then quantize the prefill as the
-        token policy says."""
-        from kverr.error.salient import positions
+        choose each sequence's salient tokens and keep their rows (``config.salient``), take the
+        second moment of its last :data:`~kverr.error.salient.OBSERVED_QUERIES` queries as the
+        cost that weighs its keys' rounding (``config.key_rounding`` ``"compensated"``, integer
+        key formats), then quantize the prefill as the token policy says."""
+        from kverr.error.salient import OBSERVED_QUERIES, positions
 
         self._release()
         ctx = dict(scaling=scaling, sliding_window=sliding_window, sink=sink)
-        # (the layer storing the sequences, their positions [B, kv_head, m]); a padded batch: per
-        # row, from its first real token
-        seqs = ([(self, positions(self.config, self.layer_idx, query, key, **ctx))] if self.rows is None
-                else [(r, positions(self.config, self.layer_idx, query[b:b + 1, :, p:], key[b:b + 1, :, p:], **ctx))
-                      for b, (r, p) in enumerate(zip(self.rows, self.pads))])
-        for layer, pos in seqs:
-            for g in (g for w in WHICH for g in layer.groups[w] if self.config.keeps_salient(w, g.fmt)):
-                g.salient = g.pending.gather(pos[:, g.heads] - (g.n_sinks + g.n_quantized))
-                g.salient_pos = pos[:, g.heads].to(SALIENT_INDEX_DTYPE)
+        # (the layer storing the sequences, their queries and keys); a padded batch: per row,
+        # from its first real token
+        seqs = ([(self, query, key)] if self.rows is None
+                else [(r, query[b:b + 1, :, p:], key[b:b + 1, :, p:]) for b, (r, p) in enumerate(zip(self.rows, self.pads))])
+        for layer, q, k in seqs:
+            if self.config.salient:
+                pos = positions(self.config, self.layer_idx, q, k, **ctx)  # [B, kv_head, m]
+                for g in (g for w in WHICH for g in layer.groups[w] if self.config.keeps_salient(w, g.fmt)):
+                    g.salient = g.pending.gather(pos[:, g.heads] - (g.n_sinks + g.n_quantized))
+                    g.salient_pos = pos[:, g.heads].to(SALIENT_INDEX_DTYPE)
+            if self.config.key_rounding == "compensated":
+                moment = query_moment(q, self.n_kv_heads, OBSERVED_QUERIES)
+                for g in (g for g in layer.groups["k"] if compensable(g.fmt)):
+                    g.key_cost = moment[:, g.heads]
         self._flush(respect_window=True)
 
     def _release(self) -> None:
@@ -632,7 +669,7 @@ class KverrCache(Cache):
 
         n_layers, _, n_kv, head_dim, _ = model_dims(model.config)
         rotary = [model_rotary(model, i) for i in range(n_layers)] if config.key_pre_rope else None
-        if config.salient:
+        if config.needs_queries:
             from kverr.hf.salient import observe_queries
 
             observe_queries(model)

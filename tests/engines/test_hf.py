@@ -118,6 +118,8 @@ def test_every_export_builds_a_quantized_cache_that_stores(cfg):
     (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(2, PerTokenGroup(32))), "one nbits"),
     (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(64))), "one q_group_size"),
     (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(32)), sinks=4), "sinks=4"),
+    (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(32)), key_rounding="compensated"),
+     "key_rounding=compensated"),
     (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(32)), window=8,
                  window_dtype="int8"), "window_dtype=int8"),
     (CacheConfig(k=int_format(4, PerTokenGroup(32)), v=int_format(4, PerTokenGroup(32)), window_dtype="fp32"),

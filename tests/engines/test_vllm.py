@@ -91,6 +91,7 @@ def test_layers_kept_in_16_bits_become_skip_layers():
         (CacheConfig(k=fp8_format(PerToken()), v=fp8_format(PerToken())), "'token' scales are dynamic"),
         (PRESETS["fp8-e4m3-head"].with_(window=128), "window=128"),
         (PRESETS["fp8-e4m3-head"].with_(sinks=4), "sinks=4"),
+        (PRESETS["fp8-e4m3-head"].with_(key_rounding="compensated"), "key_rounding=compensated (vLLM rounds keys"),
         (PRESETS["fp8-e4m3-head"].with_(window_dtype="int8"), "window_dtype=int8"),
         (CacheConfig(k=fp8_format(PerHead()), v=fp8_format(PerTensor())), "differ"),
         (CacheConfig(k=fp8_format(PerHead(), rotate="hadamard"), v=fp8_format(PerHead(), rotate="hadamard")),

@@ -1,0 +1,143 @@
+"""Keys rounded with error compensation (:mod:`kverr.quant.compensated`): the grid and bytes are
+the format's, the codes are the nearest ones where nothing can be compensated, the cost they were
+chosen under falls, and the cost matrices are the queries' moments turned by RoPE."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kverr.exceptions import ConfigError, ShapeError
+from kverr.quant import (
+    MSEClip, PerChannel, PerToken, PerTokenGroup, fp8_format, hadamard_rotate, int_format, quantize,
+)
+from kverr.quant.compensated import compensable, compensated_quantize, query_moment, turned_cost
+from kverr.rope import default_inv_freq, rope_cos_sin, rotate
+
+D = 32
+STATIC = int_format(2, PerChannel())
+FORMATS = {
+    "int2 asymmetric, static per channel": STATIC,
+    "int3 symmetric, per token": int_format(3, PerToken(), symmetric=True),
+    "int4 asymmetric, token groups, Hadamard": int_format(4, PerTokenGroup(16), rotate="hadamard"),
+    "widths 0/2/3/4 per channel, MSE clip": dataclasses.replace(
+        int_format(4, PerChannel(), clip=MSEClip(grid=5, min_ratio=0.6)), channel_bits=(0, 2, 3, 4) * (D // 4)),
+}
+
+
+def _x(T=37, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, T, D, generator=g) * torch.linspace(0.3, 2.5, D)
+
+
+def _cost(seed=1, n=400):
+    """The second moment of correlated, anisotropic queries ``[D, D]``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, D, generator=g) @ torch.randn(D, D, generator=g)
+    return (q.T @ q / n).double()
+
+
+def _score_cost(x, q, C):
+    e = (x - q.dequantize()).double()
+    return float(torch.einsum("...d,...de,...e->", e, C, e))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_diagonal_cost_compensates_nothing_so_the_codes_are_nearest(name):
+    # With C diagonal (in the coordinates the format rounds in: a rotated format's cost is
+    # A diag A^T) its inverse is, so its Cholesky factor has nothing above the diagonal and no
+    # channel moves another: every code is the format's own, bit for bit (a scalar multiple of the
+    # identity, and a diagonal that orders the channels otherwise).
+    fmt, x = FORMATS[name], _x()
+    want = quantize(x, fmt, page_size=64)
+    A = hadamard_rotate(torch.eye(D)).double() if fmt.rotate == "hadamard" else torch.eye(D, dtype=torch.float64)
+    for C in (torch.eye(D) * 3.0, A @ torch.diag(torch.linspace(5.0, 0.1, D, dtype=torch.float64)) @ A.T):
+        got = compensated_quantize(x, fmt, C, page_size=64)
+        assert torch.equal(got.codes, want.codes)
+        assert torch.equal(got.scale, want.scale)
+        assert (got.zero is None) == (want.zero is None) and (got.zero is None or torch.equal(got.zero, want.zero))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_under_a_correlated_cost_the_codes_change_and_the_cost_falls(name):
+    # Same scales and zero points, other codes; under the cost they were chosen for, the error
+    # costs much less than nearest rounding's (random keys: 0.45-0.55 of it at these widths),
+    # though its plain squared error is larger.
+    fmt, x, C = FORMATS[name], _x(), _cost()
+    near = quantize(x, fmt, page_size=64)
+    got = compensated_quantize(x, fmt, C, page_size=64)
+    assert torch.equal(got.scale, near.scale) and not torch.equal(got.codes, near.codes)
+    assert got.codes.shape == near.codes.shape and got.codes.dtype == near.codes.dtype
+    assert _score_cost(x, got, C) < 0.7 * _score_cost(x, near, C)
+    assert float(((x - got.dequantize()) ** 2).sum()) > float(((x - near.dequantize()) ** 2).sum())
+
+
+def test_channels_without_bits_read_back_their_zero_point_and_the_first_channel_rounds_to_nearest():
+    fmt, x, C = FORMATS["widths 0/2/3/4 per channel, MSE clip"], _x(), _cost()
+    near, got = quantize(x, fmt, page_size=64), compensated_quantize(x, fmt, C, page_size=64)
+    zero = [i for i, b in enumerate(fmt.channel_bits) if b == 0]
+    assert torch.equal(got.dequantize()[..., zero], near.dequantize()[..., zero])
+    # every channel has bits: they go by falling diagonal, and the largest is rounded first,
+    # before any error reached it (with channels without bits, their error reaches it)
+    fmt = STATIC
+    near, got = quantize(x, fmt, page_size=64), compensated_quantize(x, fmt, C, page_size=64)
+    first = int(torch.argmax(C.diagonal()))
+    assert torch.equal(got.unpacked_codes()[..., first], near.unpacked_codes()[..., first])
+    second = int(torch.argsort(C.diagonal(), descending=True)[1])
+    assert not torch.equal(got.unpacked_codes()[..., second], near.unpacked_codes()[..., second])
+
+
+def test_a_cost_per_token_weighs_each_token_on_its_own():
+    # Token t under the cost of token t: the same codes as that token quantized alone with its cost
+    # (static scales given, so the tokens share the grid).
+    fmt, x = STATIC, _x(T=6)
+    ref = quantize(x, fmt)
+    C = torch.stack([_cost(seed=s) for s in range(6)])  # [T, D, D]
+    got = compensated_quantize(x, fmt, C, scale=ref.scale, zero=ref.zero)
+    for t in range(6):
+        one = compensated_quantize(x[:, :, t:t + 1], fmt, C[t], scale=ref.scale, zero=ref.zero)
+        assert torch.equal(got.unpacked_codes()[:, :, t:t + 1], one.unpacked_codes())
+
+
+def test_the_moment_is_that_of_the_last_queries_of_the_heads_that_read_each_kv_head():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, 10, D, generator=g)  # 6 query heads read 3 kv heads
+    m = query_moment(q, 3, last=4)
+    assert m.shape == (2, 3, D, D) and m.dtype == torch.float64
+    for b in range(2):
+        for h in range(3):
+            rows = q[b, 2 * h:2 * h + 2, -4:].reshape(8, D).double()
+            torch.testing.assert_close(m[b, h], rows.T @ rows / 8, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ShapeError, match="cannot be shared"):
+        query_moment(q, 4, last=4)
+
+
+def test_the_turned_cost_is_the_mean_squared_score_error_after_rope():
+    # e^T C_t e = mean over the queries of (q . R_t e)^2: the score error a pre-RoPE key error
+    # makes at position t, to float64 round-off (the rotation itself is computed in float32, so
+    # the tolerance is float32's).
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 50, D, generator=g)
+    cos, sin = rope_cos_sin(torch.tensor([0, 7, 300, 4097]), default_inv_freq(D, 10000.0))
+    C = turned_cost(query_moment(q, 1, last=50)[0, 0], cos, sin)  # [4, D, D]
+    e = torch.randn(4, D, generator=g)
+    scores = q[0, 0] @ rotate(e, cos, sin).T  # [query, position]
+    want = (scores.double() ** 2).mean(0)
+    got = torch.einsum("td,tde,te->t", e.double(), C, e.double())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_what_it_refuses():
+    x = _x()
+    assert not compensable(fp8_format(PerToken())) and compensable(STATIC)
+    with pytest.raises(ConfigError, match="nearest rounding"):
+        compensated_quantize(x, fp8_format(PerToken()), torch.eye(D))
+    with pytest.raises(ShapeError, match="does not broadcast"):
+        compensated_quantize(x, STATIC, torch.eye(D + 1))
+    with pytest.raises(ConfigError, match="NaN"):
+        compensated_quantize(x, STATIC, torch.full((D, D), math.nan))
+    with pytest.raises(ConfigError, match="damp"):
+        compensated_quantize(x, STATIC, torch.eye(D), damp=-1.0)
