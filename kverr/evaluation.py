@@ -112,7 +112,8 @@ class Scheme:
 def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
                   config_option: str | None = "--config",
                   scales: dict[tuple[str, int], str] | None = None, required: bool = True,
-                  calibration: str | None = None, refit: bool = False) -> list[Scheme]:
+                  calibration: str | None = None, refit: bool = False,
+                  compensated_keys: bool = False) -> list[Scheme]:
     """``--scheme NAME`` (preset or peer) and ``--config PATH`` -> schemes, in order, no duplicates.
 
     ``config_option`` is the option that gives config files in the calling command, named in
@@ -124,7 +125,9 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
     is the capture emulated peers fitted offline fit to; naming one without it is an error.
     ``refit`` adds, after every kverr scheme with per-channel widths, the same config with its
     widths refit on each prompt (:attr:`Scheme.refit`), named ``NAME+refit``; it is an error when
-    no scheme has per-channel widths.
+    no scheme has per-channel widths. ``compensated_keys`` evaluates every kverr config with
+    integer key formats with its keys rounded with compensation instead (``key_rounding``
+    ``"compensated"``, :mod:`kverr.quant.compensated`), named ``NAME+ck`` (before any ``+refit``).
     """
     hint = f" (give a config file with {config_option})" if config_option else ""
     named = named_presets()
@@ -156,6 +159,15 @@ def parse_schemes(schemes: Iterable[str] = (), configs: Iterable[str] = (), *,
         if s.kind != "kverr":
             raise ConfigError(f"--scales {source}: {s.name} is a peer; scales are given to kverr configs")
         out[j] = replace(s, name=f"{s.name}@{scales_label(source)}", scales=str(source))
+    if compensated_keys:
+        from kverr.quant.compensated import compensable
+
+        changed = [sch.kind == "kverr" and any(compensable(f) for w, f in sch.config._all_formats() if w.endswith("k"))
+                   for sch in out]
+        if not any(changed):
+            raise ConfigError("--compensated-keys: no scheme stores keys in an integer format to round with compensation")
+        out = [replace(sch, name=f"{sch.name}+ck", config=sch.config.with_(key_rounding="compensated")) if c else sch
+               for sch, c in zip(out, changed)]
     if refit:
         from kverr.calibration.refit import has_channel_widths
 

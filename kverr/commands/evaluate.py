@@ -12,7 +12,8 @@ from kverr.commands._common import non_negative_int, positive_int
 
 #: Defaults of the options that belong to one task (None on the command line: not given).
 TEXT_DEFAULTS = {"prefill": [1024], "decode": 128, "segments": 1, "offset": 5000, "prefill_policy": "all",
-                 "greedy": None, "refit_widths": False}
+                 "greedy": None, "refit_widths": False,
+                 "compensated_keys": False}
 PASSKEY_DEFAULTS = {"context": [1024], "depth": [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 4, "keys": 1, "seed": 0}
 
 
@@ -105,6 +106,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--refit-widths", action="store_true", default=None,
                    help="also evaluate every config with per-channel widths with its widths refit on each prompt "
                    "before it is quantized (as NAME+refit; the widths each sequence stores are counted)")
+    p.add_argument("--compensated-keys", action="store_true", default=None,
+                   help="evaluate every config with integer key formats with its keys rounded with error "
+                   "compensation under the prefill's queries instead (key_rounding 'compensated'; as NAME+ck; "
+                   "same bytes, reference cache only)")
     p.add_argument("--out", required=True, type=Path, help="CSV to write (plot and per-segment CSV beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument(
@@ -158,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(path, overwrite=args.overwrite, kind="file")
     calibration = _calibration(args)
     schemes = parse_schemes(args.scheme, args.config, scales=args.scales, calibration=calibration,
-                            refit=args.refit_widths)
+                            refit=args.refit_widths, compensated_keys=args.compensated_keys)
     # Everything that can be checked without the model is checked before loading it.
     _check_schemes(schemes, supported_shape(args.model))
     text = load_text(args.text)

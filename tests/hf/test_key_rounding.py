@@ -155,3 +155,20 @@ def test_the_json_carries_key_rounding_only_when_set():
     assert CFG.needs_queries and not CFG.with_(key_rounding="nearest").needs_queries
     with pytest.raises(ConfigError, match="key_rounding='gptq' is not allowed"):
         CFG.with_(key_rounding="gptq")
+
+
+def test_evaluate_compensated_keys_measures_the_same_bytes_with_other_codes(tiny, tmp_path):
+    from kverr.capturing.text import load_text
+    from kverr.evaluation import evaluate, parse_schemes
+
+    path = CFG.with_(key_rounding="nearest", name="plain").save(tmp_path / "plain.json")
+    schemes = parse_schemes(["fp16"], [str(path)], compensated_keys=True)
+    assert [s.name for s in schemes] == ["fp16", "plain+ck"] and schemes[1].config.key_rounding == "compensated"
+    with pytest.raises(ConfigError, match="--compensated-keys: no scheme"):
+        parse_schemes(["fp16"], compensated_keys=True)
+    both = [*parse_schemes([], [str(path)]), schemes[1]]
+    df = evaluate(tiny, load_text("pydoc"), both, prefill=(P,), decode=2 * WINDOW, segments=1, offset=0,
+                  greedy_steps=0, progress=False).set_index("scheme")
+    assert df.loc["plain+ck", "cache_bytes"] == df.loc["plain", "cache_bytes"]
+    assert df.loc["plain+ck", "measured_cache_bytes"] == df.loc["plain", "measured_cache_bytes"]
+    assert df.loc["plain+ck", "mean_kl"] != df.loc["plain", "mean_kl"]
