@@ -41,7 +41,7 @@ from kverr.quant.reference import QTensor, hadamard_rotate, pack_codes
 from kverr.rope import rotate
 
 COST = defaultdict(lambda: [0.0, 0.0])  # layer -> [nearest, compensated] predicted key cost
-ON = {"gptq": False, "queries": 256, "damp": 0.01}
+ON = {"gptq": False, "queries": 256, "damp": 0.01, "weight": "moment", "mix": 1.0}
 
 
 def second_moment(query: torch.Tensor, n_kv: int, last: int) -> torch.Tensor:
@@ -49,6 +49,27 @@ def second_moment(query: torch.Tensor, n_kv: int, last: int) -> torch.Tensor:
     B, Hq, n, D = query.shape
     q = query[0, :, -last:].double().reshape(n_kv, Hq // n_kv * min(last, n), D)
     return torch.einsum("gnd,gne->gde", q, q) / q.shape[1]
+
+
+def attention_moments(query: torch.Tensor, key: torch.Tensor, scaling: float, last: int) -> torch.Tensor:
+    """``[kv_head, n, D, D]``: per prompt token ``t``, ``sum_q a_qt^2 q q^T`` over the last ``last``
+    queries and the kv head's query heads (``a`` the prefill's causal attention), each divided by its
+    trace -- the first-order cost of a key error at ``t`` (``|delta o_q|^2 ~ sum_t a_qt^2 (q.e_t)^2
+    |v_t - o_q|^2``, the value spread left out)."""
+    B, Hq, n, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    rows = torch.arange(max(n - last, 0), n)
+    allowed = torch.arange(n)[None, :] <= rows[:, None]
+    out = torch.empty((Hkv, n, D, D), dtype=torch.float32)
+    for h in range(Hkv):
+        q = query[0, h * G:(h + 1) * G, rows].float()  # [G, Q, D]
+        s = (q @ key[0, h].float().T * scaling).masked_fill(~allowed, float("-inf"))
+        w = torch.softmax(s, -1) ** 2  # [G, Q, n]
+        m = torch.einsum("gqt,gqd,gqe->tde", w, q, q).double()
+        tr = m.diagonal(dim1=1, dim2=2).sum(-1)
+        out[h] = m / torch.where(tr > 0, tr, torch.ones_like(tr))[:, None, None]
+    return out
 
 
 def rope_matrices(layer: KverrLayer, lo: int, n: int, D: int) -> torch.Tensor:
@@ -88,6 +109,14 @@ _observe, _quantize = KverrLayer.observe, KverrLayer._quantize
 
 def observe(self, query, key, scaling, **kw):
     self._H = second_moment(query, self.n_kv_heads, ON["queries"])
+    self._Ht = attention_moments(query, key, scaling, ON["queries"]) if ON["weight"] != "moment" else None
+    if ON["weight"] == "relative":  # one matrix per kv head: the tokens' own, turned back to before RoPE, averaged
+        n, D = query.shape[2], query.shape[3]
+        R = rope_matrices(self, 0, n, D) if self.config.key_pre_rope else torch.eye(D, dtype=torch.float64).expand(n, D, D)
+        lo = self.config.sinks
+        self._Hrel = torch.stack([torch.einsum("tij,tik,tkl->jl", R[lo:], self._Ht[h, lo:].double(), R[lo:]) / (n - lo)
+                                  for h in range(self._Ht.shape[0])])
+        self._Ht = None
     return _observe(self, query, key, scaling, **kw)
 
 
@@ -108,7 +137,14 @@ def quantize(self, which, g, x):
     near = qt.dequantize(unrotate=False)
     u = torch.empty((B, h, n, D), dtype=torch.uint8)
     for i, head in enumerate(g.heads):
-        Ht = torch.einsum("tij,ik,tkl->tjl", R, self._H[head], R)
+        Hp = self._H[head].expand(n, D, D)
+        if ON["weight"] == "relative":  # already before RoPE
+            Hp, R = self._Hrel[head].expand(n, D, D), torch.eye(D, dtype=torch.float64).expand(n, D, D)
+        elif self._Ht is not None:  # attention-weighted for prompt tokens, plus mix x the queries' moment
+            Hp = Hp / Hp[0].trace() * ON["mix"]
+            k = max(0, min(n, self._Ht.shape[1] - lo))
+            Hp = torch.cat([Hp[:k] + self._Ht[head, lo:lo + k].double(), self._H[head].expand(n - k, D, D)])
+        Ht = torch.einsum("tij,tik,tkl->tjl", R, Hp, R)
         if A is not None:
             Ht = A.T @ Ht @ A
         order = torch.argsort(torch.where(L == 0, torch.full((D,), float("inf"), dtype=torch.float64),
@@ -130,11 +166,19 @@ def main(argv=None) -> int:
     ap = protocol_parser(__doc__)
     ap.add_argument("--queries", type=int, default=256, help="prompt queries whose second moment weighs the keys")
     ap.add_argument("--damp", type=float, default=0.01, help="damping, a fraction of the mean diagonal")
+    ap.add_argument("--weight", choices=("moment", "attention", "relative"), default="moment",
+                    help="moment: every key weighed by the prompt queries' second moment; attention: each prompt "
+                         "token by sum_q a_qt^2 q q^T of the queries that read it (decode tokens: the moment); "
+                         "relative: one matrix per kv head, the attention-weighted ones of the prompt's tokens turned back "
+                         "to before RoPE and averaged, for every token")
+    ap.add_argument("--mix", type=float, default=1.0,
+                    help="with --weight attention: the share of the (trace-normalised) second moment added to each "
+                         "prompt token's (trace-normalised) attention-weighted one")
     ap.add_argument("--skip-base", action="store_true", help="measure the compensated keys only")
     ap.add_argument("--refit", action="store_true",
                     help="refit the config's widths on each segment's prompt first (kverr evaluate --refit-widths)")
     a = ap.parse_args(argv)
-    ON.update(queries=a.queries, damp=a.damp)
+    ON.update(queries=a.queries, damp=a.damp, weight=a.weight, mix=a.mix)
     if not CacheConfig.load(a.config).salient:
         raise SystemExit("the config keeps no salient tokens, so its cache never sees the prefill's queries")
     loaded, cfg, runs = protocol_runs(a)
@@ -149,7 +193,7 @@ def main(argv=None) -> int:
             COST.clear()
             logp = teacher_forced(model, KverrCache.for_model(model, run_cfg), ids, p, flush=True)
             row = {"config": cfg.name + ("+refit" if a.refit else ""), "rounding": name, "segment": seg, "offset": off, "queries": a.queries,
-                   "damp": a.damp, **compare(ref, logp, ids[p + 1:])}
+                   "damp": a.damp, "weight": a.weight, "mix": a.mix if a.weight == "attention" else None, **compare(ref, logp, ids[p + 1:])}
             if on:
                 near, comp = sum(c[0] for c in COST.values()), sum(c[1] for c in COST.values())
                 row.update(key_cost_nearest=near, key_cost_compensated=comp)
