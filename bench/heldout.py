@@ -34,7 +34,9 @@ today's methods from their papers (:data:`PAPER_SCHEMES`, emulated; OSCAR and KV
 the calibration capture, ``--calibration``). The fitted configs (and ``salient-2.5b``, ``salient-3b``) with their widths
 refit on each prompt (:data:`REFIT_SCHEMES`, ``--refit-widths``) are measured the same way and kept in
 :data:`SEGMENTS_CSV`; they are one config per prompt, so they have no prediction and stay out of
-the long table (``docs/calibration.md`` quotes them).
+the long table (``docs/calibration.md`` quotes them). So do the salient configs with their keys
+rounded with compensation (``NAME+ck``, ``NAME+ck+refit``: ``--compensated-keys``, a run of their
+own, ``evaluate(only=[...])``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ FITTED_BUDGETS = ("2", "2.5", "3")
 REFIT = "+refit"
 REFIT_SCHEMES = (tuple(f"fitted-{b}b{REFIT}" for b in FITTED_BUDGETS)
                  + (f"salient-2.5b{REFIT}", f"salient-3b{REFIT}"))
+#: Configs with their keys rounded with compensation (``kverr evaluate --compensated-keys``), also
+#: with their widths refit on each prompt.
+CK = "+ck"
 #: Budgets of the configs calibrated with the codebook candidates added (``--codebooks``).
 CODEBOOK_BUDGETS = ("2.5", "3", "4")
 #: Budgets of the configs calibrated with fitted widths, codebooks and salient prompt tokens
@@ -174,20 +179,32 @@ def served_configs() -> list[Path]:
 def evaluate(only=None) -> None:
     """Run ``kverr evaluate`` and keep its per-segment rows, stamped, in :data:`SEGMENTS_CSV`
     (``only``: just these schemes, merged into the committed rows)."""
+    ck = [] if only is None else [s for s in only if CK in s]
+    if ck:  # --compensated-keys changes every config of a run: a run of their own
+        _evaluate(ck, compensated=True)
+        only = [s for s in only if CK not in s]
+        if not only:
+            return
+    _evaluate(only)
+
+
+def _evaluate(only, compensated: bool = False) -> None:
     from kverr.cli import main
 
-    out = WORK / "heldout.csv"
+    out = WORK / ("heldout-ck.csv" if compensated else "heldout.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = ["evaluate", "--threads", "1", "--greedy", "0", "--text", str(typing_py()), "--offset", "0",
             "--prefill", str(PREFILL), "--decode", str(DECODE), "--segments", str(SEGMENTS), "--overwrite",
             "--out", str(out)]
-    names = {json.loads(c.read_text())["name"]: c for c in [*CONFIGS, *served_configs()]}
+    names = {json.loads(c.read_text())["name"] + (CK if compensated else ""): c for c in [*CONFIGS, *served_configs()]}
     refit = [s for s in (REFIT_SCHEMES if only is None else only) if s.endswith(REFIT)]
     wanted = list(names) if only is None else [s for s in only if s in names]
     for c in dict.fromkeys([*wanted, *(s.removesuffix(REFIT) for s in refit)]):
         argv += ["--config", str(names[c])]
     if refit:
         argv.append("--refit-widths")
+    if compensated:
+        argv.append("--compensated-keys")
     from kverr.engines.emulated import emulated_peers
 
     peers = emulated_peers()
@@ -233,7 +250,7 @@ def predicted(only=None) -> None:
     configs = {c.name: c for c in map(CacheConfig.load, [*CONFIGS, *served_configs()])}
     cfgs = dict(configs) if only is None else {s: configs[s] for s in only if s in configs}
     for s in ALL_SCHEMES if only is None else [s for s in only if s not in configs]:
-        if s in EMULATED or s.endswith(REFIT):
+        if s in EMULATED or s.endswith(REFIT) or CK in s:
             continue  # not a kverr format, or one per prompt: the objective cannot predict it
         cfgs[s] = Scheme(s, "quanto", nbits=PEERS[s]).equivalent_config(torch.float32) if s in PEERS else resolve(s)
     rows = []

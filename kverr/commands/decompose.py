@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if config.salient:
         log.warning("%s keeps %d salient prompt tokens per head; the decomposition is of its formats alone "
                     "(the tokens are chosen by a prompt's queries)", config.name or args.config, config.salient)
+    if config.key_rounding != "nearest":
+        log.warning("%s rounds keys with compensation under a prompt's queries; the decomposition is of its formats "
+                    "rounded to nearest", config.name or args.config)
     n_tok = int(capture.sizes["token"])
     if args.queries is not None and args.queries > n_tok:
         raise ShapeError(f"--queries {args.queries} exceeds the capture's {n_tok} tokens; give 1..{n_tok}")
