@@ -213,10 +213,16 @@ class CacheConfig:
         return bool(self.salient) and which in self.salient_sides and not fmt.is_float
 
     @property
+    def compensates_keys(self) -> bool:
+        """Whether integer key formats choose their codes by error compensation
+        (``key_rounding`` ``"compensated"``) rather than their own rounding."""
+        return self.key_rounding == "compensated"
+
+    @property
     def needs_queries(self) -> bool:
         """Whether a cache must see the prefill's queries before it quantizes the prefill: the
         config keeps salient tokens, or rounds keys with compensation."""
-        return bool(self.salient) or self.key_rounding == "compensated"
+        return bool(self.salient) or self.compensates_keys
 
     def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
         """kv heads of ``layer`` grouped by format, in order of first appearance.

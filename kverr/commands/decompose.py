@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if config.salient:
         log.warning("%s keeps %d salient prompt tokens per head; the decomposition is of its formats alone "
                     "(the tokens are chosen by a prompt's queries)", config.name or args.config, config.salient)
-    if config.key_rounding != "nearest":
+    if config.compensates_keys:
         log.warning("%s rounds keys with compensation under a prompt's queries; the decomposition is of its formats "
                     "rounded to nearest", config.name or args.config)
     n_tok = int(capture.sizes["token"])

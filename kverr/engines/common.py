@@ -41,7 +41,7 @@ def common_refusals(config: CacheConfig, target: str) -> list[str]:
         p.append(f"key_pre_rope=true ({target} stores keys after RoPE)")
     if config.salient:
         p.append(f"salient={config.salient} salient prompt tokens per head ({target} keeps none)")
-    if config.key_rounding != "nearest":
+    if config.compensates_keys:
         p.append(f"key_rounding={config.key_rounding} ({target} rounds keys to nearest)")
     if config.window_dtype == "int8":
         p.append(f"window_dtype=int8 ({target} keeps the tokens it does not quantize in the model's dtype)")

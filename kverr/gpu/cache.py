@@ -258,7 +258,7 @@ class PagedKVCache:
         if n_q_heads % n_kv_heads:
             raise ShapeError(f"n_q_heads={n_q_heads} is not a multiple of n_kv_heads={n_kv_heads}")
         check_head_dim(head_dim)
-        if config.key_rounding != "nearest":
+        if config.compensates_keys:
             raise KernelError(
                 f"key_rounding={config.key_rounding!r}: the store kernel rounds keys to nearest; run this config on "
                 "the reference cache (kverr.hf.KverrCache, kverr evaluate)")

@@ -55,7 +55,7 @@ def kernels_support(config: CacheConfig) -> bool:
     from kverr.exceptions import KernelError
     from kverr.gpu.spec import kernel_spec
 
-    if config.key_rounding != "nearest":
+    if config.compensates_keys:
         return False
 
     for _, fmt in config._all_formats():

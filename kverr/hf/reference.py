@@ -598,7 +598,7 @@ class KverrLayer(CacheLayerMixin):
                 for g in (g for w in WHICH for g in layer.groups[w] if self.config.keeps_salient(w, g.fmt)):
                     g.salient = g.pending.gather(pos[:, g.heads] - (g.n_sinks + g.n_quantized))
                     g.salient_pos = pos[:, g.heads].to(SALIENT_INDEX_DTYPE)
-            if self.config.key_rounding == "compensated":
+            if self.config.compensates_keys:
                 moment = query_moment(q, self.n_kv_heads, OBSERVED_QUERIES)
                 for g in (g for g in layer.groups["k"] if compensable(g.fmt)):
                     g.key_cost = moment[:, g.heads]
