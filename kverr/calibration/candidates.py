@@ -179,8 +179,10 @@ def head_bytes(
     sliding_window: int = 0,
     *,
     which: str,
+    batch: int = 1,
 ) -> int:
-    """Exact cache bytes of one kv head's keys or values (``which``) stored with ``fmt`` at ``context`` tokens.
+    """Exact cache bytes of one kv head's keys or values (``which``) stored with ``fmt`` at ``context`` tokens
+    for ``batch`` sequences (their static bytes counted once).
 
     Counted by :func:`kverr.memory.account` on a one-layer, one-head model, so payload, scales,
     zero points, page rounding, alignment, sinks and window are all included; because no
@@ -195,4 +197,4 @@ def head_bytes(
         salient_sides=option.salient_sides,
     )
     shape = ModelShape(1, 1, head_dim, sliding_windows=(sliding_window,))
-    return account(cfg, shape, context).per_layer[0][which].total
+    return account(cfg, shape, context, batch=batch).per_layer[0][which].total

@@ -129,6 +129,12 @@ class CalibrationConfig:
         fraction of fp16's: each budget's config gets the most format groups per layer (up to
         ``max_groups_per_layer``) that fits, and records its prediction in ``provenance``
         (``predicted_step``). None: no bound.
+    batch : int
+        Sequences whose caches the budget counts together: each holds its own pages, full-precision
+        rows and per-token metadata, and they share the static bytes (static scales, codebooks,
+        rotations), so effective bits are ``8 x bytes / (2 x layers x kv heads x head dim x
+        context x batch)``, as :func:`kverr.memory.account` counts them at ``batch``. Formats with
+        static bytes cost less per sequence as the batch grows.
     step_tokens, step_batch, gpu
         Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
         GPU of :data:`kverr.cost.GPUS`.
@@ -159,6 +165,7 @@ class CalibrationConfig:
     name: str | None = None
     max_groups_per_layer: int | None = None
     max_step_time: float | None = None
+    batch: int = 1
     step_tokens: int | None = None
     step_batch: int = 1
     gpu: str = "h200"
@@ -232,6 +239,7 @@ class CalibrationConfig:
         if self.step_tokens is not None:
             _int(self.step_tokens, "step_tokens", 1)
         _int(self.step_batch, "step_batch", 1)
+        _int(self.batch, "batch", 1)
         from kverr.cost import GPUS
 
         if self.gpu not in GPUS:

@@ -9,8 +9,9 @@ score as fast as two processes without starting any, and a killed calibration le
 running.
 
 Effective bits are those :func:`kverr.memory.account` reports for the whole config at
-``context`` tokens (batch 1): payload, scales, zero points, page rounding, alignment, sinks and
-window included. They depend on the context length, which is recorded in the provenance.
+``context`` tokens for ``batch`` sequences (default 1; static bytes counted once for them all):
+payload, scales, zero points, page rounding, alignment, sinks and window included. They depend on
+the context length and the batch, which are recorded in the provenance.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ class Search:
     capture: dict[str, Any]
     seconds: dict[str, float] = field(default_factory=dict)
     max_groups_per_layer: int | None = None
+    batch: int = 1  # sequences the bytes are counted for (static bytes once)
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
@@ -533,9 +535,10 @@ def _groups(scores: Scores, opt_i: int, n_kv: int, weights: tuple[np.ndarray, np
     return keys, dmg
 
 
-def _costs(cands, opt, head_dim, context, page_size, window_dtype, align, sliding_window=0, *, which) -> np.ndarray:
-    return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align, sliding_window, which=which)
-                     for f in cands], dtype=np.int64)
+def _costs(cands, opt, head_dim, context, page_size, window_dtype, align, sliding_window=0, *, which,
+           batch=1) -> np.ndarray:
+    return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align, sliding_window,
+                                which=which, batch=batch) for f in cands], dtype=np.int64)
 
 
 def _layer_windows(windows: Sequence[int] | None, n_layers: int) -> list[int]:
@@ -543,8 +546,14 @@ def _layer_windows(windows: Sequence[int] | None, n_layers: int) -> list[int]:
     return list(windows) if windows else [0] * n_layers
 
 
-def bits_of(nbytes: int, n_layers: int, n_kv: int, head_dim: int, context: int) -> float:
-    return 8.0 * nbytes / (2 * n_layers * n_kv * head_dim * context)
+def bits_of(nbytes: int, n_layers: int, n_kv: int, head_dim: int, context: int, batch: int = 1) -> float:
+    """Effective bits of ``nbytes`` holding ``batch`` sequences of ``context`` tokens."""
+    return 8.0 * nbytes / (2 * n_layers * n_kv * head_dim * context * batch)
+
+
+def budget_bytes_of(budget_bits: float, n_layers: int, n_kv: int, head_dim: int, context: int, batch: int = 1) -> int:
+    """The most bytes within ``budget_bits`` effective bits (the inverse of :func:`bits_of`, floored)."""
+    return math.floor(budget_bits * 2 * n_layers * n_kv * head_dim * context * batch / 8 + 1e-9)
 
 
 def check_budget(
@@ -562,6 +571,7 @@ def check_budget(
     align: int = 16,
     context_from: str | None = None,
     sliding_windows: Sequence[int] | None = None,
+    batch: int = 1,
 ) -> tuple[str, tuple[QuantFormat, ...], tuple[QuantFormat, ...]]:
     """Check, from the model's shape alone, that :func:`calibrate` can meet ``budget_bits``.
 
@@ -583,6 +593,8 @@ def check_budget(
     sliding_windows : sequence of int, optional
         Per layer, the sliding window (0 or empty: full attention): a sliding layer holds only
         its window, whatever the context.
+    batch : int
+        Sequences the bytes are counted for, their static bytes once (:class:`CalibrationConfig`).
 
     Returns
     -------
@@ -619,18 +631,22 @@ def check_budget(
     # Infeasible budgets are refused before any scoring work.
     windows = _layer_windows(sliding_windows, n_layers)
     cheapest = min(
-        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align, w, which=s))) * windows.count(w)
-            for s, c in (("k", cands_k), ("v", cands_v)) for w in set(windows)) * n_kv
+        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align, w, which=s, batch=batch)))
+            * windows.count(w) for s, c in (("k", cands_k), ("v", cands_v)) for w in set(windows)) * n_kv
         for o in options
     )
-    cheapest_bits = bits_of(cheapest, n_layers, n_kv, head_dim, context)
-    budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * head_dim * context / 8 + 1e-9)
+    cheapest_bits = bits_of(cheapest, n_layers, n_kv, head_dim, context, batch)
+    budget_bytes = budget_bytes_of(budget_bits, n_layers, n_kv, head_dim, context, batch)
     if budget_bytes < cheapest:
         raise ConfigError(
-            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens: the "
+            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens{_times(batch)}: the "
             f"cheapest possible config costs {cheapest_bits:.4f} effective bits ({cheapest} bytes)"
         )
     return window_dtype, cands_k, cands_v
+
+
+def _times(batch: int) -> str:
+    return f" x {batch} sequences" if batch != 1 else ""
 
 
 #: What a candidate set's name carries when the codebook candidates are added to it.
@@ -754,7 +770,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                          cands_k=cands_k, cands_v=cands_v, page_size=cfg.page_size, window_dtype=key[0],
                          align=cfg.align,
                          context_from=None if cfg.context else f"the capture's length, {n_tok} tokens",
-                         sliding_windows=kv.shape.sliding_windows)
+                         sliding_windows=kv.shape.sliding_windows, batch=cfg.batch)
     if scores is not None:
         for name, want in (("decode", cfg.decode), ("options", options)):
             if getattr(scores, name) != want:
@@ -808,7 +824,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         if any(w.shape != (n_layers,) or not np.all(np.isfinite(w)) or np.any(w < 0) for w in weights):
             raise ConfigError(f"the sensitivity must hold {n_layers} finite non-negative layer weights per side")
     t1 = time.perf_counter()
-    max_bytes = math.ceil(cfg.frontier_bits * 2 * n_layers * n_kv * head_dim * context / 8)
+    max_bytes = math.ceil(cfg.frontier_bits * 2 * n_layers * n_kv * head_dim * context * cfg.batch / 8)
     searches = []
 
     def search(key, max_groups):
@@ -816,14 +832,15 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         frontier, frontiers = _frontier(tables[key], weights, options, n_layers=n_layers, n_kv=n_kv,
                                         head_dim=head_dim, context=context, page_size=cfg.page_size,
                                         window_dtype=key[0], align=cfg.align, max_bytes=max_bytes,
-                                        max_groups=max_groups, sliding_windows=kv.shape.sliding_windows)
+                                        max_groups=max_groups, sliding_windows=kv.shape.sliding_windows,
+                                        batch=cfg.batch)
         return Search(
             window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
             scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
             sensitivity=sensitivity, shape=kv.shape, context=context, page_size=cfg.page_size, align=cfg.align,
             objective=cfg.objective, capture=kv.provenance,
             seconds={"score": score_s[key], "search": time.perf_counter() - ts},
-            max_groups_per_layer=max_groups)
+            max_groups_per_layer=max_groups, batch=cfg.batch)
 
     searches = [search(key, cfg.max_groups_per_layer) for key in order]
     configs, choices, index = {}, {}, {}
@@ -896,7 +913,7 @@ def _grouped_solve(dmg: list[np.ndarray], ck: list[np.ndarray], cv: list[np.ndar
 
 def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, head_dim: int, context: int,
               page_size: int, window_dtype: str, align: int, max_bytes: int, max_groups: int | None = None,
-              sliding_windows: Sequence[int] | None = None):
+              sliding_windows: Sequence[int] | None = None, batch: int = 1):
     """The knapsack frontier of every outer option, and their common Pareto frontier (with at
     most ``max_groups`` (K, V) format pairs per layer when given). A candidate's bytes depend on
     its layer's sliding window (a sliding layer holds only its window)."""
@@ -907,8 +924,8 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
     for oi, opt in enumerate(options):
         keys, dmg = _groups(scores, oi, n_kv, weights)
         windows = _layer_windows(sliding_windows, n_layers)
-        by_w = {w: (_costs(scores.cands_k, opt, head_dim, context, page_size, window_dtype, align, w, which="k"),
-                    _costs(scores.cands_v, opt, head_dim, context, page_size, window_dtype, align, w, which="v"))
+        by_w = {w: tuple(_costs(c, opt, head_dim, context, page_size, window_dtype, align, w, which=s, batch=batch)
+                         for s, c in (("k", scores.cands_k), ("v", scores.cands_v)))
                 for w in set(windows)}
         ck = [by_w[windows[layer]][0] for layer in scores.layers]
         cv = [by_w[windows[layer]][1] for layer in scores.layers]
@@ -921,7 +938,7 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
         for i in range(len(fr.cost)):
             rows.append(dict(option=opt.label(), window=opt.window, sinks=opt.sinks,
                              key_pre_rope=opt.key_pre_rope, bytes=int(fr.cost[i]),
-                             effective_bits=bits_of(int(fr.cost[i]), n_layers, n_kv, head_dim, context),
+                             effective_bits=bits_of(int(fr.cost[i]), n_layers, n_kv, head_dim, context, batch),
                              predicted=float(fr.damage[i]), index=i))
     allf = pd.DataFrame(rows).sort_values(["bytes", "predicted"], kind="stable").reset_index(drop=True)
     pareto = allf[allf["predicted"] < allf["predicted"].cummin().shift(fill_value=np.inf)]
@@ -931,15 +948,15 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
 def _build(search: Search, budget_bits: float, name: str | None) -> tuple[CacheConfig, Any]:
     """The config of ``search`` within ``budget_bits`` and its per-head choices."""
     n_layers, n_kv, D = search.shape.n_layers, search.shape.n_kv_heads, search.shape.head_dim
-    context = search.context
-    budget_bytes = math.floor(budget_bits * 2 * n_layers * n_kv * D * context / 8 + 1e-9)
+    context, batch = search.context, search.batch
+    budget_bytes = budget_bytes_of(budget_bits, n_layers, n_kv, D, context, batch)
     fr_all = search.frontier
     ok = fr_all[fr_all["bytes"] <= budget_bytes]
     if ok.empty:
         cheapest = int(fr_all["bytes"].min())
         raise ConfigError(
-            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens: the "
-            f"cheapest possible config costs {bits_of(cheapest, n_layers, n_kv, D, context):.4f} "
+            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens{_times(batch)}: the "
+            f"cheapest possible config costs {bits_of(cheapest, n_layers, n_kv, D, context, batch):.4f} "
             f"effective bits ({cheapest} bytes)"
         )
     return _build_row(search, ok.iloc[-1], budget_bits, name)
@@ -967,7 +984,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
         b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
-                       search.shape.sliding_window(layer), which=w)
+                       search.shape.sliding_window(layer), which=w, batch=search.batch)
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.element_bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
                          bytes=b, predicted=float(d), relative=rel))
@@ -985,7 +1002,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
                 heads[(layer, h)] = ov
     # the frontier counts a template at its own bytes; its fitted widths may take fewer
     nbytes = int(choices["bytes"].sum())
-    bits = bits_of(nbytes, n_layers, n_kv, D, context)
+    bits = bits_of(nbytes, n_layers, n_kv, D, context, search.batch)
     prov = {
         "tool": "kverr calibrate",
         "capture": search.capture,
@@ -993,7 +1010,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         "effective_bits": bits,
         "bytes": nbytes,
         "context_tokens": context,
-        "batch": 1,
+        "batch": search.batch,
         "objective": OBJECTIVES[search.objective],
         "objective_definition": OBJECTIVE_KL_DOC if search.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),

@@ -21,7 +21,6 @@ calibrated skip layers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +34,7 @@ from kverr.quant.formats import PerHead, PerTensor, QuantFormat, float_format, f
 
 from .candidates import OuterOption, head_bytes
 from .config import CalibrationConfig
-from .search import bits_of
+from .search import bits_of, budget_bytes_of
 
 #: The outer option vLLM serves: no sinks, no window, keys after RoPE.
 VLLM_OPTION = OuterOption(window=0, sinks=0, key_pre_rope=False)
@@ -134,6 +133,9 @@ def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig
     from .search import _check_capture
     from .sensitivity import check_capture_model, sensitivity_for_capture
 
+    if settings.batch != 1:
+        raise ConfigError(f"batch={settings.batch}: the engine targets count one sequence's bytes; "
+                          "give batch=1 (kverr's own target counts a batch)")
     _check_capture(capture)
     kv = capture.kv
     if kv.has_sliding_window:
@@ -223,7 +225,7 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
         forced = edges if fam.boundary else []  # vLLM skips these itself
         free = [int(x) for x in gain_order if int(x) not in forced]
         for budget in settings.budgets:
-            budget_bytes = math.floor(budget * 2 * n_layers * n_kv * D * context / 8 + 1e-9)
+            budget_bytes = budget_bytes_of(budget, n_layers, n_kv, D, context)
             n_skip = (budget_bytes - q_bytes * n_layers) // (keep_bytes - q_bytes) if keep_bytes > q_bytes else n_layers
             n_skip = int(min(max(n_skip, -1), n_layers))
             if n_skip < len(forced):

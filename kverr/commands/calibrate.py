@@ -66,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "--step-at, each point's predicted decode step over fp16's too, column predicted_step)")
     p.add_argument("--context", type=positive_int,
                    help="tokens at which effective bits are counted (default: the capture's length)")
+    p.add_argument("--batch", type=positive_int, default=1,
+                   help="sequences the budget counts together, static bytes (static scales, codebooks) "
+                   "once for them all (default: 1)")
     p.add_argument("--sinks", type=_ints, metavar="S[,S...]",
                    help="full-precision sink tokens to try, crossed with --window (default: the pairs "
                    "S0/R0, S4/R16, S4/R32, S4/R64)")
@@ -152,7 +155,7 @@ def settings_of(args: argparse.Namespace):
     from kverr.calibration import CalibrationConfig
 
     return CalibrationConfig(
-        budgets=tuple(args.budget_bits), context=args.context, key_rope=args.key_rope,
+        budgets=tuple(args.budget_bits), context=args.context, batch=args.batch, key_rope=args.key_rope,
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,
@@ -218,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = cal.configs[b]
         cfg.save(out)
         pv = cfg.provenance
+        batch = f" x {pv['batch']} sequences" if pv.get("batch", 1) != 1 else ""
         print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
-              f"{pv['context_tokens']} tokens, option {pv['outer_option']}, {cfg.window_dtype} window, "
+              f"{pv['context_tokens']} tokens{batch}, option {pv['outer_option']}, {cfg.window_dtype} window, "
               f"{pv['candidates_k']} candidates, "
               f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")

@@ -431,6 +431,38 @@ def test_salient_tokens_are_counted_against_the_budget(tiny_capture):
         CalibrationConfig(budgets=3.0, salient=2, salient_sides="q")
 
 
+def test_a_batch_pays_the_static_bytes_once(tiny_capture):
+    """Counted for 8 sequences the budget holds the batch's bytes exactly as ``kverr memory``
+    counts them (static scales once); a config of the one-sequence count fits it too, so the
+    batch's choice predicts no more damage; engine targets refuse a batch."""
+    from kverr.calibration.target import calibrate_for_vllm
+
+    cap, _, loaded = tiny_capture
+    cands = (int_format(2, PerChannel()), int_format(3, PerChannel())) + SMALL  # static scales: 2 fp16 per channel
+    opts = (OuterOption(sinks=4),)
+    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
+    one = cal_at(cap, 3.0, context=160, options=opts, cands_k=cands, cands_v=cands, queries=16, objective="rel")
+    eight = cal_at(cap, 3.0, context=160, options=opts, cands_k=cands, cands_v=cands, queries=16, objective="rel",
+                   scores=one.scores, batch=8)
+    pv = eight.config.provenance
+    rep = account(eight.config, shape, 160, batch=8)
+    assert pv["batch"] == 8 and one.config.provenance["batch"] == 1
+    assert rep.total_bytes == pv["bytes"] and rep.effective_bits == pytest.approx(pv["effective_bits"])
+    assert rep.effective_bits <= 3.0
+    assert account(eight.config, shape, 160).effective_bits > pv["effective_bits"]  # static bytes in it
+    assert account(one.config, shape, 160, batch=8).effective_bits <= 3.0
+    assert pv["predicted_damage"] <= one.config.provenance["predicted_damage"]
+    fr = eight.frontier.iloc[0]
+    cheapest = account(eight.config_at(float(fr.effective_bits)), shape, 160, batch=8)
+    assert cheapest.effective_bits == pytest.approx(fr.effective_bits)
+    with pytest.raises(ConfigError, match=r"infeasible at 160 tokens x 8 sequences"):
+        cal_at(cap, 0.5, context=160, options=opts, cands_k=cands, cands_v=cands, batch=8)
+    with pytest.raises(ConfigError, match="batch=0"):
+        CalibrationConfig(budgets=3, batch=0)
+    with pytest.raises(ConfigError, match="batch=8: the engine targets"):
+        calibrate_for_vllm(cap, CalibrationConfig(budgets=3, batch=8))
+
+
 def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):
     """With at most one (K, V) pair per layer every layer is one launch group; the bound costs
     damage, never bytes over budget; the prediction of the written config is the search's."""
