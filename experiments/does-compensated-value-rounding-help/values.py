@@ -23,11 +23,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from bench.heldout import protocol_parser, protocol_runs
-from kverr.calibration.refit import refit_widths
-from kverr.capturing import capture
-from kverr.evaluation import compare, teacher_forced
-from kverr.hf import KverrCache
+from bench.heldout import protocol_parser, protocol_runs, protocol_switch
 from kverr.hf.reference import KverrLayer
 from kverr.quant.compensated import compensable, compensated_quantize
 
@@ -101,19 +97,14 @@ def main(argv=None) -> int:
     cfg = cfg.with_(key_rounding=a.keys)
     ON.update(weight=a.weight, queries=a.queries, gram=grams(loaded.model))
     rows = []
-    for p, seg, off, ids, ref in runs:
-        run_cfg = refit_widths(cfg, capture(loaded, ids[:p])) if a.refit else cfg
-        for name, on in (("nearest", False), ("compensated", True)):
-            if a.skip_base and not on:
-                continue
-            ON["values"] = on
-            logp = teacher_forced(loaded.model, KverrCache.for_model(loaded.model, run_cfg), ids, p, flush=True)
-            rows.append({"config": cfg.name + ("+ck" if a.keys == "compensated" else "") + ("+refit" if a.refit else ""),
-                         "values": name, "weight": a.weight if on else None, "segment": seg, "offset": off,
-                         **compare(ref, logp, ids[p + 1:])})
-            print(f"{rows[-1]['config']} seg {seg} values {name}: mean KL {rows[-1]['mean_kl']:.4g} "
-                  f"top-1 {rows[-1]['top1']:.3f}", flush=True)
-            pd.DataFrame(rows).to_csv(a.out, index=False)
+    for seg, off, on, measured in protocol_switch(loaded, cfg, runs, lambda on: ON.update(values=on),
+                                                  refit=a.refit, skip_base=a.skip_base):
+        name = "compensated" if on else "nearest"
+        rows.append({"config": cfg.name + ("+ck" if a.keys == "compensated" else "") + ("+refit" if a.refit else ""),
+                     "values": name, "weight": a.weight if on else None, "segment": seg, "offset": off, **measured})
+        print(f"{rows[-1]['config']} seg {seg} values {name}: mean KL {rows[-1]['mean_kl']:.4g} "
+              f"top-1 {rows[-1]['top1']:.3f}", flush=True)
+        pd.DataFrame(rows).to_csv(a.out, index=False)
     return 0
 
 

@@ -29,12 +29,8 @@ from collections import defaultdict
 import pandas as pd
 import torch
 
-from bench.heldout import protocol_parser, protocol_runs
-from kverr.calibration.refit import refit_widths
-from kverr.capturing import capture
+from bench.heldout import protocol_parser, protocol_runs, protocol_switch
 from kverr.config import CacheConfig
-from kverr.evaluation import compare, teacher_forced
-from kverr.hf import KverrCache
 from kverr.hf.reference import KverrLayer
 from kverr.quant.formats import is_static
 from kverr.quant.reference import QTensor, hadamard_rotate, pack_codes
@@ -182,26 +178,24 @@ def main(argv=None) -> int:
     if not CacheConfig.load(a.config).salient:
         raise SystemExit("the config keeps no salient tokens, so its cache never sees the prefill's queries")
     loaded, cfg, runs = protocol_runs(a)
-    model = loaded.model
     rows = []
-    for p, seg, off, ids, ref in runs:
-        run_cfg = refit_widths(cfg, capture(loaded, ids[:p])) if a.refit else cfg
-        for name, on in (("nearest", False), ("compensated", True)):
-            if a.skip_base and not on:
-                continue
-            ON["gptq"] = on
-            COST.clear()
-            logp = teacher_forced(model, KverrCache.for_model(model, run_cfg), ids, p, flush=True)
-            row = {"config": cfg.name + ("+refit" if a.refit else ""), "rounding": name, "segment": seg, "offset": off, "queries": a.queries,
-                   "damp": a.damp, "weight": a.weight, "mix": a.mix if a.weight == "attention" else None, **compare(ref, logp, ids[p + 1:])}
-            if on:
-                near, comp = sum(c[0] for c in COST.values()), sum(c[1] for c in COST.values())
-                row.update(key_cost_nearest=near, key_cost_compensated=comp)
-                print(f"  predicted key cost over the cache: compensated / nearest = {comp / near:.3f}; per layer "
-                      + " ".join(f"{li}:{c[1] / c[0]:.2f}" for li, c in sorted(COST.items()) if c[0] > 0), flush=True)
-            rows.append(row)
-            print(f"{cfg.name} seg {seg} {name}: mean KL {row['mean_kl']:.4g} top-1 {row['top1']:.3f}", flush=True)
-            pd.DataFrame(rows).to_csv(a.out, index=False)
+
+    def switch(on: bool) -> None:
+        ON["gptq"] = on
+        COST.clear()
+
+    for seg, off, on, measured in protocol_switch(loaded, cfg, runs, switch, refit=a.refit, skip_base=a.skip_base):
+        name = "compensated" if on else "nearest"
+        row = {"config": cfg.name + ("+refit" if a.refit else ""), "rounding": name, "segment": seg, "offset": off, "queries": a.queries,
+               "damp": a.damp, "weight": a.weight, "mix": a.mix if a.weight == "attention" else None, **measured}
+        if on:
+            near, comp = sum(c[0] for c in COST.values()), sum(c[1] for c in COST.values())
+            row.update(key_cost_nearest=near, key_cost_compensated=comp)
+            print(f"  predicted key cost over the cache: compensated / nearest = {comp / near:.3f}; per layer "
+                  + " ".join(f"{li}:{c[1] / c[0]:.2f}" for li, c in sorted(COST.items()) if c[0] > 0), flush=True)
+        rows.append(row)
+        print(f"{cfg.name} seg {seg} {name}: mean KL {row['mean_kl']:.4g} top-1 {row['top1']:.3f}", flush=True)
+        pd.DataFrame(rows).to_csv(a.out, index=False)
     return 0
 
 
