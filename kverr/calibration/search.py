@@ -546,14 +546,19 @@ def _layer_windows(windows: Sequence[int] | None, n_layers: int) -> list[int]:
     return list(windows) if windows else [0] * n_layers
 
 
+def _elements(n_layers: int, n_kv: int, head_dim: int, context: int, batch: int) -> int:
+    """Cached key and value elements of ``batch`` sequences of ``context`` tokens."""
+    return 2 * n_layers * n_kv * head_dim * context * batch
+
+
 def bits_of(nbytes: int, n_layers: int, n_kv: int, head_dim: int, context: int, batch: int = 1) -> float:
     """Effective bits of ``nbytes`` holding ``batch`` sequences of ``context`` tokens."""
-    return 8.0 * nbytes / (2 * n_layers * n_kv * head_dim * context * batch)
+    return 8.0 * nbytes / _elements(n_layers, n_kv, head_dim, context, batch)
 
 
 def budget_bytes_of(budget_bits: float, n_layers: int, n_kv: int, head_dim: int, context: int, batch: int = 1) -> int:
     """The most bytes within ``budget_bits`` effective bits (the inverse of :func:`bits_of`, floored)."""
-    return math.floor(budget_bits * 2 * n_layers * n_kv * head_dim * context * batch / 8 + 1e-9)
+    return math.floor(budget_bits * _elements(n_layers, n_kv, head_dim, context, batch) / 8 + 1e-9)
 
 
 def check_budget(
@@ -639,13 +644,14 @@ def check_budget(
     budget_bytes = budget_bytes_of(budget_bits, n_layers, n_kv, head_dim, context, batch)
     if budget_bytes < cheapest:
         raise ConfigError(
-            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens{_times(batch)}: the "
+            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens{batch_phrase(batch)}: the "
             f"cheapest possible config costs {cheapest_bits:.4f} effective bits ({cheapest} bytes)"
         )
     return window_dtype, cands_k, cands_v
 
 
-def _times(batch: int) -> str:
+def batch_phrase(batch: int) -> str:
+    """What follows "at N tokens" in a message when bytes are counted for ``batch`` sequences."""
     return f" x {batch} sequences" if batch != 1 else ""
 
 
@@ -824,7 +830,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         if any(w.shape != (n_layers,) or not np.all(np.isfinite(w)) or np.any(w < 0) for w in weights):
             raise ConfigError(f"the sensitivity must hold {n_layers} finite non-negative layer weights per side")
     t1 = time.perf_counter()
-    max_bytes = math.ceil(cfg.frontier_bits * 2 * n_layers * n_kv * head_dim * context * cfg.batch / 8)
+    max_bytes = math.ceil(cfg.frontier_bits * _elements(n_layers, n_kv, head_dim, context, cfg.batch) / 8)
     searches = []
 
     def search(key, max_groups):
@@ -955,7 +961,7 @@ def _build(search: Search, budget_bits: float, name: str | None) -> tuple[CacheC
     if ok.empty:
         cheapest = int(fr_all["bytes"].min())
         raise ConfigError(
-            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens{_times(batch)}: the "
+            f"budget of {budget_bits:g} effective bits is infeasible at {context} tokens{batch_phrase(batch)}: the "
             f"cheapest possible config costs {bits_of(cheapest, n_layers, n_kv, D, context, batch):.4f} "
             f"effective bits ({cheapest} bytes)"
         )

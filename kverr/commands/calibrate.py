@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kverr.calibration import calibrate
+    from kverr.calibration.search import batch_phrase
     from kverr.config import atomic_write_text
     from kverr.io import check_output_path, open_capture
 
@@ -221,9 +222,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = cal.configs[b]
         cfg.save(out)
         pv = cfg.provenance
-        batch = f" x {pv['batch']} sequences" if pv.get("batch", 1) != 1 else ""
         print(f"budget {b:g} bits -> {out}: {pv['effective_bits']:.4f} effective bits at "
-              f"{pv['context_tokens']} tokens{batch}, option {pv['outer_option']}, {cfg.window_dtype} window, "
+              f"{pv['context_tokens']} tokens{batch_phrase(pv.get('batch', 1))}, option {pv['outer_option']}, "
+              f"{cfg.window_dtype} window, "
               f"{pv['candidates_k']} candidates, "
               f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")

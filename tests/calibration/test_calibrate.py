@@ -431,7 +431,7 @@ def test_salient_tokens_are_counted_against_the_budget(tiny_capture):
         CalibrationConfig(budgets=3.0, salient=2, salient_sides="q")
 
 
-def test_a_batch_pays_the_static_bytes_once(tiny_capture):
+def test_a_batch_pays_the_static_bytes_once(tiny_capture, tmp_path, capsys):
     """Counted for 8 sequences the budget holds the batch's bytes exactly as ``kverr memory``
     counts them (static scales once); a config of the one-sequence count fits it too, so the
     batch's choice predicts no more damage; engine targets refuse a batch."""
@@ -461,6 +461,15 @@ def test_a_batch_pays_the_static_bytes_once(tiny_capture):
         CalibrationConfig(budgets=3, batch=0)
     with pytest.raises(ConfigError, match="batch=8: the engine targets"):
         calibrate_for_vllm(cap, CalibrationConfig(budgets=3, batch=8))
+    # the command line counts the same batch, records it and says so
+    from kverr.cli import main
+
+    _, path, _ = tiny_capture
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--capture", str(path), "--budget-bits", "3", "--context", "160", "--batch", "8",
+                 "--queries", "8", "--workers", "1", "--objective", "rel", "--out", str(out)]) == 0
+    assert "effective bits at 160 tokens x 8 sequences" in capsys.readouterr().out
+    assert CacheConfig.load(out).provenance["batch"] == 8
 
 
 def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):
