@@ -156,6 +156,17 @@ def protocol_switch(loaded, cfg, runs, switch, *, refit: bool = False, skip_base
             yield seg, off, on, compare(ref, logp, ids[p + 1:])
 
 
+def record(rows: list, row: dict, out, what: str) -> None:
+    """An experiment's per-segment log: ``row`` (with the ``mean_kl`` and ``top1`` of
+    :func:`kverr.evaluation.compare`) appended to ``rows``, printed after ``what``, and every row
+    so far written to the CSV ``out``, so that a run stopped early keeps what it measured."""
+    import pandas as pd
+
+    rows.append(row)
+    print(f"{what}: mean KL {row['mean_kl']:.4g} top-1 {row['top1']:.3f}", flush=True)
+    pd.DataFrame(rows).to_csv(out, index=False)
+
+
 def protocol_parser(description: str | None):
     """The command line of such an experiment: ``CONFIG OUT.csv [--segments N ...] [--threads N]``."""
     import argparse

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pandas as pd
-
-from bench.heldout import DECODE, PREFILL, protocol_parser, protocol_runs, protocol_switch
+from bench.heldout import DECODE, PREFILL, protocol_parser, protocol_runs, protocol_switch, record
 from kverr.config import WHICH, CacheConfig
 from kverr.hf.reference import KverrLayer
 from kverr.memory import account, group_bytes, model_shape
@@ -123,12 +121,10 @@ def main(argv=None) -> int:
         ON.update(tier=on, scales={})
 
     for seg, off, on, measured in protocol_switch(loaded, cfg, runs, switch, refit=a.refit, skip_base=a.skip_base):
-        rows.append({"config": name, "tier": a.sides if on else None, "clip": a.clip if on else None,
-                     "widen": a.widen if on else None, "bits": base + (extra if on else 0.0),
-                     "segment": seg, "offset": off, **measured})
-        print(f"{name} seg {seg} tier {rows[-1]['tier']}: mean KL {rows[-1]['mean_kl']:.4g} "
-              f"top-1 {rows[-1]['top1']:.3f}", flush=True)
-        pd.DataFrame(rows).to_csv(a.out, index=False)
+        row = {"config": name, "tier": a.sides if on else None, "clip": a.clip if on else None,
+               "widen": a.widen if on else None, "bits": base + (extra if on else 0.0),
+               "segment": seg, "offset": off, **measured}
+        record(rows, row, a.out, f"{name} seg {seg} tier {row['tier']}")
     return 0
 
 

@@ -20,10 +20,9 @@ Usage (from the repository root): PYTHONPATH=. python experiments/does-compensat
 """
 from __future__ import annotations
 
-import pandas as pd
 import torch
 
-from bench.heldout import protocol_parser, protocol_runs, protocol_switch
+from bench.heldout import protocol_parser, protocol_runs, protocol_switch, record
 from kverr.hf.reference import KverrLayer
 from kverr.quant.compensated import compensable, compensated_quantize
 
@@ -100,11 +99,9 @@ def main(argv=None) -> int:
     for seg, off, on, measured in protocol_switch(loaded, cfg, runs, lambda on: ON.update(values=on),
                                                   refit=a.refit, skip_base=a.skip_base):
         name = "compensated" if on else "nearest"
-        rows.append({"config": cfg.name + ("+ck" if a.keys == "compensated" else "") + ("+refit" if a.refit else ""),
-                     "values": name, "weight": a.weight if on else None, "segment": seg, "offset": off, **measured})
-        print(f"{rows[-1]['config']} seg {seg} values {name}: mean KL {rows[-1]['mean_kl']:.4g} "
-              f"top-1 {rows[-1]['top1']:.3f}", flush=True)
-        pd.DataFrame(rows).to_csv(a.out, index=False)
+        row = {"config": cfg.name + ("+ck" if a.keys == "compensated" else "") + ("+refit" if a.refit else ""),
+               "values": name, "weight": a.weight if on else None, "segment": seg, "offset": off, **measured}
+        record(rows, row, a.out, f"{row['config']} seg {seg} values {name}")
     return 0
 
 

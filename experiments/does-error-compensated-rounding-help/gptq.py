@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import pandas as pd
 import torch
 
-from bench.heldout import protocol_parser, protocol_runs, protocol_switch
+from bench.heldout import protocol_parser, protocol_runs, protocol_switch, record
 from kverr.config import CacheConfig
 from kverr.hf.reference import KverrLayer
 from kverr.quant.formats import is_static
@@ -193,9 +192,7 @@ def main(argv=None) -> int:
             row.update(key_cost_nearest=near, key_cost_compensated=comp)
             print(f"  predicted key cost over the cache: compensated / nearest = {comp / near:.3f}; per layer "
                   + " ".join(f"{li}:{c[1] / c[0]:.2f}" for li, c in sorted(COST.items()) if c[0] > 0), flush=True)
-        rows.append(row)
-        print(f"{cfg.name} seg {seg} {name}: mean KL {row['mean_kl']:.4g} top-1 {row['top1']:.3f}", flush=True)
-        pd.DataFrame(rows).to_csv(a.out, index=False)
+        record(rows, row, a.out, f"{cfg.name} seg {seg} {name}")
     return 0
 
 
