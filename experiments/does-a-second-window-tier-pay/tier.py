@@ -31,11 +31,11 @@ from bench.heldout import DECODE, PREFILL, protocol_parser, protocol_runs, proto
 from kverr.config import WHICH, CacheConfig
 from kverr.hf.reference import KverrLayer
 from kverr.memory import account, group_bytes, model_shape
-from kverr.quant import quantize
 from kverr.quant.formats import AbsMax, QuantFormat, is_static
 from kverr.quant.reference import codes_nbytes
+from kverr.quant.store import _static_metadata
 
-ON = {"tier": False, "sides": "k", "prefill": PREFILL, "scales": {}, "clip": "config", "widen": 1}
+ON = {"tier": False, "sides": "k", "scales": {}, "clip": "config", "widen": 1}
 
 
 def widened(fmt: QuantFormat) -> QuantFormat | None:
@@ -60,13 +60,11 @@ def quantize_tiered(self, which, g, x):
     wide = widened(g.fmt) if ON["tier"] and which in ON["sides"] else None
     if wide is None:
         return _quantize(self, which, g, x)
-    if g.n_sinks + g.n_quantized < ON["prefill"]:  # the prompt: the config's format
+    if g.n_sinks + g.n_quantized < PREFILL:  # the prompt: the config's format
         key = (self.layer_idx, which, tuple(g.heads))
         if is_static(wide.granularity) and key not in ON["scales"]:  # the tier's scales, on the same tokens
-            fit = self._fit_tokens(g, x)
-            B, h, n, D = fit.shape
-            ref = quantize(fit.permute(1, 0, 2, 3).reshape(1, h, B * n, D), wide, page_size=self.config.page_size)
-            ON["scales"][key] = (ref.scale[0], None if ref.zero is None else ref.zero[0])
+            meta = _static_metadata(self._fit_tokens(g, x), wide, self.config.page_size)
+            ON["scales"][key] = (meta["scale"][0], None if meta["zero"] is None else meta["zero"][0])
         return _quantize(self, which, g, x)
     scale, zero = ON["scales"].get((self.layer_idx, which, tuple(g.heads)), (None, None))
     return self._encode(replace(g, fmt=wide), x, scale, zero)
