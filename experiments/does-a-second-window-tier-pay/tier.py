@@ -33,7 +33,7 @@ from kverr.hf.reference import KverrLayer
 from kverr.memory import account, group_bytes, model_shape
 from kverr.quant.formats import AbsMax, QuantFormat, is_static
 from kverr.quant.reference import codes_nbytes
-from kverr.quant.store import _static_metadata
+from kverr.quant.store import fit_static_scales
 
 ON = {"tier": False, "sides": "k", "scales": {}, "clip": "config", "widen": 1}
 
@@ -63,8 +63,7 @@ def quantize_tiered(self, which, g, x):
     if g.n_sinks + g.n_quantized < PREFILL:  # the prompt: the config's format
         key = (self.layer_idx, which, tuple(g.heads))
         if is_static(wide.granularity) and key not in ON["scales"]:  # the tier's scales, on the same tokens
-            meta = _static_metadata(self._fit_tokens(g, x), wide, self.config.page_size)
-            ON["scales"][key] = (meta["scale"][0], None if meta["zero"] is None else meta["zero"][0])
+            ON["scales"][key] = fit_static_scales([self._fit_tokens(g, x)], wide, self.config.page_size)
         return _quantize(self, which, g, x)
     scale, zero = ON["scales"].get((self.layer_idx, which, tuple(g.heads)), (None, None))
     return self._encode(replace(g, fmt=wide), x, scale, zero)

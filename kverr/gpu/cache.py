@@ -63,7 +63,7 @@ from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
 from kverr.quant.formats import TORCH_DTYPES, window_format
 from kverr.quant.reference import QTensor, dequantize
-from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, quantize_region, receive
+from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, receive
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def calibrate_static_scales(config, keys, values) -> dict[tuple[int, str, int], 
     config : CacheConfig
     keys, values : list of array ``[B, kv_head, token, channel]``, one per layer
         The scales are taken, as :class:`kverr.quant.ReferenceStore` takes them, jointly over
-        the quantized tokens of all ``B`` sequences with :func:`kverr.quant.quantize_region`.
+        the quantized tokens of all ``B`` sequences with :func:`kverr.quant.store.fit_static_scales`.
 
     Returns
     -------
@@ -183,7 +183,7 @@ def layer_static_scales(config, layer: int, k, v, salient: torch.Tensor | None =
     """:func:`calibrate_static_scales` of one layer (``k, v [B, kv_head, token, channel]``);
     ``salient [B, kv_head, m]``: the prefill's salient positions, left out of the fit on the sides
     that keep their rows (as :class:`kverr.hf.KverrCache` leaves them out)."""
-    from kverr.quant.store import token_regions, without_salient
+    from kverr.quant.store import fit_static_scales, token_regions, without_salient
 
     out = {}
     for which, x in (("k", k), ("v", v)):
@@ -199,8 +199,7 @@ def layer_static_scales(config, layer: int, k, v, salient: torch.Tensor | None =
                 region = without_salient(x[:, heads, start:end], rel)
             else:
                 region = x[:, heads]
-            qt = quantize_region(region, fmt, config.page_size)
-            out[(layer, which, heads[0])] = (qt.scale[0], None if qt.zero is None else qt.zero[0])
+            out[(layer, which, heads[0])] = fit_static_scales([region], fmt, config.page_size)
     return out
 
 

@@ -66,7 +66,7 @@ from kverr.config import WHICH, CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant import QTensor, QuantFormat, dequantize, is_static, quantize, token_block
 from kverr.quant.compensated import compensable, compensated_quantize, query_moment, turned_cost
-from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, without_salient
+from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, fit_static_scales, without_salient
 from kverr.quant.reference import table_nbytes
 from kverr.rope import rotate, unrotate
 
@@ -459,8 +459,7 @@ class KverrLayer(CacheLayerMixin):
                         blocks.append(row._fit_tokens(g, g.pending.tokens(0, n).float()))
                 if not blocks:
                     continue
-                ref = quantize(torch.cat(blocks, dim=2), g0.fmt, page_size=self.config.page_size)
-                scale, zero = ref.scale[0], None if ref.zero is None else ref.zero[0]
+                scale, zero = fit_static_scales(blocks, g0.fmt, self.config.page_size)
                 for row in self.rows:
                     row.groups[w][gi].static_scale, row.groups[w][gi].static_zero = scale, zero
 
@@ -515,10 +514,7 @@ class KverrLayer(CacheLayerMixin):
             if given is not None:
                 g.static_scale, g.static_zero = given
             else:  # first chunk (the prefill) sets the static scales, jointly over the batch
-                fit = self._fit_tokens(g, x)
-                B, h, n, D = fit.shape
-                ref = quantize(fit.permute(1, 0, 2, 3).reshape(1, h, B * n, D), fmt, page_size=P)
-                g.static_scale, g.static_zero = ref.scale[0], None if ref.zero is None else ref.zero[0]
+                g.static_scale, g.static_zero = fit_static_scales([self._fit_tokens(g, x)], fmt, P)
         return self._encode(g, x, g.static_scale, g.static_zero)
 
     def _encode(self, g: _Group, x: torch.Tensor, scale: torch.Tensor | None = None,

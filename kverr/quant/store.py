@@ -33,6 +33,7 @@ held tokens are those of the whole sequence, since token blocks never cross a pa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -200,11 +201,26 @@ def held_tokens(T: int, start: int, end: int, live: int) -> tuple[int, int, int]
     return start - min(live, start), max(0, end - max(start, live)), T - max(end, live)
 
 
+def fit_static_scales(blocks: Sequence[torch.Tensor], fmt: QuantFormat,
+                      page_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The static scales (and zeros, or None) of ``fmt``, fitted jointly over the tokens of every
+    block ``[b, h, n_i, D]`` (the sequences of a batch, which may hold different numbers of
+    tokens): ``[h, ...]``, the shape ``quantize`` takes for every sequence. The one fit of static
+    scales: the reference store, the reference cache and the kernels' cache take theirs here."""
+    if not blocks:
+        raise ShapeError("no tokens to fit static scales on")
+    h, D = blocks[0].shape[1], blocks[0].shape[3]
+    if any(b.dim() != 4 or b.shape[1] != h or b.shape[3] != D for b in blocks):
+        raise ShapeError(f"blocks of shapes {[tuple(b.shape) for b in blocks]}: want [b, {h}, n, {D}] each")
+    tokens = torch.cat([b.permute(1, 0, 2, 3).reshape(1, h, -1, D) for b in blocks], dim=2)
+    ref = quantize(tokens, fmt, page_size=page_size)
+    return ref.scale[0], None if ref.zero is None else ref.zero[0]
+
+
 def _static_metadata(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> dict:
     """Static scales (and zeros) taken jointly over the ``B`` sequences of ``x [B, h, n, D]``."""
-    B, h, n, D = x.shape
-    ref = quantize(x.permute(1, 0, 2, 3).reshape(1, h, B * n, D), fmt, page_size=page_size)
-    return {"scale": ref.scale, "zero": ref.zero}
+    scale, zero = fit_static_scales([x], fmt, page_size)
+    return {"scale": scale[None], "zero": None if zero is None else zero[None]}
 
 
 def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> QTensor:

@@ -553,3 +553,22 @@ def test_round_trip_without_codes_is_the_codes_round_trip_bit_for_bit(bits, symm
     want = decode_blocks(fmt, encode_blocks(fmt, x, s, m), s, m)
     got = round_trip_blocks(fmt, x, s, m)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_static_scales_fit_a_ragged_batch_as_one_run_of_its_tokens():
+    """fit_static_scales pools the tokens of sequences of different lengths per head and channel:
+    the same scales and zeros as one sequence holding all of them, and each head keeps its own."""
+    from kverr.quant.store import fit_static_scales
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1, 3, 5, 16, generator=g), torch.randn(2, 3, 4, 16, generator=g) * 3
+    fmt = int_format(3, PerChannel(None), clip=MSEClip())
+    pooled = torch.cat([a[0], b[0], b[1]], dim=1)[None]  # [1, h, 13, D]
+    scale, zero = fit_static_scales([a, b], fmt, PAGE)
+    want = quantize(pooled, fmt, page_size=PAGE)
+    assert torch.equal(scale, want.scale[0]) and torch.equal(zero, want.zero[0])
+    assert not torch.equal(scale[0], scale[1])  # a head's scales come from its own tokens
+    with pytest.raises(ShapeError, match="want"):
+        fit_static_scales([a, b[:, :2]], fmt, PAGE)
+    with pytest.raises(ShapeError, match="no tokens"):
+        fit_static_scales([], fmt, PAGE)
