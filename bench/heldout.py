@@ -135,12 +135,14 @@ def protocol_runs(args):
     return loaded, cfg, runs()
 
 
-def protocol_switch(loaded, cfg, runs, switch, *, refit: bool = False, skip_base: bool = False):
+def protocol_switch(loaded, cfg, runs, switch, *, refit: bool = False, skip_base: bool = False,
+                    settings=(False, True)):
     """For an experiment that changes what a cache does by a switch (a patched method reading a
     flag): per segment of ``runs`` (:func:`protocol_runs`), ``cfg`` (its widths refit on the
-    segment's prompt with ``refit``, as ``kverr evaluate --refit-widths``) teacher-forced with
-    the switch off (unless ``skip_base``) and on, ``switch(on)`` called before each; yields
-    ``(segment, offset, on, kverr.evaluation.compare(...))``."""
+    segment's prompt with ``refit``, as ``kverr evaluate --refit-widths``) teacher-forced once per
+    setting of the switch (off and on; the first, the base, left out with ``skip_base``),
+    ``switch(setting)`` called before each; yields ``(segment, offset, setting,
+    kverr.evaluation.compare(...))``."""
     from kverr.calibration.refit import refit_widths
     from kverr.capturing import capture
     from kverr.evaluation import compare, teacher_forced
@@ -148,12 +150,10 @@ def protocol_switch(loaded, cfg, runs, switch, *, refit: bool = False, skip_base
 
     for p, seg, off, ids, ref in runs:
         run_cfg = refit_widths(cfg, capture(loaded, ids[:p])) if refit else cfg
-        for on in (False, True):
-            if skip_base and not on:
-                continue
-            switch(on)
+        for setting in settings[1:] if skip_base else settings:
+            switch(setting)
             logp = teacher_forced(loaded.model, KverrCache.for_model(loaded.model, run_cfg), ids, p, flush=True)
-            yield seg, off, on, compare(ref, logp, ids[p + 1:])
+            yield seg, off, setting, compare(ref, logp, ids[p + 1:])
 
 
 def record(rows: list, row: dict, out, what: str) -> None:

@@ -8,18 +8,20 @@ as the int8 rows the window held (both K and V, the same positions), chosen by `
 queries that read them while they were in the window (positions ``t .. t + R - 1``) and the kv head's
 query heads, from the full-precision run's attention (what a server would take from its own run).
 
+Each row's ``bits``: the config's effective bits at ``--context`` tokens (static bytes shared by
+``--batch`` sequences, the prompt quantized whole) plus the kept rows (:func:`row_bits`).
+
 Usage (from the repository root): PYTHONPATH=. python experiments/where-does-the-held-out-kl-come-from/decode_salient.py
-    CONFIG OUT.csv [--segments 0] [--keep 1 2 4]
+    CONFIG OUT.csv [--segments 0] [--keep 0 2 8] [--compensated-keys] [--refit]
 """
 from __future__ import annotations
 
-import pandas as pd
 import torch
 
-from bench.heldout import protocol_parser, protocol_runs
-from kverr.evaluation import compare, teacher_forced
-from kverr.hf import KverrCache
+from bench.heldout import DECODE, PREFILL, protocol_parser, protocol_runs, protocol_switch, record
 from kverr.hf.reference import KverrLayer
+from kverr.memory import account, model_shape, window_row_sections
+from kverr.quant.store import SALIENT_INDEX_BYTES
 from kverr.rope import rotate
 
 KEEP: dict = {}  # layer -> [kv head, k] absolute positions kept, or empty
@@ -74,33 +76,59 @@ def decode_saliency(model, ids, prefill, window):
     return torch.stack(sal)
 
 
+def row_bits(kept: int, context: int) -> float:
+    """Bits per cached element at ``context`` tokens that ``kept`` rows per (layer, kv head) add on
+    both sides: each a window-dtype row and a position, as :mod:`kverr.memory` counts a salient
+    prompt token's (int8: ``D`` codes and an fp16 scale, and a 4-byte position; row alignment
+    left out), beside the token's codes."""
+    D = model_shape("default").head_dim
+    per_row = sum(window_row_sections("int8", D)) + SALIENT_INDEX_BYTES
+    return 8 * kept * per_row / (D * context)
+
+
 def main(argv=None) -> int:
     ap = protocol_parser(__doc__)
-    ap.add_argument("--keep", type=int, nargs="+", default=[1, 2, 4], help="decode tokens kept per block")
+    ap.add_argument("--keep", type=int, nargs="+", default=[1, 2, 4],
+                    help="decode tokens kept per block, a run each (0: the config as is)")
     ap.add_argument("--block", type=int, default=64, help="decode tokens per block")
+    ap.add_argument("--compensated-keys", action="store_true", help="keys rounded with compensation (+ck)")
+    ap.add_argument("--refit", action="store_true", help="widths refit on each prompt (kverr evaluate --refit-widths)")
+    ap.add_argument("--context", type=int, default=PREFILL + DECODE, help="context the bits count at")
+    ap.add_argument("--batch", type=int, default=8, help="sequences the static bytes are shared by")
     a = ap.parse_args(argv)
     loaded, cfg, runs = protocol_runs(a)
+    if cfg.window_dtype != "int8":
+        raise SystemExit(f"{a.config}: the kept rows are the int8 window's; this config's window is {cfg.window_dtype}")
+    if a.compensated_keys:
+        cfg = cfg.with_(key_rounding="compensated")
     model = loaded.model
+    base = account(cfg, model_shape("default"), a.context, batch=a.batch, prefill_quantized=PREFILL).effective_bits
+    name = cfg.name + ("+ck" if a.compensated_keys else "") + ("+refit" if a.refit else "")
+    now: dict = {}  # the segment being run: its prompt length and decode saliency
+
+    def with_saliency(runs):
+        for p, seg, off, ids, ref in runs:
+            now.update(p=p, sal=decode_saliency(model, ids, p, cfg.window), n_q=ids.shape[0] - 1 - p - cfg.window)
+            yield p, seg, off, ids, ref
+
+    def switch(k):
+        KEEP.clear()
+        SAVED.clear()
+        sal, p, n_q = now["sal"], now["p"], now["n_q"]
+        for li in range(sal.shape[0]):
+            picks = []
+            for b0 in range(0, n_q, a.block):
+                s = sal[li, :, b0:min(n_q, b0 + a.block)]
+                picks.append(s.topk(min(k, s.shape[-1]), dim=-1).indices + b0 + p)
+            KEEP[li] = torch.cat(picks, dim=-1) if k else torch.zeros(sal.shape[1], 0, dtype=torch.long)
+        now["kept"] = KEEP[0].shape[-1]
+
     rows = []
-    for p, seg, off, ids, ref in runs:
-        sal = decode_saliency(model, ids, p, cfg.window)
-        n_q = ids.shape[0] - 1 - p - cfg.window  # decode tokens that leave the window
-        for k in a.keep:
-            KEEP.clear()
-            SAVED.clear()
-            for li in range(sal.shape[0]):
-                picks = []
-                for b0 in range(0, n_q, a.block):
-                    s = sal[li, :, b0:min(n_q, b0 + a.block)]
-                    picks.append(s.topk(min(k, s.shape[-1]), dim=-1).indices + b0 + p)
-                KEEP[li] = torch.cat(picks, dim=-1) if k else torch.zeros(sal.shape[1], 0, dtype=torch.long)
-            logp = teacher_forced(model, KverrCache.for_model(model, cfg), ids, p, flush=True)
-            row = {"config": cfg.name, "segment": seg, "offset": off, "keep_per_block": k, "block": a.block,
-                   **compare(ref, logp, ids[p + 1:])}
-            rows.append(row)
-            print(f"{cfg.name} seg {seg} keep {k}/{a.block}: mean KL {row['mean_kl']:.4g} top-1 {row['top1']:.3f}",
-                  flush=True)
-            pd.DataFrame(rows).to_csv(a.out, index=False)
+    for seg, off, k, measured in protocol_switch(loaded, cfg, with_saliency(runs), switch, refit=a.refit,
+                                                 settings=a.keep):
+        row = {"config": name, "segment": seg, "offset": off, "keep_per_block": k, "block": a.block,
+               "bits": base + row_bits(now["kept"], a.context), **measured}
+        record(rows, row, a.out, f"{name} seg {seg} keep {k}/{a.block} ({row['bits']:.4f} bits)")
     return 0
 
 
