@@ -209,9 +209,10 @@ def fit_static_scales(blocks: Sequence[torch.Tensor], fmt: QuantFormat,
     scales: the reference store, the reference cache and the kernels' cache take theirs here."""
     if not blocks:
         raise ShapeError("no tokens to fit static scales on")
-    h, D = blocks[0].shape[1], blocks[0].shape[3]
-    if any(b.dim() != 4 or b.shape[1] != h or b.shape[3] != D for b in blocks):
-        raise ShapeError(f"blocks of shapes {[tuple(b.shape) for b in blocks]}: want [b, {h}, n, {D}] each")
+    shapes = [tuple(b.shape) for b in blocks]
+    if any(len(s) != 4 or (s[1], s[3]) != (shapes[0][1], shapes[0][3]) for s in shapes):
+        raise ShapeError(f"blocks of shapes {shapes}: want [b, h, n, D] each, with one h and one D")
+    h, D = shapes[0][1], shapes[0][3]
     tokens = torch.cat([b.permute(1, 0, 2, 3).reshape(1, h, -1, D) for b in blocks], dim=2)
     ref = quantize(tokens, fmt, page_size=page_size)
     return ref.scale[0], None if ref.zero is None else ref.zero[0]

@@ -568,7 +568,8 @@ def test_static_scales_fit_a_ragged_batch_as_one_run_of_its_tokens():
     want = quantize(pooled, fmt, page_size=PAGE)
     assert torch.equal(scale, want.scale[0]) and torch.equal(zero, want.zero[0])
     assert not torch.equal(scale[0], scale[1])  # a head's scales come from its own tokens
-    with pytest.raises(ShapeError, match="want"):
-        fit_static_scales([a, b[:, :2]], fmt, PAGE)
+    for bad in ([a, b[:, :2]], [a[0]]):
+        with pytest.raises(ShapeError, match="want"):
+            fit_static_scales(bad, fmt, PAGE)
     with pytest.raises(ShapeError, match="no tokens"):
         fit_static_scales([], fmt, PAGE)
