@@ -180,9 +180,12 @@ def head_bytes(
     *,
     which: str,
     batch: int = 1,
+    width_tables: bool = False,
 ) -> int:
     """Exact cache bytes of one kv head's keys or values (``which``) stored with ``fmt`` at ``context`` tokens
-    for ``batch`` sequences (their static bytes counted once).
+    for ``batch`` sequences (their static bytes counted once); with ``width_tables``, a format with
+    per-channel widths also counts the width table each sequence stores when its widths are refit
+    on its prompt (:func:`kverr.calibration.refit.width_row_nbytes`).
 
     Counted by :func:`kverr.memory.account` on a one-layer, one-head model, so payload, scales,
     zero points, page rounding, alignment, sinks and window are all included; because no
@@ -197,4 +200,9 @@ def head_bytes(
         salient_sides=option.salient_sides,
     )
     shape = ModelShape(1, 1, head_dim, sliding_windows=(sliding_window,))
-    return account(cfg, shape, context, batch=batch).per_layer[0][which].total
+    nbytes = account(cfg, shape, context, batch=batch).per_layer[0][which].total
+    if width_tables and fmt.channel_bits is not None:
+        from .refit import width_row_nbytes
+
+        nbytes += batch * width_row_nbytes(head_dim)
+    return nbytes

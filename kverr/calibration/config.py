@@ -135,6 +135,13 @@ class CalibrationConfig:
         rotations), so effective bits are ``8 x bytes / (2 x layers x kv heads x head dim x
         context x batch)``, as :func:`kverr.memory.account` counts them at ``batch``. Formats with
         static bytes cost less per sequence as the batch grows.
+    refit_widths : bool
+        The configs will be served with their per-channel widths refit on each prompt
+        (:mod:`kverr.calibration.refit`, ``kverr evaluate --refit-widths``): every sequence then
+        stores its own width tables, and the budget counts them
+        (:func:`~kverr.calibration.refit.width_row_nbytes` per sequence and per (layer, kv head,
+        K|V) with per-channel widths), so the refit configs stay within it. The provenance
+        records ``refit_widths``.
     step_tokens, step_batch, gpu
         Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
         GPU of :data:`kverr.cost.GPUS`.
@@ -166,6 +173,7 @@ class CalibrationConfig:
     max_groups_per_layer: int | None = None
     max_step_time: float | None = None
     batch: int = 1
+    refit_widths: bool = False
     step_tokens: int | None = None
     step_batch: int = 1
     gpu: str = "h200"
@@ -197,8 +205,9 @@ class CalibrationConfig:
             put("options", opts)
         if self.candidates not in CANDIDATE_SETS:
             raise _fail("candidates", self.candidates, f"one of {', '.join(CANDIDATE_SETS)}")
-        if not isinstance(self.codebooks, bool):
-            raise _fail("codebooks", self.codebooks, "true or false")
+        for name in ("codebooks", "refit_widths"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, getattr(self, name), "true or false")
         for name in ("cands_k", "cands_v"):
             value = getattr(self, name)
             if value is not None:

@@ -46,12 +46,18 @@ def has_channel_widths(config: CacheConfig) -> bool:
     return any(f.channel_bits is not None for _, f in config._all_formats())
 
 
+def width_row_nbytes(head_dim: int) -> int:
+    """Bytes one sequence stores for the refit widths of one (layer, kv head, K|V):
+    :data:`WIDTH_INDEX_BITS` per channel, packed."""
+    return packed_nbytes(head_dim, WIDTH_INDEX_BITS)
+
+
 def add_width_tables(report: Any, config: CacheConfig) -> None:
     """Add to a :class:`~kverr.memory.MemoryReport` of ``config`` the width tables each of its
     sequences stores (:func:`width_table_nbytes`), as metadata of the quantized tokens
     (``scales``) of their layer and side."""
     s = report.shape
-    row = packed_nbytes(s.head_dim, WIDTH_INDEX_BITS) * report.batch
+    row = width_row_nbytes(s.head_dim) * report.batch
     for layer, _, w in refit_sides(config, s.n_layers, s.n_kv_heads):
         report.per_layer[layer][w].scales += row
 
@@ -59,7 +65,7 @@ def add_width_tables(report: Any, config: CacheConfig) -> None:
 def width_table_nbytes(config: CacheConfig, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
     """Bytes one sequence stores for its refit widths: :data:`WIDTH_INDEX_BITS` per channel of
     every (layer, kv head, K|V) with per-channel widths, each row packed on its own."""
-    return len(refit_sides(config, n_layers, n_kv_heads)) * packed_nbytes(head_dim, WIDTH_INDEX_BITS)
+    return len(refit_sides(config, n_layers, n_kv_heads)) * width_row_nbytes(head_dim)
 
 
 def refit_widths(config: CacheConfig, prompt: Any, *, queries: int = QUERIES) -> CacheConfig:

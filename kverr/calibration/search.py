@@ -194,6 +194,7 @@ class Search:
     seconds: dict[str, float] = field(default_factory=dict)
     max_groups_per_layer: int | None = None
     batch: int = 1  # sequences the bytes are counted for (static bytes once)
+    width_tables: bool = False  # each sequence's refit width tables counted (CalibrationConfig.refit_widths)
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
@@ -536,9 +537,9 @@ def _groups(scores: Scores, opt_i: int, n_kv: int, weights: tuple[np.ndarray, np
 
 
 def _costs(cands, opt, head_dim, context, page_size, window_dtype, align, sliding_window=0, *, which,
-           batch=1) -> np.ndarray:
+           batch=1, width_tables=False) -> np.ndarray:
     return np.array([head_bytes(f, opt, head_dim, context, page_size, window_dtype, align, sliding_window,
-                                which=which, batch=batch) for f in cands], dtype=np.int64)
+                                which=which, batch=batch, width_tables=width_tables) for f in cands], dtype=np.int64)
 
 
 def _layer_windows(windows: Sequence[int] | None, n_layers: int) -> list[int]:
@@ -577,6 +578,7 @@ def check_budget(
     context_from: str | None = None,
     sliding_windows: Sequence[int] | None = None,
     batch: int = 1,
+    width_tables: bool = False,
 ) -> tuple[str, tuple[QuantFormat, ...], tuple[QuantFormat, ...]]:
     """Check, from the model's shape alone, that :func:`calibrate` can meet ``budget_bits``.
 
@@ -600,6 +602,9 @@ def check_budget(
         its window, whatever the context.
     batch : int
         Sequences the bytes are counted for, their static bytes once (:class:`CalibrationConfig`).
+    width_tables : bool
+        Count each sequence's width tables of the formats with per-channel widths
+        (:attr:`CalibrationConfig.refit_widths`).
 
     Returns
     -------
@@ -636,7 +641,8 @@ def check_budget(
     # Infeasible budgets are refused before any scoring work.
     windows = _layer_windows(sliding_windows, n_layers)
     cheapest = min(
-        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align, w, which=s, batch=batch)))
+        sum(int(min(_costs(c, o, head_dim, context, page_size, window_dtype, align, w, which=s, batch=batch,
+                           width_tables=width_tables)))
             * windows.count(w) for s, c in (("k", cands_k), ("v", cands_v)) for w in set(windows)) * n_kv
         for o in options
     )
@@ -776,7 +782,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                          cands_k=cands_k, cands_v=cands_v, page_size=cfg.page_size, window_dtype=key[0],
                          align=cfg.align,
                          context_from=None if cfg.context else f"the capture's length, {n_tok} tokens",
-                         sliding_windows=kv.shape.sliding_windows, batch=cfg.batch)
+                         sliding_windows=kv.shape.sliding_windows, batch=cfg.batch,
+                         width_tables=cfg.refit_widths)
     if scores is not None:
         for name, want in (("decode", cfg.decode), ("options", options)):
             if getattr(scores, name) != want:
@@ -839,14 +846,14 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                                         head_dim=head_dim, context=context, page_size=cfg.page_size,
                                         window_dtype=key[0], align=cfg.align, max_bytes=max_bytes,
                                         max_groups=max_groups, sliding_windows=kv.shape.sliding_windows,
-                                        batch=cfg.batch)
+                                        batch=cfg.batch, width_tables=cfg.refit_widths)
         return Search(
             window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
             scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
             sensitivity=sensitivity, shape=kv.shape, context=context, page_size=cfg.page_size, align=cfg.align,
             objective=cfg.objective, capture=kv.provenance,
             seconds={"score": score_s[key], "search": time.perf_counter() - ts},
-            max_groups_per_layer=max_groups, batch=cfg.batch)
+            max_groups_per_layer=max_groups, batch=cfg.batch, width_tables=cfg.refit_widths)
 
     searches = [search(key, cfg.max_groups_per_layer) for key in order]
     configs, choices, index = {}, {}, {}
@@ -919,7 +926,7 @@ def _grouped_solve(dmg: list[np.ndarray], ck: list[np.ndarray], cv: list[np.ndar
 
 def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, head_dim: int, context: int,
               page_size: int, window_dtype: str, align: int, max_bytes: int, max_groups: int | None = None,
-              sliding_windows: Sequence[int] | None = None, batch: int = 1):
+              sliding_windows: Sequence[int] | None = None, batch: int = 1, width_tables: bool = False):
     """The knapsack frontier of every outer option, and their common Pareto frontier (with at
     most ``max_groups`` (K, V) format pairs per layer when given). A candidate's bytes depend on
     its layer's sliding window (a sliding layer holds only its window)."""
@@ -930,7 +937,8 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
     for oi, opt in enumerate(options):
         keys, dmg = _groups(scores, oi, n_kv, weights)
         windows = _layer_windows(sliding_windows, n_layers)
-        by_w = {w: tuple(_costs(c, opt, head_dim, context, page_size, window_dtype, align, w, which=s, batch=batch)
+        by_w = {w: tuple(_costs(c, opt, head_dim, context, page_size, window_dtype, align, w, which=s, batch=batch,
+                                width_tables=width_tables)
                          for s, c in (("k", scores.cands_k), ("v", scores.cands_v)))
                 for w in set(windows)}
         ck = [by_w[windows[layer]][0] for layer in scores.layers]
@@ -990,7 +998,8 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
         b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
-                       search.shape.sliding_window(layer), which=w, batch=search.batch)
+                       search.shape.sliding_window(layer), which=w, batch=search.batch,
+                       width_tables=search.width_tables)
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.element_bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
                          bytes=b, predicted=float(d), relative=rel))
@@ -1017,6 +1026,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         "bytes": nbytes,
         "context_tokens": context,
         "batch": search.batch,
+        **({"refit_widths": True} if search.width_tables else {}),
         "objective": OBJECTIVES[search.objective],
         "objective_definition": OBJECTIVE_KL_DOC if search.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),

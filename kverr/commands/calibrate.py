@@ -69,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=1,
                    help="sequences the budget counts together, static bytes (static scales, codebooks) "
                    "once for them all (default: 1)")
+    p.add_argument("--refit-widths", action="store_true",
+                   help="the configs will be served with their per-channel widths refit on each prompt "
+                   "(kverr evaluate --refit-widths): count the width tables each sequence then stores")
     p.add_argument("--sinks", type=_ints, metavar="S[,S...]",
                    help="full-precision sink tokens to try, crossed with --window (default: the pairs "
                    "S0/R0, S4/R16, S4/R32, S4/R64)")
@@ -155,7 +158,8 @@ def settings_of(args: argparse.Namespace):
     from kverr.calibration import CalibrationConfig
 
     return CalibrationConfig(
-        budgets=tuple(args.budget_bits), context=args.context, batch=args.batch, key_rope=args.key_rope,
+        budgets=tuple(args.budget_bits), context=args.context, batch=args.batch,
+        refit_widths=args.refit_widths, key_rope=args.key_rope,
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,

@@ -341,6 +341,48 @@ def test_fitted_channel_widths_are_scored_written_and_predicted_alike(tiny_captu
     assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
 
 
+def test_refit_widths_count_each_sequences_width_tables(tiny_capture, tmp_path):
+    """With ``refit_widths`` the budget holds the config's bytes with the width tables every
+    sequence stores when its widths are refit (as ``kverr evaluate --refit-widths`` counts them),
+    which the default count leaves out; a template costs one table row per sequence more, a
+    format without widths nothing."""
+    from kverr.calibration.refit import add_width_tables, width_row_nbytes
+    from kverr.catalog import template
+
+    cap, path, loaded = tiny_capture
+    D = loaded.head_dim
+    tmpls = (template(1.5, D), template(2.5, D))
+    cands = (int_format(2, PerChannel(None)), *tmpls, float_format("fp16"))
+    common = dict(context=160, options=(OuterOption(sinks=4),), cands_k=cands, cands_v=cands, queries=16,
+                  objective="rel", batch=4)
+    plain = cal_at(cap, 2.5, **common)
+    refit = cal_at(cap, 2.5, scores=plain.scores, refit_widths=True, **common)
+    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, D)
+    for cal in (plain, refit):
+        rep = account(cal.config, shape, 160, batch=4)
+        counted = rep.total_bytes
+        add_width_tables(rep, cal.config)
+        assert rep.total_bytes > counted  # both chose formats with per-channel widths
+        if cal is refit:
+            assert rep.total_bytes == cal.config.provenance["bytes"] and rep.effective_bits <= 2.5
+        else:
+            assert counted == cal.config.provenance["bytes"]
+    assert refit.config.provenance["refit_widths"] is True and "refit_widths" not in plain.config.provenance
+    opt = OuterOption(sinks=4)
+    for f, extra in ((tmpls[0], 4 * width_row_nbytes(D)), (cands[0], 0)):
+        assert (head_bytes(f, opt, D, 160, which="k", batch=4, width_tables=True)
+                - head_bytes(f, opt, D, 160, which="k", batch=4)) == extra
+    with pytest.raises(ConfigError, match="refit_widths"):
+        CalibrationConfig(budgets=3, refit_widths=1)
+    from kverr.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--capture", str(path), "--budget-bits", "3", "--context", "160", "--refit-widths",
+                 "--candidates", "fitted", "--queries", "8", "--workers", "1", "--objective", "rel",
+                 "--out", str(out)]) == 0
+    assert CacheConfig.load(out).provenance["refit_widths"] is True
+
+
 def test_codebook_candidates_join_the_named_set(tiny_capture):
     """``codebooks=True`` searches the named set and the nine codebook candidates: the search is
     named for both, it counts them, and a superset of candidates predicts no more damage."""
