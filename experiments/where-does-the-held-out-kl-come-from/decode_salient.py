@@ -107,20 +107,24 @@ def main(argv=None) -> int:
     now: dict = {}  # the segment being run: its prompt length and decode saliency
 
     def with_saliency(runs):
-        for p, seg, off, ids, ref in runs:
-            now.update(p=p, sal=decode_saliency(model, ids, p, cfg.window), n_q=ids.shape[0] - 1 - p - cfg.window)
+        for p, seg, off, ids, ref in runs:  # the eager forward for the attention only where rows are kept
+            sal = decode_saliency(model, ids, p, cfg.window) if any(a.keep) else None
+            now.update(p=p, sal=sal, n_q=ids.shape[0] - 1 - p - cfg.window)
             yield p, seg, off, ids, ref
 
     def switch(k):
         KEEP.clear()
         SAVED.clear()
+        now["kept"] = 0
+        if not k:
+            return
         sal, p, n_q = now["sal"], now["p"], now["n_q"]
         for li in range(sal.shape[0]):
             picks = []
             for b0 in range(0, n_q, a.block):
                 s = sal[li, :, b0:min(n_q, b0 + a.block)]
                 picks.append(s.topk(min(k, s.shape[-1]), dim=-1).indices + b0 + p)
-            KEEP[li] = torch.cat(picks, dim=-1) if k else torch.zeros(sal.shape[1], 0, dtype=torch.long)
+            KEEP[li] = torch.cat(picks, dim=-1)
         now["kept"] = KEEP[0].shape[-1]
 
     rows = []

@@ -194,7 +194,7 @@ class Search:
     seconds: dict[str, float] = field(default_factory=dict)
     max_groups_per_layer: int | None = None
     batch: int = 1  # sequences the bytes are counted for (static bytes once)
-    width_tables: bool = False  # each sequence's refit width tables counted (CalibrationConfig.refit_widths)
+    refit_widths: bool = False  # each sequence's width tables counted (CalibrationConfig.refit_widths)
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
@@ -853,7 +853,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
             sensitivity=sensitivity, shape=kv.shape, context=context, page_size=cfg.page_size, align=cfg.align,
             objective=cfg.objective, capture=kv.provenance,
             seconds={"score": score_s[key], "search": time.perf_counter() - ts},
-            max_groups_per_layer=max_groups, batch=cfg.batch, width_tables=cfg.refit_widths)
+            max_groups_per_layer=max_groups, batch=cfg.batch, refit_widths=cfg.refit_widths)
 
     searches = [search(key, cfg.max_groups_per_layer) for key in order]
     configs, choices, index = {}, {}, {}
@@ -999,7 +999,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
         b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
                        search.shape.sliding_window(layer), which=w, batch=search.batch,
-                       width_tables=search.width_tables)
+                       width_tables=search.refit_widths)
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.element_bits,
                          granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
                          bytes=b, predicted=float(d), relative=rel))
@@ -1026,7 +1026,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         "bytes": nbytes,
         "context_tokens": context,
         "batch": search.batch,
-        **({"refit_widths": True} if search.width_tables else {}),
+        **({"refit_widths": True} if search.refit_widths else {}),
         "objective": OBJECTIVES[search.objective],
         "objective_definition": OBJECTIVE_KL_DOC if search.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),
