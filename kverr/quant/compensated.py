@@ -31,6 +31,9 @@ Rules (:func:`compensated_quantize`):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,7 +50,10 @@ from kverr.quant.reference import (
 )
 from kverr.rope import rotate
 
-__all__ = ["DAMP", "compensable", "compensated_quantize", "query_moment", "turned_cost"]
+__all__ = [
+    "DAMP", "CompensationFactor", "KeyCost", "compensable", "compensated_quantize", "compensation_factor", "query_moment",
+    "turned_cost",
+]
 
 #: Damping of the cost, a fraction of its mean diagonal (GPTQ's default).
 DAMP = 0.01
@@ -88,10 +94,132 @@ def turned_cost(moment: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return P @ moment.double()[..., None, :, :] @ P.transpose(-1, -2)
 
 
+@dataclass(frozen=True, eq=False)
+class CompensationFactor:
+    """What the sequential rule fixes before it rounds, per token: the channel order and the upper
+    Cholesky factor ``U`` of the damped ``C_t⁻¹`` in that order (:func:`compensation_factor`).
+
+    ``order`` ``[..., D]`` int64 and ``U`` ``[..., D, D]`` float64 share the cost's leading shape,
+    which broadcasts to the ``[..., H, T]`` of the keys it rounds; ``U`` is stored channel-major
+    (``channel_major`` ``[D, D, ...]``, as the sequential pass reads it: one contiguous row of
+    every token's ``U`` per step). It depends on the format only through its rotation and its
+    channels without bits (``rotate``, ``zeros``), so every format alike in those -- other
+    widths, scales, clips -- rounds with one factor.
+    """
+
+    order: torch.Tensor
+    channel_major: torch.Tensor
+    rotate: str
+    zeros: tuple[bool, ...]
+
+    @property
+    def U(self) -> torch.Tensor:
+        """``[..., D, D]`` (a view of ``channel_major``)."""
+        return self.channel_major.movedim((0, 1), (-2, -1))
+
+    def fits(self, fmt: QuantFormat) -> bool:
+        """Whether ``fmt`` rounds with this factor (same rotation, same channels without bits)."""
+        return (fmt.rotate, _zeros(fmt, self.order.shape[-1])) == (self.rotate, self.zeros)
+
+    def select(self, heads: Any = slice(None), tokens: slice = slice(None)) -> CompensationFactor:
+        """The factor of some kv heads and tokens (the last two leading axes, ``[..., H, T]``); an
+        axis of size 1 broadcasts and is kept whole."""
+        lead = self.order.shape[:-1]
+        if len(lead) < 2:
+            raise ShapeError(f"a factor of leading shape {tuple(lead)} has no [..., H, T] axes to select from")
+        h = slice(None) if lead[-2] == 1 else heads
+        t = slice(None) if lead[-1] == 1 else tokens
+        return CompensationFactor(self.order[..., h, t, :], self.channel_major[..., h, t], self.rotate, self.zeros)
+
+
+def _zeros(fmt: QuantFormat, D: int) -> tuple[bool, ...]:
+    return tuple(b == 0 for b in fmt.channel_bits) if fmt.channel_bits is not None else (False,) * D
+
+
+def _as_cost(cost: Any) -> torch.Tensor:
+    C = torch.as_tensor(cost, dtype=torch.float64)
+    if C.ndim < 2 or C.shape[-1] != C.shape[-2]:
+        raise ShapeError(f"a cost must be [..., D, D], got shape {tuple(C.shape)}")
+    if not bool(torch.isfinite(C).all()):
+        raise ConfigError("the cost holds NaN/Inf")
+    return C
+
+
+def compensation_factor(cost: Any, fmt: QuantFormat, *, damp: float = DAMP) -> CompensationFactor:
+    """The channel order and Cholesky factor the module's rules give ``fmt`` under ``cost``
+    ``[..., D, D]`` (one cost per token, or one that broadcasts over tokens), computed in float64:
+    channels without bits first, then by falling diagonal of the cost in the format's
+    coordinates, ties by channel index; ``U`` of ``(C + λ·mean(diag C)·I)⁻¹`` in that order."""
+    if not damp >= 0 or not math.isfinite(damp):
+        raise ConfigError(f"damp={damp} must be a finite fraction >= 0")
+    return _factor(_as_cost(cost), fmt, damp)
+
+
+def _factor(C: torch.Tensor, fmt: QuantFormat, damp: float) -> CompensationFactor:
+    """:func:`compensation_factor` of a checked float64 cost."""
+    D = C.shape[-1]
+    fmt.check_head_dim(D, "k")
+    if fmt.rotate == "hadamard":
+        A = hadamard_rotate(torch.eye(D)).double()  # x A: the rotated coordinates
+        C = A.T @ C @ A
+    zeros = _zeros(fmt, D)
+    diag = C.diagonal(dim1=-2, dim2=-1)
+    key = torch.where(torch.tensor(zeros), torch.tensor(math.inf, dtype=torch.float64), diag)
+    order = torch.argsort(key, dim=-1, descending=True, stable=True)  # [..., D]
+    C = C.gather(-2, order[..., :, None].expand(C.shape)).gather(-1, order[..., None, :].expand(C.shape))
+    mean = diag.mean(-1)
+    lam = torch.where(mean > 0, damp * mean, torch.ones_like(mean))
+    Cd = C + lam[..., None, None] * torch.eye(D, dtype=torch.float64)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Cd)), upper=True)
+    return CompensationFactor(order, U.movedim((-2, -1), (0, 1)).contiguous(), fmt.rotate, zeros)
+
+
+class KeyCost:
+    """A cost ``[..., H, T, D, D]`` (``T`` may be 1: one cost for every token) with its factors,
+    each computed once per rotation and set of channels without bits, and per kv-head subset
+    asked for (:meth:`factor`): the formats a calibration scores share them."""
+
+    def __init__(self, cost: Any, *, damp: float = DAMP):
+        self.cost = _as_cost(cost)
+        if self.cost.ndim < 4:
+            raise ShapeError(f"a key cost must be [..., H, T, D, D], got shape {tuple(self.cost.shape)}")
+        if not damp >= 0 or not math.isfinite(damp):
+            raise ConfigError(f"damp={damp} must be a finite fraction >= 0")
+        self.damp = damp
+        self._factors: dict = {}
+
+    @property
+    def n_heads(self) -> int:
+        return self.cost.shape[-4]
+
+    def heads(self, heads: Sequence[int]) -> KeyCost:
+        """The cost of some kv heads, with the factors already made for all of them."""
+        idx = list(heads) if self.n_heads > 1 else slice(None)
+        out = KeyCost.__new__(KeyCost)
+        out.cost, out.damp = self.cost[..., idx, :, :, :], self.damp
+        out._factors = {k: f.select(idx) for k, f in self._factors.items() if k[-1] is None}
+        return out
+
+    def factor(self, fmt: QuantFormat, heads: Sequence[int] | None = None) -> CompensationFactor:
+        """The factor of ``fmt`` for all kv heads, or for ``heads`` (leading shape ``[..., len(heads), T]``)."""
+        ident = (fmt.rotate, _zeros(fmt, self.cost.shape[-1]))
+        if heads is not None and (self.n_heads == 1 or list(heads) == list(range(self.n_heads))):
+            heads = None
+        whole = self._factors.get((*ident, None))
+        if heads is None or whole is not None:
+            if whole is None:
+                whole = self._factors[(*ident, None)] = _factor(self.cost, fmt, self.damp)
+            return whole if heads is None else whole.select(list(heads))
+        key = (*ident, tuple(heads))
+        if key not in self._factors:
+            self._factors[key] = _factor(self.cost[..., list(heads), :, :, :], fmt, self.damp)
+        return self._factors[key]
+
+
 def compensated_quantize(
     x: torch.Tensor,
     fmt: QuantFormat,
-    cost: torch.Tensor,
+    cost: Any,
     *,
     page_size: int | None = None,
     scale: torch.Tensor | None = None,
@@ -110,10 +238,12 @@ def compensated_quantize(
     cost
         The cost of an error in each token, broadcastable to ``[..., H, T, D, D]``, in the
         coordinates of ``x`` (before the format's rotation); symmetric positive semi-definite.
+        Or its :class:`CompensationFactor` for ``fmt`` (:func:`compensation_factor`,
+        :meth:`KeyCost.factor`), leading shape broadcastable to ``[..., H, T]``.
     page_size, scale, zero
         As for ``quantize``.
     damp
-        The damping fraction (default :data:`DAMP`).
+        The damping fraction (default :data:`DAMP`; a factor carries its own).
 
     Returns
     -------
@@ -123,57 +253,51 @@ def compensated_quantize(
     if not compensable(fmt):
         raise ConfigError(f"{fmt.label()}: compensated rounding takes integer formats that encode with the stored "
                           "scale; this one keeps nearest rounding")
-    if not damp >= 0 or not math.isfinite(damp):
-        raise ConfigError(f"damp={damp} must be a finite fraction >= 0")
+    if isinstance(cost, CompensationFactor):
+        if not cost.fits(fmt):
+            raise ConfigError(f"{fmt.label()}: the factor was made for rotation {cost.rotate!r} and other channels "
+                              "without bits")
+        factor = cost
+    else:
+        factor = compensation_factor(cost, fmt, damp=damp)
     qt = quantize(x, fmt, page_size=page_size, scale=scale, zero=zero)
     x32 = as_float_tensor(x)
     shape = tuple(x32.shape)
     D = shape[-1]
+    lead = shape[:-1]
     try:
-        C = torch.broadcast_to(torch.as_tensor(cost, dtype=torch.float64), (*shape, D))
+        order = factor.order.expand(*lead, D)
+        cm = factor.channel_major
+        Ut = cm.reshape(D, D, *(1,) * (len(lead) - cm.ndim + 2), *cm.shape[2:]).expand(D, D, *lead)
     except RuntimeError:
-        raise ShapeError(f"cost of shape {tuple(torch.as_tensor(cost).shape)} does not broadcast to "
-                         f"{(*shape, D)} ([..., H, T, D, D] for x of shape {shape})") from None
-    if not bool(torch.isfinite(C).all()):
-        raise ConfigError("the cost holds NaN/Inf")
+        raise ShapeError(f"cost of leading shape {tuple(factor.order.shape[:-1])} does not broadcast to "
+                         f"{lead} ([..., H, T, D, D] for x of shape {shape})") from None
     if fmt.rotate == "hadamard":
         x32 = hadamard_rotate(x32)
-        A = hadamard_rotate(torch.eye(D)).double()  # x A: the rotated coordinates
-        C = A.T @ C @ A
     s, m = qt.element_metadata()
-    N = math.prod(shape[:-1])
-    w = x32.reshape(N, D).double()
-    s, m = s.reshape(N, D), (torch.zeros_like(s) if m is None else m).reshape(N, D)
-    C = C.reshape(N, D, D)
+    w = x32.double()
+    m = torch.zeros_like(s) if m is None else m
     widths = torch.tensor(fmt.channel_bits if fmt.channel_bits is not None else [fmt.bits] * D)
-
-    diag = C.diagonal(dim1=1, dim2=2)
-    key = torch.where(widths == 0, torch.tensor(math.inf, dtype=torch.float64), diag)
-    order = torch.argsort(key, dim=1, descending=True, stable=True)  # [N, D]
-    w, s, m, b = (t.gather(1, order) for t in (w, s, m, widths.expand(N, D)))
-    C = C.gather(1, order[:, :, None].expand(N, D, D)).gather(2, order[:, None, :].expand(N, D, D))
-    mean = diag.mean(1)
-    lam = torch.where(mean > 0, damp * mean, torch.ones_like(mean))
-    Cd = C + lam[:, None, None] * torch.eye(D, dtype=torch.float64)
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Cd)), upper=True)
-
+    # channel-major ([D, ..., H, T]): each step reads one contiguous row of every token's U
+    w, s, m, b = (t.gather(-1, order).movedim(-1, 0).contiguous()
+                  for t in (w, s.expand(shape), m.expand(shape), widths.expand(shape)))
     top = torch.where(b > 0, 2 ** b - 1, 0) if fmt.has_zero else torch.full_like(b, fmt.levels)
-    codes = torch.zeros((N, D), dtype=torch.uint8)
+    codes = torch.zeros((D, *lead), dtype=torch.uint8)
     for j in range(D):
-        sj, mj = s[:, j], m[:, j]
+        sj, mj = s[j], m[j]
         quot = _quotient(fmt, sj)
-        v = w[:, j].float()
+        v = w[j].float()
         if fmt.has_zero:
-            r = torch.minimum(round_codes(fmt, quot(v - mj)).clamp(min=0), top[:, j].float())
-            r = torch.where(b[:, j] > 0, r, torch.zeros_like(r))
-            codes[:, j] = r.to(torch.uint8)
+            r = torch.minimum(round_codes(fmt, quot(v - mj)).clamp(min=0), top[j].float())
+            r = torch.where(b[j] > 0, r, torch.zeros_like(r))
+            codes[j] = r.to(torch.uint8)
             back = r * sj + mj
         else:
             L = float(fmt.levels)
             r = round_codes(fmt, quot(v)).clamp(-L, L)
-            codes[:, j] = (r + 2 ** (fmt.bits - 1)).to(torch.uint8)
+            codes[j] = (r + 2 ** (fmt.bits - 1)).to(torch.uint8)
             back = r * sj
-        err = (w[:, j] - back.double()) / U[:, j, j]
-        w[:, j + 1:] -= err[:, None] * U[:, j, j + 1:]
-    u = torch.empty_like(codes).scatter_(1, order, codes).reshape(shape)
+        err = (w[j] - back.double()) / Ut[j, j]
+        w[j + 1:] -= err[None] * Ut[j, j + 1:]
+    u = torch.empty(shape, dtype=torch.uint8).scatter_(-1, order, codes.movedim(0, -1))
     return QTensor(pack_codes(u, fmt).reshape(qt.codes.shape), qt.scale, qt.zero, fmt, qt.shape, qt.page_size)
