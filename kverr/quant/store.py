@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kverr.exceptions import ConfigError, ShapeError
+from kverr.quant.compensated import KeyCost, compensable, compensated_quantize
 from kverr.quant.formats import TORCH_DTYPES, QuantFormat, is_static, token_block, window_format
 from kverr.quant.reference import (
     QTensor,
@@ -224,15 +225,19 @@ def _static_metadata(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> dict:
     return {"scale": scale[None], "zero": None if zero is None else zero[None]}
 
 
-def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> QTensor:
+def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int, cost=None) -> QTensor:
     """Quantize ``[B, h, n, D]`` (one head group, the quantized tokens of ``B`` sequences).
 
     Static granularities take one set of scales over all ``B`` sequences (as a calibrated
-    static scale would be); the others quantize each sequence on its own.
+    static scale would be); the others quantize each sequence on its own. With ``cost`` (a key
+    cost or its :class:`~kverr.quant.compensated.CompensationFactor`, leading shape broadcastable
+    to ``[B, h, n]``) the codes are chosen by :func:`~kverr.quant.compensated.compensated_quantize`
+    on the same scales.
     """
-    if is_static(fmt.granularity) and not fmt.is_float:
-        return quantize(x, fmt, page_size=page_size, **_static_metadata(x, fmt, page_size))
-    return quantize(x, fmt, page_size=page_size)
+    meta = _static_metadata(x, fmt, page_size) if is_static(fmt.granularity) and not fmt.is_float else {}
+    if cost is not None:
+        return compensated_quantize(x, fmt, cost, page_size=page_size, **meta)
+    return quantize(x, fmt, page_size=page_size, **meta)
 
 
 def fake_quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> torch.Tensor:
@@ -242,12 +247,15 @@ def fake_quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> t
     return fake_quantize(x, fmt, page_size=page_size)
 
 
-def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) -> torch.Tensor:
+def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
+                key_cost: KeyCost | None = None) -> torch.Tensor:
     """What the cache gives back for ``x``: sinks and window in ``window_dtype``, the rest
     quantized and dequantized with the format of each kv head. Salient prompt tokens
     (``config.salient``) are chosen by queries, which this function does not see: they are left
     out (read back as quantized); the calibration objective takes them out per query instead
-    (:func:`kverr.calibration.objective.salient_tokens`).
+    (:func:`kverr.calibration.objective.salient_tokens`). Keys of a config that rounds them with
+    compensation (``key_rounding`` ``"compensated"``) are rounded so in its integer formats
+    under ``key_cost``, which the queries give and this function cannot see.
 
     Parameters
     ----------
@@ -259,12 +267,20 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) 
         Layer index (selects per-layer and per-head overrides).
     which
         ``"k"`` or ``"v"``.
+    key_cost
+        For keys of a config with ``key_rounding`` ``"compensated"``: the cost of an error in
+        each key (:class:`~kverr.quant.compensated.KeyCost`, leading shape ``[kv_head, token]``
+        of ``x``, ``token`` may be 1). Required there, refused elsewhere.
 
     Returns
     -------
     torch.Tensor
         float32, same shape as ``x``.
     """
+    compensate = which == "k" and config.compensates_keys
+    if (key_cost is not None) != compensate:
+        raise ConfigError("reconstruct takes a key_cost exactly for the keys of a config that rounds them with "
+                          f"compensation (key_rounding {config.key_rounding!r}, which={which!r})")
     x32 = as_float_tensor(x, which)
     if x32.ndim < 3:
         raise ShapeError(f"{which} must be [..., kv_head, token, channel], got {tuple(x32.shape)}")
@@ -278,7 +294,11 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which) 
         start, end = token_regions(T, config, fmt)
         if end > start:
             region = x4[:, heads, start:end, :]
-            out[:, heads, start:end, :] = fake_quantize_region(region, fmt, config.page_size)
+            if compensate and compensable(fmt):
+                cost = key_cost.factor(fmt, heads).select(tokens=slice(start, end))
+                out[:, heads, start:end, :] = quantize_region(region, fmt, config.page_size, cost).dequantize()
+            else:
+                out[:, heads, start:end, :] = fake_quantize_region(region, fmt, config.page_size)
     return out.reshape(x32.shape)
 
 

@@ -14,7 +14,9 @@ from kverr.exceptions import ConfigError, ShapeError
 from kverr.quant import (
     MSEClip, PerChannel, PerToken, PerTokenGroup, fp8_format, hadamard_rotate, int_format, quantize,
 )
-from kverr.quant.compensated import compensable, compensated_quantize, query_moment, turned_cost
+from kverr.quant.compensated import (
+    KeyCost, compensable, compensated_quantize, compensation_factor, query_moment, turned_cost,
+)
 from kverr.rope import default_inv_freq, rope_cos_sin, rotate
 
 D = 32
@@ -141,3 +143,72 @@ def test_what_it_refuses():
         compensated_quantize(x, STATIC, torch.full((D, D), math.nan))
     with pytest.raises(ConfigError, match="damp"):
         compensated_quantize(x, STATIC, torch.eye(D), damp=-1.0)
+
+
+def _costs(T, heads=3):
+    """Per-token costs ``[heads, T, D, D]``: each head's own queries' moment, turned by RoPE."""
+    cos, sin = rope_cos_sin(torch.arange(T), default_inv_freq(D, 10000.0))
+    return torch.stack([turned_cost(_cost(seed=10 + h), cos, sin) for h in range(heads)])
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_factor_made_once_rounds_as_its_cost_does_for_any_heads_and_tokens(name):
+    # KeyCost factors each (rotation, channels without bits) once; the codes it gives, for all
+    # heads or some, all tokens or a range, are those of the cost itself, bit for bit
+    fmt, x = FORMATS[name], _x(T=40)
+    C = _costs(40)
+    kc = KeyCost(C)
+    want = compensated_quantize(x, fmt, C, page_size=64)
+    assert torch.equal(compensated_quantize(x, fmt, kc.factor(fmt), page_size=64).codes, want.codes)
+    sub, Csub = x[:, 1:, 5:30], C[1:, 5:30]
+    want = compensated_quantize(sub, fmt, Csub, page_size=64).codes
+    for fac in (kc.factor(fmt, [1, 2]).select(tokens=slice(5, 30)), kc.heads([1, 2]).factor(fmt).select(tokens=slice(5, 30)),
+                KeyCost(C).heads([1, 2]).factor(fmt).select(tokens=slice(5, 30))):
+        assert torch.equal(compensated_quantize(sub, fmt, fac, page_size=64).codes, want)
+    # one cost for all tokens of a head broadcasts, and a token range keeps it whole
+    one = C[:, :1]
+    got = compensated_quantize(sub, fmt, KeyCost(one).factor(fmt, [1, 2]).select(tokens=slice(5, 30)), page_size=64)
+    assert torch.equal(got.codes, compensated_quantize(sub, fmt, one[1:], page_size=64).codes)
+
+
+def test_a_factor_refuses_a_format_it_was_not_made_for():
+    C = _costs(8, heads=1)
+    fac = compensation_factor(C, STATIC)
+    x = _x(T=8)[:, :1]
+    with pytest.raises(ConfigError, match="factor"):
+        compensated_quantize(x, dataclasses.replace(STATIC, rotate="hadamard"), fac)
+    with pytest.raises(ConfigError, match="factor"):
+        compensated_quantize(x, FORMATS["widths 0/2/3/4 per channel, MSE clip"], fac)
+    # other widths with the same channels without bits share it
+    assert fac.fits(int_format(3, PerChannel()))
+    with pytest.raises(ConfigError, match="NaN"):
+        KeyCost(torch.full((1, 2, D, D), math.nan))
+    with pytest.raises(ShapeError, match=r"\[\.\.\., H, T, D, D\]"):
+        KeyCost(torch.eye(D))
+
+
+def test_reconstruct_rounds_keys_with_compensation_under_the_cost_it_is_given():
+    # store.reconstruct of a config with key_rounding "compensated": sinks and window as received,
+    # the quantized tokens compensated_quantize's codes (static scales fitted on them), values and
+    # keys of a nearest config as before; a key cost exactly where it is used
+    from kverr.config import CacheConfig
+    from kverr.quant import dequantize
+    from kverr.quant.store import receive, reconstruct, token_regions
+
+    T = 150
+    x = _x(T=T)[0]  # [H, T, D]
+    C = _costs(T)
+    cfg = CacheConfig(k=STATIC, v=STATIC, sinks=4, window=20, page_size=64, key_rounding="compensated")
+    got = reconstruct(x, cfg, layer=0, which="k", key_cost=KeyCost(C))
+    lo, hi = token_regions(T, cfg, STATIC)
+    got_in = receive(x[None], cfg.window_dtype)[0]
+    want = got_in.clone()
+    want[:, lo:hi] = dequantize(compensated_quantize(got_in[None, :, lo:hi], STATIC, C[:, lo:hi], page_size=64))[0]
+    assert torch.equal(got, want)
+    near = cfg.with_(key_rounding="nearest")
+    assert not torch.equal(got, reconstruct(x, near, layer=0, which="k"))
+    assert torch.equal(reconstruct(x, cfg, layer=0, which="v"), reconstruct(x, near, layer=0, which="v"))
+    with pytest.raises(ConfigError, match="key_cost"):
+        reconstruct(x, cfg, layer=0, which="k")
+    with pytest.raises(ConfigError, match="key_cost"):
+        reconstruct(x, near, layer=0, which="k", key_cost=KeyCost(C))
