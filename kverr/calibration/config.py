@@ -142,6 +142,13 @@ class CalibrationConfig:
         (:func:`~kverr.calibration.refit.width_row_nbytes` per sequence and per (layer, kv head,
         K|V) with per-channel widths), so the refit configs stay within it. The provenance
         records ``refit_widths``.
+    compensated_keys : bool
+        The configs will round their keys with compensation (``key_rounding``
+        ``"compensated"``, :mod:`kverr.quant.compensated`): the objective scores every integer key
+        candidate so, under the second moment of the capture's queries
+        (:func:`~kverr.calibration.objective.key_cost`), and the written configs say
+        ``key_rounding: compensated`` (served by the reference cache, not the kernels). The
+        provenance records ``compensated_keys``.
     step_tokens, step_batch, gpu
         Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
         GPU of :data:`kverr.cost.GPUS`.
@@ -174,6 +181,7 @@ class CalibrationConfig:
     max_step_time: float | None = None
     batch: int = 1
     refit_widths: bool = False
+    compensated_keys: bool = False
     step_tokens: int | None = None
     step_batch: int = 1
     gpu: str = "h200"
@@ -205,7 +213,7 @@ class CalibrationConfig:
             put("options", opts)
         if self.candidates not in CANDIDATE_SETS:
             raise _fail("candidates", self.candidates, f"one of {', '.join(CANDIDATE_SETS)}")
-        for name in ("codebooks", "refit_widths"):
+        for name in ("codebooks", "refit_widths", "compensated_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "true or false")
         for name in ("cands_k", "cands_v"):

@@ -63,6 +63,7 @@ from kverr.error import terms as _terms
 from kverr.error.salient import OBSERVED_QUERIES, choose, prompt_saliency
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
+from kverr.quant.compensated import KeyCost, compensable, query_moment, turned_cost
 from kverr.quant.store import reconstruct
 
 from .candidates import OuterOption
@@ -142,7 +143,11 @@ class LayerPrep:
         the keys' weights ``a`` sum to ``1 − rest``.
     saliency : Tensor ``[kv_head, n, T]`` float64 or None  per query, the saliency of every token
         for the prompt that ends just before it (:func:`salient_tokens`); None unless asked for.
+    moment : Tensor ``[kv_head, D, D]`` float64 or None  the second moment of all the layer's
+        queries per kv head, the cost compensated key rounding weighs (:func:`key_cost`); None
+        unless asked for.
     masks : dict  the quantized masks of salient options, built once per layer.
+    key_costs : dict  the :class:`~kverr.quant.compensated.KeyCost` of each RoPE side, built once.
     """
 
     layer: int
@@ -161,7 +166,9 @@ class LayerPrep:
     steps: torch.Tensor | None = None
     rest: torch.Tensor | None = None
     saliency: torch.Tensor | None = None
+    moment: torch.Tensor | None = None
     masks: dict = field(default_factory=dict, repr=False)
+    key_costs: dict = field(default_factory=dict, repr=False)
 
 
 #: Decode steps the objective models by default: none (every query's window holds its most
@@ -186,7 +193,7 @@ def decode_steps(n_queries: int, decode: int) -> torch.Tensor:
 
 def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: int,
                   positions=None, rope=None, decode: int | None = None, sliding_window: int = 0,
-                  sinks=None, salient: bool = False) -> LayerPrep:
+                  sinks=None, salient: bool = False, compensated_keys: bool = False) -> LayerPrep:
     """Clean attention of the sampled queries of one layer.
 
     ``q [q_head, T, D]``, ``k, v, k_pre [kv_head, T, D]`` (numpy or torch). ``decode``: model
@@ -196,7 +203,8 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     see carry no damage. ``sinks [q_head]``: learned sink logits, a softmax column per head
     without a value (the key growth form is exact with it, since the sink's logit does not move).
     ``salient``: also the saliency of every token for each query's prompt (:func:`salient_tokens`),
-    which options with salient tokens need.
+    which options with salient tokens need. ``compensated_keys``: also the queries' second moment
+    that scoring keys rounded with compensation needs (:func:`key_cost`).
     """
     q = torch.as_tensor(np.asarray(q), dtype=torch.float32)
     k = torch.as_tensor(np.asarray(k), dtype=torch.float32)
@@ -222,17 +230,20 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     o = torch.einsum("hnt,htd->hnd", a, v[kv_map])
     norm = float((o * o).sum(-1).mean()) * q.shape[0]
     steps = None if decode is None else decode_steps(len(pos), decode)
-    saliency = None
+    saliency = moment = None
+    if (salient or compensated_keys) and not torch.equal(kv_map, torch.arange(q.shape[0]) // (q.shape[0] // k.shape[0])):
+        raise CaptureError("salient tokens and compensated keys need query head i to read kv head "
+                           "i // (q_heads / kv_heads)")
+    if compensated_keys:
+        moment = query_moment(q[None], k.shape[0], T)[0]
     if salient:
-        if not torch.equal(kv_map, torch.arange(q.shape[0]) // (q.shape[0] // k.shape[0])):
-            raise CaptureError("salient tokens need query head i to read kv head i // (q_heads / kv_heads)")
         saliency = prompt_saliency(q, k, float(scale), _prompt_ends(pos, steps).tolist(), stride=SALIENCY_STRIDE,
                                    sliding_window=int(sliding_window),
                                    sink=None if sinks is None else torch.as_tensor(np.asarray(sinks)))
     return LayerPrep(layer, qs, k, v, kp, a, o, causal.to(torch.float32), pos, kv_map,
                      norm if norm > 0 else 1.0,
                      np.arange(T) if positions is None else np.asarray(positions), rope,
-                     steps, rest, saliency)
+                     steps, rest, saliency, moment)
 
 
 def _prompt_ends(pos: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
@@ -286,17 +297,54 @@ def _window_mask(prep: LayerPrep, window: int) -> torch.Tensor:
     return (torch.arange(T)[None, :] <= (prep.pos - w)[:, None]).to(torch.float32)
 
 
+def key_cost(prep: LayerPrep, pre: bool) -> KeyCost:
+    """The cost compensated key rounding weighs on one RoPE side of the layer: the second moment
+    ``Σ_q`` of all the layer's queries per kv head (:func:`~kverr.quant.compensated.query_moment`
+    over every position of the capture), for post-RoPE keys one matrix per head, for pre-RoPE
+    keys turned to each token's position (:func:`~kverr.quant.compensated.turned_cost`). A
+    cache takes ``Σ_q`` from each prompt's last queries; the objective, which reconstructs the
+    capture once for every query, takes the capture's mean."""
+    if prep.moment is None:
+        raise ConfigError("this layer was prepared without compensated_keys: no query moment to round keys under")
+    if pre not in prep.key_costs:
+        if not pre:
+            cost = prep.moment[:, None]
+        else:
+            from kverr.rope import parse_rope, rope_cos_sin
+
+            if prep.k_pre is None or prep.rope is None:
+                raise CaptureError("pre-RoPE keys requested but the capture has no k_pre or RoPE parameters")
+            cos, sin = rope_cos_sin(prep.positions, *parse_rope(prep.rope))
+            if cos.shape[-1] != prep.k.shape[-1]:
+                raise ConfigError(f"compensated rounding of pre-RoPE keys needs RoPE over all {prep.k.shape[-1]} "
+                                  f"channels; this layer rotates {cos.shape[-1]}")
+            cost = turned_cost(prep.moment, cos, sin)
+        prep.key_costs[pre] = KeyCost(cost)
+    return prep.key_costs[pre]
+
+
+def _key_reconstruct(prep: LayerPrep, x: torch.Tensor, cfg: CacheConfig, pre: bool,
+                     heads: Sequence[int] | None = None) -> torch.Tensor:
+    """``reconstruct`` of keys ``x`` (the layer's kv heads, or ``heads`` of them) on RoPE side
+    ``pre``, rounded with compensation under :func:`key_cost` when ``cfg`` says so."""
+    cost = None
+    if cfg.compensates_keys:
+        cost = key_cost(prep, pre)
+        cost = cost if heads is None else cost.heads(heads)
+    return reconstruct(x, cfg, layer=prep.layer, which="k", key_cost=cost)
+
+
 def key_error(prep: LayerPrep, fmt_cfg: CacheConfig) -> torch.Tensor:
-    """``E_K [kv_head, T, D]`` (post-RoPE) of a config whose sinks and window are 0."""
+    """``E_K [kv_head, T, D]`` (post-RoPE) of a config whose sinks and window are 0 (its keys
+    rounded with compensation under :func:`key_cost` if it says so)."""
     if fmt_cfg.key_pre_rope:
         if prep.k_pre is None:
             raise CaptureError("pre-RoPE keys requested but the capture has no k_pre")
         from kverr.rope import apply_rope
 
-        k_hat = apply_rope(reconstruct(prep.k_pre, fmt_cfg, layer=prep.layer, which="k"),
-                           prep.positions, prep.rope)
+        k_hat = apply_rope(_key_reconstruct(prep, prep.k_pre, fmt_cfg, True), prep.positions, prep.rope)
     else:
-        k_hat = reconstruct(prep.k, fmt_cfg, layer=prep.layer, which="k")
+        k_hat = _key_reconstruct(prep, prep.k, fmt_cfg, False)
     return k_hat.to(torch.float32) - prep.k
 
 
@@ -434,9 +482,10 @@ def width_weights(prep: LayerPrep, h: int, qi: torch.Tensor, which: str, *, pre_
 
 
 def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, page_size: int,
-                     window_dtype: str, dk: np.ndarray, dv: np.ndarray) -> dict:
+                     window_dtype: str, dk: np.ndarray, dv: np.ndarray, compensated_keys: bool = False) -> dict:
     """Fit and score the template candidates (``channel_bits``) of :func:`score_layer` in place;
-    returns the fitted widths."""
+    returns the fitted widths. With ``compensated_keys`` the key templates' widths are fitted as
+    for nearest rounding and scored with the keys rounded with compensation."""
     from kverr.quant import CHANNEL_BITS, channel_reconstructions
     from kverr.quant.store import receive, token_regions
     from kverr.rope import apply_rope
@@ -473,8 +522,12 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
                     shared[probe, floor] = cb.curves(recon[probe][:, h], clean[h], w, floor)
                 fmt = cb.fit(tmpl, shared[probe, floor])
                 out[(which, pre, j, h)] = fmt.channel_bits
-                cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
-                if token_regions(T, cfg, fmt) == (0, T):
+                ck = compensated_keys and which == "k" and compensable(fmt)
+                cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype,
+                                  key_rounding="compensated" if ck else "nearest")
+                if ck:
+                    hat = _key_reconstruct(prep, clean[h:h + 1], cfg, bool(pre), [h])[0]
+                elif token_regions(T, cfg, fmt) == (0, T):
                     # every token quantized: the widths' reconstructions are the oracle's, bit for bit
                     pick = torch.as_tensor([CHANNEL_BITS.index(b) for b in fmt.channel_bits])
                     hat = recon[probe][:, h].gather(0, pick[None, None, :].expand(1, T, D))[0]
@@ -498,7 +551,7 @@ BATCH = 8
 def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
                 options: Sequence[OuterOption], *, page_size: int = 64,
                 window_dtype: str = "fp16", batch: int = BATCH,
-                widths: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+                widths: dict | None = None, compensated_keys: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Damage tables of one layer: ``K [option, cand_k, kv_head]``, ``V [option, cand_v, kv_head]``.
 
     The keys of every RoPE side and the values are stacked on the head axis and reconstructed
@@ -510,6 +563,10 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     RoPE side) is scored with its own fitted widths, which are put into ``widths`` (when given)
     as ``{(which, pre, cand, kv_head): channel_bits}`` (``which`` ``"k"`` or ``"v"``; ``pre``
     True/False for keys, None for values).
+
+    With ``compensated_keys`` (``prep`` prepared with it) the key candidates that can be rounded
+    with compensation (:func:`~kverr.quant.compensated.compensable`) are scored so, under
+    :func:`key_cost`: as a cache with ``key_rounding`` ``"compensated"`` would store them.
     """
     from .fastrecon import SharedReconstruct
 
@@ -518,7 +575,8 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     dv = np.empty((len(options), len(cands_v), n_kv))
     pres = sorted({o.key_pre_rope for o in options})
     groups = {pre: [i for i, o in enumerate(options) if o.key_pre_rope == pre] for pre in pres}
-    fitted = _score_templates(prep, cands_k, cands_v, options, pres, groups, page_size, window_dtype, dk, dv)
+    fitted = _score_templates(prep, cands_k, cands_v, options, pres, groups, page_size, window_dtype, dk, dv,
+                              compensated_keys)
     if widths is not None:
         widths.update(fitted)
     k_index = {f: j for j, f in enumerate(cands_k) if f.channel_bits is None}
@@ -533,13 +591,19 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     parts.append(("v", prep.v))
     shared = SharedReconstruct(torch.cat([p for _, p in parts]), page_size=page_size, window_dtype=window_dtype)
 
+    ck_cfg = {f: CacheConfig(k=f, v=f, page_size=page_size, window_dtype=window_dtype, key_rounding="compensated")
+              for f in k_index if compensated_keys and compensable(f)}
+
     def errors(f: QuantFormat) -> dict:
-        both = shared(f)
+        both = shared(f) if f in v_index or f not in ck_cfg else None
         out: dict = {}
         for i, (name, clean) in enumerate(parts):
             if (name == "v" and f not in v_index) or (name != "v" and f not in k_index):
                 continue
-            hat = both[i * n_kv:(i + 1) * n_kv]
+            if name != "v" and f in ck_cfg:
+                hat = _key_reconstruct(prep, clean, ck_cfg[f], bool(name))
+            else:
+                hat = both[i * n_kv:(i + 1) * n_kv]
             if name is True:
                 from kverr.rope import apply_rope
 
@@ -604,7 +668,8 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
             prep = prepare_layer(q, k, v, kp, layer=layer, kv_map=kv_map, scale=scale, queries=queries,
                                  positions=positions, rope=capture.kv.rope_of(layer) if need_pre else None, decode=decode,
                                  sliding_window=capture.kv.sliding_window(layer), sinks=capture.kv.attn_sink(layer),
-                                 salient=any(c.salient for c in configs))
+                                 salient=any(c.salient for c in configs),
+                                 compensated_keys=any(c.compensates_keys for c in configs))
             for ci, config in enumerate(configs):
                 opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope,
                                   salient=config.salient, salient_sides=config.salient_sides)

@@ -112,6 +112,8 @@ class Scores:
     #: channel]``; None when no candidate is a template
     widths_k: np.ndarray | None = None
     widths_v: np.ndarray | None = None
+    #: key candidates scored rounded with compensation (:attr:`CalibrationConfig.compensated_keys`)
+    compensated_keys: bool = False
 
     def format_of(self, which: str, option: OuterOption, layer: int, cand: int, kv_head: int) -> QuantFormat:
         """The format candidate ``cand`` stands for at (``layer``, ``kv_head``, ``which``) under
@@ -134,7 +136,7 @@ class Scores:
         return Scores(self.k[:, :, ik], self.v[:, :, iv], self.layers, tuple(cands_k), tuple(cands_v),
                       self.options, self.queries, self.window_dtype, self.cpu_seconds, self.decode,
                       None if self.widths_k is None else self.widths_k[:, :, ik],
-                      None if self.widths_v is None else self.widths_v[:, iv])
+                      None if self.widths_v is None else self.widths_v[:, iv], self.compensated_keys)
 
 
 @dataclass(frozen=True)
@@ -314,7 +316,7 @@ class Calibration:
 
 
 def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, positions, rope, cands_k, cands_v,
-                 options, queries, page_size, window_dtype, decode):
+                 options, queries, page_size, window_dtype, decode, compensated_keys=False):
     """Score the layers of one chunk; called by dask with numpy arrays.
 
     Parameters
@@ -360,10 +362,10 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
                              rope=None if rope is None else layer_rope(rope, int(layer_vals[i])), decode=decode,
                              sliding_window=int(windows[i]),
                              sinks=None if np.isnan(sinks[i]).all() else sinks[i],
-                             salient=any(o.salient for o in options))
+                             salient=any(o.salient for o in options), compensated_keys=compensated_keys)
         fitted: dict = {}
         dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype,
-                                   widths=fitted)
+                                   widths=fitted, compensated_keys=compensated_keys)
         for (which, pre, j, h), bits in fitted.items():
             if which == "k":
                 wk[i, int(pre), j, h] = bits
@@ -376,7 +378,7 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
 
 def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
                 options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
-                decode: int | None = DEFAULT_DECODE) -> Any:
+                decode: int | None = DEFAULT_DECODE, compensated_keys: bool = False) -> Any:
     """The damage tables of :func:`score` as a lazy dask-backed dataset (one task per layer).
 
     Returns
@@ -418,7 +420,8 @@ def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequen
                                              "width_channel": capture.sizes[CHANNEL]}},
         kwargs=dict(kv_map=capture.kv.kv_head_of_q, positions=capture.kv.positions, rope=capture.kv.rope,
                     cands_k=tuple(cands_k), cands_v=tuple(cands_v), options=tuple(options), queries=int(queries),
-                    page_size=int(page_size), window_dtype=window_dtype, decode=decode),
+                    page_size=int(page_size), window_dtype=window_dtype, decode=decode,
+                    compensated_keys=bool(compensated_keys)),
     )
     keep = (LAYER, KV_HEAD)
     return xr.Dataset({"k": dk, "v": dv, "cpu_seconds": cpu, "widths_k": wk, "widths_v": wv}).drop_vars(
@@ -452,7 +455,7 @@ def _with_meanwhile(work, meanwhile):
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
           options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
           decode: int | None = DEFAULT_DECODE, scheduler: Any = None, workers: int | None = None,
-          progress: bool = False, meanwhile=None) -> Scores:
+          progress: bool = False, meanwhile=None, compensated_keys: bool = False) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
 
     Layers are scored by dask, one task per layer (:func:`lazy_scores`), on the local threads
@@ -465,7 +468,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     capture : xarray.Dataset
         A capture (:func:`kverr.io.open_capture`; on a cluster its store must be readable by
         the workers).
-    cands_k, cands_v, options, window_dtype, queries, page_size, decode
+    cands_k, cands_v, options, window_dtype, queries, page_size, decode, compensated_keys
         As in :class:`~.config.CalibrationConfig` (``window_dtype`` resolved: not ``auto``).
     scheduler : None, str or distributed.Client
         None or ``"threads"``: local threads; ``"synchronous"``; an address
@@ -490,7 +493,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
 
     t0 = time.perf_counter()
     lazy = lazy_scores(capture, cands_k=cands_k, cands_v=cands_v, options=options, window_dtype=window_dtype,
-                       queries=queries, page_size=page_size, decode=decode)
+                       queries=queries, page_size=page_size, decode=decode, compensated_keys=compensated_keys)
     where = scheduler if scheduler not in (None, "threads") else f"{workers or 'one per core'} local threads"
     log.info("scoring %d layers on %s", lazy.sizes["layer"], where)
     threads = torch.get_num_threads()
@@ -514,7 +517,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     log.info("scored %d layers in %.1f s: %.1f s CPU in the scoring tasks", done.sizes["layer"],
              time.perf_counter() - t0, cpu)
     return Scores(dk, dv, capture.kv.layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries),
-                  window_dtype, cpu, decode, wk, wv)
+                  window_dtype, cpu, decode, wk, wv, bool(compensated_keys))
 
 
 # --------------------------------------------------------------------------------------------
@@ -785,7 +788,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                          sliding_windows=kv.shape.sliding_windows, batch=cfg.batch,
                          width_tables=cfg.refit_widths)
     if scores is not None:
-        for name, want in (("decode", cfg.decode), ("options", options)):
+        for name, want in (("decode", cfg.decode), ("options", options), ("compensated_keys", cfg.compensated_keys)):
             if getattr(scores, name) != want:
                 raise ConfigError(f"the scores were computed with {name}={getattr(scores, name)}, not {want}")
         for key in order:
@@ -827,6 +830,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         else:
             tables[key] = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=cfg.queries,
                                 page_size=cfg.page_size, window_dtype=wdt, decode=cfg.decode, scheduler=scheduler,
+                                compensated_keys=cfg.compensated_keys,
                                 workers=workers, progress=progress,
                                 meanwhile=measure if need_sens and sens_box["s"] is None else None)
         score_s[key] = time.perf_counter() - ts
@@ -1027,6 +1031,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         "context_tokens": context,
         "batch": search.batch,
         **({"refit_widths": True} if search.refit_widths else {}),
+        **({"compensated_keys": True} if sc.compensated_keys else {}),
         "objective": OBJECTIVES[search.objective],
         "objective_definition": OBJECTIVE_KL_DOC if search.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),
@@ -1049,6 +1054,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope, salient=opt.salient,
         salient_sides=opt.salient_sides,
         page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
+        key_rounding="compensated" if sc.compensated_keys else "nearest",
         name=(name or "calibrated-{bits}b").replace("{bits}", f"{budget_bits:g}"), provenance=prov,
     )
     return cfg, choices

@@ -72,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--refit-widths", action="store_true",
                    help="the configs will be served with their per-channel widths refit on each prompt "
                    "(kverr evaluate --refit-widths): count the width tables each sequence then stores")
+    p.add_argument("--compensated-keys", action="store_true",
+                   help="the configs will round their keys with compensation (key_rounding compensated, "
+                   "kverr evaluate --compensated-keys): score the integer key formats rounded so")
     p.add_argument("--sinks", type=_ints, metavar="S[,S...]",
                    help="full-precision sink tokens to try, crossed with --window (default: the pairs "
                    "S0/R0, S4/R16, S4/R32, S4/R64)")
@@ -159,7 +162,7 @@ def settings_of(args: argparse.Namespace):
 
     return CalibrationConfig(
         budgets=tuple(args.budget_bits), context=args.context, batch=args.batch,
-        refit_widths=args.refit_widths, key_rope=args.key_rope,
+        refit_widths=args.refit_widths, compensated_keys=args.compensated_keys, key_rope=args.key_rope,
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,
@@ -197,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         given += [o for o, v in (("--window-dtype", args.window_dtype), ("--candidates", args.candidates))
                   if v != "auto"]
         given += ["--salient"] if args.salient else []
+        given += ["--compensated-keys"] if args.compensated_keys else []
         given += ["--salient-sides"] if args.salient_sides != "kv" else []
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "

@@ -383,6 +383,44 @@ def test_refit_widths_count_each_sequences_width_tables(tiny_capture, tmp_path):
     assert CacheConfig.load(out).provenance["refit_widths"] is True
 
 
+def test_compensated_keys_are_scored_written_and_predicted_alike(tiny_capture, tmp_path, capsys):
+    """With ``compensated_keys`` the integer key candidates are scored rounded with compensation
+    (other key candidates and every value candidate as without it), the written config rounds
+    its keys so, and predicting it from scratch gives the damage the search chose it for."""
+    from kverr.catalog import template
+    from kverr.quant.compensated import compensable
+
+    cap, path, loaded = tiny_capture
+    D = loaded.head_dim
+    cands = (int_format(2, PerChannel(None)), int_format(3, PerToken(), rotate="hadamard"), template(1.5, D),
+             fp8_format(PerToken()), float_format("fp16"))
+    opts = (OuterOption(sinks=4), OuterOption(sinks=4, key_pre_rope=True))
+    common = dict(context=160, options=opts, cands_k=cands, cands_v=cands, queries=16, objective="rel")
+    plain = cal_at(cap, 2.5, **common)
+    ck = cal_at(cap, 2.5, compensated_keys=True, **common)
+    a, b = plain.scores, ck.scores
+    assert np.array_equal(a.v, b.v)
+    for j, f in enumerate(cands):
+        same = np.array_equal(a.k[:, :, j], b.k[:, :, j])
+        assert same != compensable(f), f.label()
+    cfg, pv = ck.config, ck.config.provenance
+    assert cfg.key_rounding == "compensated" and pv["compensated_keys"] is True
+    assert plain.config.key_rounding == "nearest" and "compensated_keys" not in plain.config.provenance
+    p = predict(cap, cfg, queries=16)
+    assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
+    with pytest.raises(ConfigError, match="compensated_keys"):
+        cal_at(cap, 2.5, scores=a, compensated_keys=True, **common)
+    from kverr.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--capture", str(path), "--budget-bits", "3", "--context", "160", "--compensated-keys",
+                 "--queries", "8", "--workers", "1", "--objective", "rel", "--out", str(out)]) == 0
+    assert CacheConfig.load(out).key_rounding == "compensated"
+    assert main(["calibrate", "--capture", str(path), "--budget-bits", "3", "--compensated-keys", "--target", "vllm",
+                 "--out", str(tmp_path / "v.json")]) != 0
+    assert "--compensated-keys does not apply" in capsys.readouterr().err
+
+
 def test_codebook_candidates_join_the_named_set(tiny_capture):
     """``codebooks=True`` searches the named set and the nine codebook candidates: the search is
     named for both, it counts them, and a superset of candidates predicts no more damage."""
