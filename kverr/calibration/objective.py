@@ -29,6 +29,10 @@ An option with ``N`` salient tokens (:mod:`kverr.error.salient`) also takes out 
 kv head and on the sides that keep rows, each query's ``N`` quantized tokens of highest
 saliency for the prompt that ends just before it (:func:`salient_tokens`), as a cache that
 chose them at that prompt's prefill reads them back from their rows.
+With ``compensated_keys`` (``kverr calibrate --compensated-keys``) the integer key formats
+reconstruct ``K̂`` with the codes a cache with ``key_rounding`` ``"compensated"`` chooses
+(:mod:`kverr.quant.compensated`), under the second moment of all the capture's queries
+(:func:`key_cost`).
 Then the terms as :mod:`kverr.error.terms` defines them (the definitions
 :func:`kverr.error.decompose` uses too):
 

@@ -255,8 +255,8 @@ def compensated_quantize(
                           "scale; this one keeps nearest rounding")
     if isinstance(cost, CompensationFactor):
         if not cost.fits(fmt):
-            raise ConfigError(f"{fmt.label()}: the factor was made for rotation {cost.rotate!r} and other channels "
-                              "without bits")
+            raise ConfigError(f"{fmt.label()}: the factor was made for another rotation ({cost.rotate!r}) or other "
+                              "channels without bits")
         factor = cost
     else:
         factor = compensation_factor(cost, fmt, damp=damp)
