@@ -278,9 +278,13 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
         float32, same shape as ``x``.
     """
     compensate = which == "k" and config.compensates_keys
-    if (key_cost is not None) != compensate:
-        raise ConfigError("reconstruct takes a key_cost exactly for the keys of a config that rounds them with "
-                          f"compensation (key_rounding {config.key_rounding!r}, which={which!r})")
+    if compensate and key_cost is None:
+        raise ConfigError(f"config {config.name or '(unnamed)'} rounds its keys with compensation (key_rounding 'compensated'): "
+                          "their codes depend on the queries that read them; give reconstruct their key_cost "
+                          "(kverr.quant.compensated.KeyCost), or measure the config with kverr evaluate")
+    if key_cost is not None and not compensate:
+        raise ConfigError(f"a key_cost is for the keys of a config that rounds them with compensation, not for "
+                          f"which={which!r} with key_rounding {config.key_rounding!r}")
     x32 = as_float_tensor(x, which)
     if x32.ndim < 3:
         raise ShapeError(f"{which} must be [..., kv_head, token, channel], got {tuple(x32.shape)}")
