@@ -136,6 +136,12 @@ def _zeros(fmt: QuantFormat, D: int) -> tuple[bool, ...]:
     return tuple(b == 0 for b in fmt.channel_bits) if fmt.channel_bits is not None else (False,) * D
 
 
+def _damp(damp: float) -> float:
+    if not damp >= 0 or not math.isfinite(damp):
+        raise ConfigError(f"damp={damp} must be a finite fraction >= 0")
+    return damp
+
+
 def _as_cost(cost: Any) -> torch.Tensor:
     C = torch.as_tensor(cost, dtype=torch.float64)
     if C.ndim < 2 or C.shape[-1] != C.shape[-2]:
@@ -150,9 +156,7 @@ def compensation_factor(cost: Any, fmt: QuantFormat, *, damp: float = DAMP) -> C
     ``[..., D, D]`` (one cost per token, or one that broadcasts over tokens), computed in float64:
     channels without bits first, then by falling diagonal of the cost in the format's
     coordinates, ties by channel index; ``U`` of ``(C + λ·mean(diag C)·I)⁻¹`` in that order."""
-    if not damp >= 0 or not math.isfinite(damp):
-        raise ConfigError(f"damp={damp} must be a finite fraction >= 0")
-    return _factor(_as_cost(cost), fmt, damp)
+    return _factor(_as_cost(cost), fmt, _damp(damp))
 
 
 def _factor(C: torch.Tensor, fmt: QuantFormat, damp: float) -> CompensationFactor:
@@ -183,9 +187,7 @@ class KeyCost:
         self.cost = _as_cost(cost)
         if self.cost.ndim < 4:
             raise ShapeError(f"a key cost must be [..., H, T, D, D], got shape {tuple(self.cost.shape)}")
-        if not damp >= 0 or not math.isfinite(damp):
-            raise ConfigError(f"damp={damp} must be a finite fraction >= 0")
-        self.damp = damp
+        self.damp = _damp(damp)
         self._factors: dict = {}
 
     @property
