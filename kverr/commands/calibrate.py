@@ -109,8 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "evaluate does (default 0: every query's window holds its most recent tokens)")
     p.add_argument("--queries", type=positive_int, default=32,
                    help="sampled query positions per layer (default: %(default)s); more fit less of their noise: "
-                        "256 chose a 2-bit config with 8 %% less held-out KL for 35 %% more scoring time "
-                        "(docs/calibration.md)")
+                        "256 chose a 2-bit config with 8 %% less held-out KL for about 7 more minutes of "
+                        "scoring on two cores (docs/calibration.md)")
     p.add_argument("--max-bits", type=positive_float,
                    help="frontier up to this many bits, at least the largest budget (default: 8 or the "
                    "largest budget, whichever is more)")
