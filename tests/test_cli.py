@@ -71,6 +71,7 @@ def test_memory_json_and_table(capsys):
         (["memory", "q4_0", "--shape", "2,2,80", "--tokens", "10"], "does not divide the head dimension 80"),
         (["memory", "q4_0", "--model", "/nonexistent/model", "--tokens", "10"], "not found"),
         (["memory", "q4_0", "--shape", "2,2", "--tokens", "10"], "LAYERS,KV_HEADS,HEAD_DIM"),
+        (["memory", "kivi-2", "--tokens", "10", "--refit-widths"], "no format of this config has per-channel widths"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):

@@ -22,16 +22,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=positive_int, required=True, help="cached tokens per sequence")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences in the batch (default: %(default)s)")
     p.add_argument("--page-size", type=positive_int, help="tokens per page (default: the config's)")
+    p.add_argument("--refit-widths", action=argparse.BooleanOptionalAction, default=None,
+                   help="count the width tables every sequence stores when a config's per-channel widths are "
+                   "refit on each prompt (as `kverr evaluate --refit-widths` does); default: when the config "
+                   "was calibrated with --refit-widths, so that the count is the one its budget held")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--total-only", action="store_true", help="print only the total line, not every layer")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kverr.calibration.refit import add_width_tables, has_channel_widths
+    from kverr.exceptions import ConfigError
     from kverr.memory import account
 
     cfg, shape = config_and_shape(args)
+    refit = args.refit_widths
+    if refit is None:
+        refit = bool((cfg.provenance or {}).get("refit_widths")) and has_channel_widths(cfg)
+    elif refit and not has_channel_widths(cfg):
+        raise ConfigError(f"{cfg.name}: --refit-widths counts the tables of refit per-channel widths, and no format "
+                          "of this config has per-channel widths")
     rep = account(cfg, shape, args.tokens, batch=args.batch, page_size=args.page_size)
+    if refit:
+        add_width_tables(rep, cfg)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
         return 0
@@ -40,5 +54,8 @@ def run(args: argparse.Namespace) -> int:
         f"{rep.config_name} on {s.name} ({s.n_layers} layers x {s.n_kv_heads} kv heads x head dim "
         f"{s.head_dim}), {rep.tokens} tokens x batch {rep.batch}, pages of {rep.page_size} tokens"
     )
+    if refit:
+        print("per-channel widths refit on each prompt: every sequence's width tables are counted as scales "
+              "(--no-refit-widths leaves them out)")
     print(rep.to_table(per_layer=not args.total_only))
     return 0

@@ -99,6 +99,33 @@ def test_refit_refuses_a_prompt_of_another_model_or_of_sinks_only(tiny_capture, 
         refit_widths(fitted, cap.isel(layer=slice(0, 1)))
 
 
+def test_memory_counts_the_width_tables_of_a_config_calibrated_to_refit(tiny_capture, fitted, tmp_path, capsys):
+    """`kverr memory` adds every sequence's width tables to a config calibrated with refit widths
+    (the bytes its budget held), leaves them out of one calibrated without, and follows
+    --refit-widths / --no-refit-widths when given."""
+    import json
+
+    from kverr.cli import main
+
+    _, _, loaded = tiny_capture
+    L, H, D = loaded.n_layers, loaded.n_kv_heads, loaded.head_dim
+    plain_prov = {k: v for k, v in fitted.provenance.items() if k != "refit_widths"}
+    refit = fitted.with_(name="r", provenance={**plain_prov, "refit_widths": True}).save(tmp_path / "r.json")
+    plain = fitted.with_(name="p", provenance=plain_prov).save(tmp_path / "p.json")
+    tables = width_table_nbytes(fitted, L, H, D)
+    assert tables > 0
+
+    def total(path, *flags, batch=1):
+        assert main(["memory", str(path), *flags, "--shape", f"{L},{H},{D}", "--tokens", "160",
+                     "--batch", str(batch), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["total_bytes"]
+
+    for batch in (1, 3):
+        base = account(fitted, ModelShape(L, H, D), 160, batch=batch).total_bytes
+        assert total(refit, batch=batch) == total(plain, "--refit-widths", batch=batch) == base + batch * tables
+        assert total(plain, batch=batch) == total(refit, "--no-refit-widths", batch=batch) == base
+
+
 def test_evaluate_refit_widths_adds_a_refit_scheme(tmp_path, fitted):
     path = fitted.with_(name="fit").save(tmp_path / "fit.json")
     names = [s.name for s in parse_schemes(["fp16"], [str(path)], refit=True)]
