@@ -170,12 +170,18 @@ def _factor(C: torch.Tensor, fmt: QuantFormat, damp: float) -> CompensationFacto
     diag = C.diagonal(dim1=-2, dim2=-1)
     key = torch.where(torch.tensor(zeros), torch.tensor(math.inf, dtype=torch.float64), diag)
     order = torch.argsort(key, dim=-1, descending=True, stable=True)  # [..., D]
-    C = C.gather(-2, order[..., :, None].expand(C.shape)).gather(-1, order[..., None, :].expand(C.shape))
+    # rows and columns permuted in one gather over the flattened matrices
+    flat = (order[..., :, None] * D + order[..., None, :]).reshape(*order.shape[:-1], D * D)
+    C = C.reshape(*C.shape[:-2], D * D).gather(-1, flat).reshape(C.shape)
     mean = diag.mean(-1)
     lam = torch.where(mean > 0, damp * mean, torch.ones_like(mean))
     Cd = C + lam[..., None, None] * torch.eye(D, dtype=torch.float64)
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Cd)), upper=True)
-    return CompensationFactor(order, U.movedim((-2, -1), (0, 1)).contiguous(), fmt.rotate, zeros)
+    # channel-major [D, D, ...]: one 2-D transpose of [tokens, D*D], which copies faster than
+    # the same movedim done as a 4-D strided copy
+    lead = U.shape[:-2]
+    major = U.reshape(-1, D * D).t().contiguous().reshape(D, D, *lead)
+    return CompensationFactor(order, major, fmt.rotate, zeros)
 
 
 class KeyCost:
