@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if refit:
         add_width_tables(rep, cfg)
     if args.json:
-        print(json.dumps(rep.to_dict(), indent=2))
+        print(json.dumps({**rep.to_dict(), "refit_width_tables": refit}, indent=2))
         return 0
     s = rep.shape
     print(

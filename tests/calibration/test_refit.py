@@ -118,7 +118,10 @@ def test_memory_counts_the_width_tables_of_a_config_calibrated_to_refit(tiny_cap
     def total(path, *flags, batch=1):
         assert main(["memory", str(path), *flags, "--shape", f"{L},{H},{D}", "--tokens", "160",
                      "--batch", str(batch), "--json"]) == 0
-        return json.loads(capsys.readouterr().out)["total_bytes"]
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["refit_width_tables"] == (rep["total_bytes"] != account(fitted, ModelShape(L, H, D), 160,
+                                                                           batch=batch).total_bytes)
+        return rep["total_bytes"]
 
     for batch in (1, 3):
         base = account(fitted, ModelShape(L, H, D), 160, batch=batch).total_bytes
