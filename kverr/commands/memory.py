@@ -24,8 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=positive_int, help="tokens per page (default: the config's)")
     p.add_argument("--refit-widths", action=argparse.BooleanOptionalAction, default=None,
                    help="count the width tables every sequence stores when a config's per-channel widths are "
-                   "refit on each prompt (as `kverr evaluate --refit-widths` does); default: when the config "
-                   "was calibrated with --refit-widths, so that the count is the one its budget held")
+                   "refit on each prompt (as `kverr evaluate --refit-widths` does); default: when its provenance "
+                   "records refit widths (calibrated with --refit-widths, so that the count is the one its budget "
+                   "held, or refit on a prompt)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--total-only", action="store_true", help="print only the total line, not every layer")
     p.set_defaults(func=run)
