@@ -115,18 +115,18 @@ def test_memory_counts_the_width_tables_of_a_config_calibrated_to_refit(tiny_cap
     tables = width_table_nbytes(fitted, L, H, D)
     assert tables > 0
 
-    def total(path, *flags, batch=1):
+    def total(path, *flags, batch, base):
         assert main(["memory", str(path), *flags, "--shape", f"{L},{H},{D}", "--tokens", "160",
                      "--batch", str(batch), "--json"]) == 0
         rep = json.loads(capsys.readouterr().out)
-        assert rep["refit_width_tables"] == (rep["total_bytes"] != account(fitted, ModelShape(L, H, D), 160,
-                                                                           batch=batch).total_bytes)
+        assert rep["refit_width_tables"] == (rep["total_bytes"] != base)
         return rep["total_bytes"]
 
     for batch in (1, 3):
         base = account(fitted, ModelShape(L, H, D), 160, batch=batch).total_bytes
-        assert total(refit, batch=batch) == total(plain, "--refit-widths", batch=batch) == base + batch * tables
-        assert total(plain, batch=batch) == total(refit, "--no-refit-widths", batch=batch) == base
+        at = dict(batch=batch, base=base)
+        assert total(refit, **at) == total(plain, "--refit-widths", **at) == base + batch * tables
+        assert total(plain, **at) == total(refit, "--no-refit-widths", **at) == base
 
 
 def test_evaluate_refit_widths_adds_a_refit_scheme(tmp_path, fitted):
