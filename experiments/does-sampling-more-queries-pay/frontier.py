@@ -7,7 +7,7 @@ positions, timing each, and counts, for margins m, the candidates whose damage o
 positions is within (1 + m) times the least damage of any candidate of no more bytes: the ones a
 second scoring on ``--more`` positions would have to score again. Counted per (outer option, kv
 head) and as unions over them, beside how many entries of the frontier on ``--more`` positions
-each rule would miss.
+(the knapsack's Pareto set per option and head) each rule would miss.
 
     PYTHONPATH=. python experiments/does-sampling-more-queries-pay/frontier.py CAPTURE OUT.csv --layers 2 10 20
 """
@@ -24,6 +24,7 @@ import torch
 
 import kverr.accessor  # noqa: F401  (registers ds.kv)
 from kverr.calibration.config import CalibrationConfig
+from kverr.calibration.knapsack import _pareto
 from kverr.calibration.objective import _layer_arrays, prepare_layer, score_layer
 from kverr.calibration.search import _costs, _search_candidates, _search_key, outer_options
 from kverr.io import open_capture
@@ -38,6 +39,16 @@ def near_frontier(damage: np.ndarray, cost: np.ndarray, margin: float) -> np.nda
     cheaper = cost[:, :, None] <= cost[:, None, :]
     best = np.where(cheaper[..., None], damage[:, :, None, :], np.inf).min(axis=1)
     return damage <= (1.0 + margin) * best
+
+
+def frontier(damage: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """bool ``[option, cand, head]``: the candidates the knapsack keeps per (option, head) -- its
+    Pareto set by bytes and damage (:func:`kverr.calibration.knapsack._pareto`)."""
+    out = np.zeros(damage.shape, dtype=bool)
+    for o in range(damage.shape[0]):
+        for h in range(damage.shape[2]):
+            out[o, _pareto(cost[o], damage[o, :, h]), h] = True
+    return out
 
 
 def main() -> None:
@@ -75,7 +86,7 @@ def main() -> None:
               f"{seconds[args.more]:.1f} s on {args.more}", flush=True)
         for side, i in (("k", 0), ("v", 1)):
             few, many = tables[args.queries][i], tables[args.more][i]
-            front = near_frontier(many, cost[side], 0.0)
+            front = frontier(many, cost[side])
             for m in MARGINS:
                 live = near_frontier(few, cost[side], m)
                 rows.append(dict(layer=layer, side=side, margin=m, seconds_few=seconds[args.queries],
