@@ -67,7 +67,7 @@ from kverr.error import terms as _terms
 from kverr.error.salient import OBSERVED_QUERIES, choose, prompt_saliency
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
-from kverr.quant.compensated import KeyCost, compensable, query_moment, turned_cost
+from kverr.quant.compensated import KeyCost, compensable, query_moment
 from kverr.quant.store import reconstruct
 
 from .candidates import OuterOption
@@ -311,19 +311,10 @@ def key_cost(prep: LayerPrep, pre: bool) -> KeyCost:
     if prep.moment is None:
         raise ConfigError("this layer was prepared without compensated_keys: no query moment to round keys under")
     if pre not in prep.key_costs:
-        if not pre:
-            cost = prep.moment[:, None]
-        else:
-            from kverr.rope import parse_rope, rope_cos_sin
-
-            if prep.k_pre is None or prep.rope is None:
-                raise CaptureError("pre-RoPE keys requested but the capture has no k_pre or RoPE parameters")
-            cos, sin = rope_cos_sin(prep.positions, *parse_rope(prep.rope))
-            if cos.shape[-1] != prep.k.shape[-1]:
-                raise ConfigError(f"compensated rounding of pre-RoPE keys needs RoPE over all {prep.k.shape[-1]} "
-                                  f"channels; this layer rotates {cos.shape[-1]}")
-            cost = turned_cost(prep.moment, cos, sin)
-        prep.key_costs[pre] = KeyCost(cost)
+        if pre and (prep.k_pre is None or prep.rope is None):
+            raise CaptureError("pre-RoPE keys requested but the capture has no k_pre or RoPE parameters")
+        prep.key_costs[pre] = (KeyCost.of_moment(prep.moment, positions=prep.positions, rope=prep.rope) if pre
+                               else KeyCost.of_moment(prep.moment))
     return prep.key_costs[pre]
 
 

@@ -196,6 +196,28 @@ class KeyCost:
         self.damp = _damp(damp)
         self._factors: dict = {}
 
+    @classmethod
+    def of_moment(cls, moment: Any, *, positions: Any = None, rope: Any = None, damp: float = DAMP) -> KeyCost:
+        """The cost of keys read by queries of second moment ``moment [..., H, D, D]``
+        (:func:`query_moment`): for post-RoPE keys (no ``positions``) the moment itself, one for
+        every token (``[..., H, 1, D, D]``); for keys stored before RoPE, turned to each of the
+        ``positions [T]`` under the layer's RoPE parameters ``rope`` (:func:`turned_cost`,
+        ``[..., H, T, D, D]``), which must rotate all ``D`` channels."""
+        moment = _as_cost(moment)
+        if moment.ndim < 3:
+            raise ShapeError(f"a query moment must be [..., H, D, D], got shape {tuple(moment.shape)}")
+        if (positions is None) != (rope is None):
+            raise ShapeError("turning a moment to the keys' positions needs both positions and rope")
+        if positions is None:
+            return cls(moment[..., None, :, :], damp=damp)
+        from kverr.rope import parse_rope, rope_cos_sin
+
+        cos, sin = rope_cos_sin(positions, *parse_rope(rope))
+        if cos.shape[-1] != moment.shape[-1]:
+            raise ConfigError(f"compensated rounding of pre-RoPE keys needs RoPE over all {moment.shape[-1]} "
+                              f"channels; this layer rotates {cos.shape[-1]}")
+        return cls(turned_cost(moment, cos, sin), damp=damp)
+
     @property
     def n_heads(self) -> int:
         return self.cost.shape[-4]

@@ -132,6 +132,23 @@ def test_the_turned_cost_is_the_mean_squared_score_error_after_rope():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
+def test_a_key_cost_of_a_moment_is_the_moment_after_rope_and_turned_to_each_position_before():
+    g = torch.Generator().manual_seed(4)
+    m = query_moment(torch.randn(1, 4, 30, D, generator=g), 2, last=30)[0]  # [H=2, D, D]
+    post = KeyCost.of_moment(m)
+    assert post.cost.shape == (2, 1, D, D) and torch.equal(post.cost[:, 0], m)
+    pos = torch.tensor([0, 5, 900])
+    rope = {"rope_theta": 1e4, "inv_freq": default_inv_freq(D, 1e4).tolist()}
+    pre = KeyCost.of_moment(m, positions=pos, rope=rope)
+    assert torch.equal(pre.cost, turned_cost(m, *rope_cos_sin(pos, default_inv_freq(D, 1e4))))
+    with pytest.raises(ShapeError, match="both"):
+        KeyCost.of_moment(m, positions=pos)
+    with pytest.raises(ConfigError, match=f"all {D} channels"):  # partial rotary: channels left unturned
+        KeyCost.of_moment(m, positions=pos, rope={"rope_theta": 1e4, "inv_freq": default_inv_freq(D // 2, 1e4).tolist()})
+    with pytest.raises(ShapeError, match="moment"):
+        KeyCost.of_moment(m[0])  # one [D, D] matrix: no head axis
+
+
 def test_what_it_refuses():
     x = _x()
     assert not compensable(fp8_format(PerToken())) and compensable(STATIC)
