@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from kverr.commands._common import parse_layers, positive_int
-
-log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "decompose",
         help="split a config's attention error on a capture into key, value and cross terms",
         description="Reconstruct the captured keys and values with a cache config (the kverr.quant "
-        "oracle), then decompose the attention output error of the last N query positions of every "
+        "oracle) as a cache that prefilled the capture holds them (salient tokens chosen and compensated "
+        "keys weighed by the captured queries), then decompose the attention output error of the last N query positions of every "
         "layer and head exactly: o' - o = (a'-a)V + a E_V + (a'-a)E_V. Writes a zarr dataset with "
         "per-query metrics (layer, q_head, query), reconstruction error (layer, kv_head) and summaries, "
         "then prints a per-layer table: energy shares of the key, value and cross terms, output error "
@@ -52,12 +50,6 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(args.config)
     capture = open_capture(args.capture)
     check_model_matches(config, capture=capture)
-    if config.salient:
-        log.warning("%s keeps %d salient prompt tokens per head; the decomposition is of its formats alone "
-                    "(the tokens are chosen by a prompt's queries)", config.name or args.config, config.salient)
-    if config.compensates_keys:
-        log.warning("%s rounds keys with compensation under a prompt's queries; the decomposition is of its formats "
-                    "rounded to nearest", config.name or args.config)
     n_tok = int(capture.sizes["token"])
     if args.queries is not None and args.queries > n_tok:
         raise ShapeError(f"--queries {args.queries} exceeds the capture's {n_tok} tokens; give 1..{n_tok}")

@@ -14,6 +14,12 @@ sink logits (``attn_sink``) join each softmax row as a column without a value. T
 of the cache at the end of the capture, not a replay of the cache as it grew. The reconstruction
 of a sliding layer is that of all T tokens: a cache that frees the blocks behind the window keeps
 the same codes for the keys it still holds, since no format's groups span more than one block.
+As a cache that prefilled the T tokens, a config that keeps salient tokens keeps those the
+captured queries choose (:func:`kverr.error.salient.positions`), read back as received, and fits
+its static scales on the other tokens; one that rounds its keys with compensation (``key_rounding``
+``"compensated"``) rounds them under the second moment of the last
+:data:`~kverr.error.salient.OBSERVED_QUERIES` captured queries of each kv head
+(:func:`kverr.quant.compensated.query_moment`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ from kverr.error.metrics import QUERY_METRICS, RECON_METRICS, reconstruction_err
 from kverr.exceptions import CaptureError, ConfigError, ShapeError
 
 log = logging.getLogger(__name__)
+
+#: The dim of the prefill's queries, which choose a config's salient tokens and weigh the rounding
+#: of its compensated keys (:func:`decompose_capture`).
+PREFILL_QUERY = "prefill_query"
 
 __all__ = ["compute", "decompose_capture", "summarize", "layer_table"]
 
@@ -48,7 +58,7 @@ SUMMARY_VARS: tuple[str, ...] = (
 )
 
 
-def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, config, kv_map, positions, rope,
+def _layer_block(q, q_all, k, v, k_pre, layer_vals, scales, windows, sinks, *, config, kv_map, positions, rope,
                  topk, block_size):
     """Decompose the layers of one chunk; called by dask with numpy arrays.
 
@@ -56,6 +66,10 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, config, 
     ----------
     q : numpy.ndarray
         ``[L, q_head, query, channel]`` (the last Q positions).
+    q_all : numpy.ndarray
+        ``[L, q_head, token, channel]``: every position, the prefill's queries, which choose a
+        config's salient tokens and weigh the rounding of its compensated keys (a dummy when it
+        has neither).
     k, v, k_pre : numpy.ndarray
         ``[L, kv_head, token, channel]`` (``k_pre`` may be a dummy when not needed).
     layer_vals, scales, windows : numpy.ndarray
@@ -72,6 +86,9 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, config, 
 
     from kverr.error.core import decompose_stream
     from kverr.quant import reconstruct
+    from kverr.error.salient import OBSERVED_QUERIES
+    from kverr.error.salient import positions as salient_positions
+    from kverr.quant.compensated import KeyCost, query_moment
 
     n_l = q.shape[0]
     qm = np.empty((n_l, q.shape[1], q.shape[2], len(QUERY_METRICS)), dtype=np.float64)
@@ -81,18 +98,32 @@ def _layer_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, config, 
         qi = torch.from_numpy(np.ascontiguousarray(q[i], dtype=np.float32))
         ki = torch.from_numpy(np.ascontiguousarray(k[i], dtype=np.float32))
         vi = torch.from_numpy(np.ascontiguousarray(v[i], dtype=np.float32))
+        sink = None if np.isnan(sinks[i]).all() else torch.from_numpy(sinks[i].astype(np.float32))
+        # as a cache that prefilled the capture: its queries choose the salient tokens, and the
+        # second moment of its last ones weighs the rounding of compensated keys
+        moment = sal = None
+        if config.compensates_keys or config.salient:
+            qa = torch.from_numpy(np.ascontiguousarray(q_all[i], dtype=np.float32))
+            if config.compensates_keys:
+                moment = query_moment(qa[None], ki.shape[0], OBSERVED_QUERIES)[0]
+            if config.salient:
+                sal = salient_positions(config, layer, qa[None], ki[None], float(scales[i]),
+                                        sliding_window=int(windows[i]), sink=sink)[0]
         if config.key_pre_rope:
             from kverr.rope import apply_rope, layer_rope
 
             kp = torch.from_numpy(np.ascontiguousarray(k_pre[i], dtype=np.float32))
-            k_hat = apply_rope(reconstruct(kp, config, layer=layer, which="k"), positions, layer_rope(rope, layer))
+            lrope = layer_rope(rope, layer)
+            cost = None if moment is None else KeyCost.of_moment(moment, positions=positions, rope=lrope)
+            k_hat = apply_rope(reconstruct(kp, config, layer=layer, which="k", key_cost=cost, salient=sal), positions, lrope)
         else:
-            k_hat = reconstruct(ki, config, layer=layer, which="k")
-        v_hat = reconstruct(vi, config, layer=layer, which="v")
+            cost = None if moment is None else KeyCost.of_moment(moment)
+            k_hat = reconstruct(ki, config, layer=layer, which="k", key_cost=cost, salient=sal)
+        v_hat = reconstruct(vi, config, layer=layer, which="v", salient=sal)
         d = decompose_stream(qi, ki, vi, k_hat.to(torch.float32), v_hat.to(torch.float32),
                              causal=True, scale=float(scales[i]), kv_head_of_q=kv_map,
                              topk=topk, block_size=block_size, window=int(windows[i]),
-                             sink=None if np.isnan(sinks[i]).all() else torch.from_numpy(sinks[i].astype(np.float32)))
+                             sink=sink)
         for j, name in enumerate(QUERY_METRICS):
             qm[i, ..., j] = d.metrics[name].to(torch.float64).numpy()
         k_mse, k_snr = reconstruction_error(ki, k_hat)
@@ -143,7 +174,10 @@ def decompose_capture(
         ``k``, ``v`` (and ``k_pre`` when the config quantizes pre-RoPE keys)
         ``[layer, kv_head, token, channel]``, coordinate ``kv_head_of_q`` on ``q_head``.
     config : CacheConfig or str
-        A config, a preset name or a config JSON path (:func:`kverr.config.resolve`).
+        A config, a preset name or a config JSON path (:func:`kverr.config.resolve`). Its salient
+        tokens are those the capture's queries choose, and keys it rounds with compensation are
+        rounded under the second moment of the capture's last
+        :data:`~kverr.error.salient.OBSERVED_QUERIES` queries, as in a cache that prefilled the capture.
     queries : int
         Number of query positions: the last ``queries`` tokens, each attending causally to
         every token up to itself, or to its last W in a layer with a sliding window W (all
@@ -174,7 +208,8 @@ def decompose_capture(
     Raises
     ------
     kverr.exceptions.CaptureError
-        Missing variables or coordinates, wrong dims.
+        Missing variables or coordinates, wrong dims; salient tokens or compensated keys of a
+        capture whose query head ``i`` does not read kv head ``i // (q_heads / kv_heads)``.
     kverr.exceptions.ConfigError
         The config does not fit the model (e.g. a group size that does not divide the head
         dim, an override for a layer the model lacks).
@@ -214,7 +249,7 @@ def decompose_capture(
     scales = capture.kv.attn_scales()
     layer_idx = capture[LAYER].copy()
 
-    whole = {TOKEN: -1, CHANNEL: -1, Q_HEAD: -1, KV_HEAD: -1, LAYER: 1}
+    whole = {TOKEN: -1, QUERY: -1, PREFILL_QUERY: -1, CHANNEL: -1, Q_HEAD: -1, KV_HEAD: -1, LAYER: 1}
 
     def prep(da):
         if da.chunks is None:
@@ -223,6 +258,16 @@ def decompose_capture(
 
     q = prep(capture["q"].isel({TOKEN: slice(n_t - queries, None)}).rename({TOKEN: QUERY}))
     q = q.drop_vars([c for c in q.coords if c not in (LAYER, Q_HEAD, QUERY, CHANNEL)])
+    # salient tokens and compensated keys: the prefill's queries choose the one and weigh the
+    # other, the query heads of kv head h being h*G .. h*G+G-1
+    if cfg.compensates_keys or cfg.salient:
+        if not np.array_equal(kv_map, np.arange(kv_map.size) // (kv_map.size // n_kv)):
+            raise CaptureError("salient tokens and compensated keys need query head i to read kv head "
+                               f"i // (q_heads / kv_heads); this capture's {KV_HEAD_OF_Q} is {kv_map.tolist()}")
+        q_all = prep(capture["q"].rename({TOKEN: PREFILL_QUERY}))
+        q_all = q_all.drop_vars([c for c in q_all.coords if c not in (LAYER, Q_HEAD, PREFILL_QUERY, CHANNEL)])
+    else:
+        q_all = q.rename({QUERY: PREFILL_QUERY})
     k = prep(capture["k"])
     v = prep(capture["v"])
     k_pre = prep(capture["k_pre"]) if cfg.key_pre_rope else k
@@ -233,8 +278,8 @@ def decompose_capture(
 
     qm, rc = xr.apply_ufunc(
         _layer_block,
-        q, k, v, k_pre, layer_idx, scales, windows, sinks,
-        input_core_dims=[[Q_HEAD, QUERY, CHANNEL], [KV_HEAD, TOKEN, CHANNEL],
+        q, q_all, k, v, k_pre, layer_idx, scales, windows, sinks,
+        input_core_dims=[[Q_HEAD, QUERY, CHANNEL], [Q_HEAD, PREFILL_QUERY, CHANNEL], [KV_HEAD, TOKEN, CHANNEL],
                          [KV_HEAD, TOKEN, CHANNEL], [KV_HEAD, TOKEN, CHANNEL], [], [], [], [Q_HEAD]],
         output_core_dims=[[Q_HEAD, QUERY, "metric"], [KV_HEAD, "recon_metric"]],
         dask="parallelized",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -225,37 +225,43 @@ def _static_metadata(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> dict:
     return {"scale": scale[None], "zero": None if zero is None else zero[None]}
 
 
-def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int, cost=None) -> QTensor:
+def quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int, cost=None, *,
+                    fit: torch.Tensor | None = None) -> QTensor:
     """Quantize ``[B, h, n, D]`` (one head group, the quantized tokens of ``B`` sequences).
 
     Static granularities take one set of scales over all ``B`` sequences (as a calibrated
-    static scale would be); the others quantize each sequence on its own. With ``cost`` (a key
-    cost or its :class:`~kverr.quant.compensated.CompensationFactor`, leading shape broadcastable
-    to ``[B, h, n]``) the codes are chosen by :func:`~kverr.quant.compensated.compensated_quantize`
+    static scale would be), fitted on ``fit [B, h, n', D]`` (default: ``x``); the others quantize
+    each sequence on its own. With ``cost`` (a key cost or its
+    :class:`~kverr.quant.compensated.CompensationFactor`, leading shape broadcastable to
+    ``[B, h, n]``) the codes are chosen by :func:`~kverr.quant.compensated.compensated_quantize`
     on the same scales.
     """
-    meta = _static_metadata(x, fmt, page_size) if is_static(fmt.granularity) and not fmt.is_float else {}
+    meta = (_static_metadata(x if fit is None else fit, fmt, page_size)
+            if is_static(fmt.granularity) and not fmt.is_float else {})
     if cost is not None:
         return compensated_quantize(x, fmt, cost, page_size=page_size, **meta)
     return quantize(x, fmt, page_size=page_size, **meta)
 
 
-def fake_quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int) -> torch.Tensor:
-    """``dequantize(quantize_region(x, fmt, page_size))``, bit for bit, without packing."""
+def fake_quantize_region(x: torch.Tensor, fmt: QuantFormat, page_size: int, *,
+                         fit: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequantize(quantize_region(x, fmt, page_size, fit=fit))``, bit for bit, without packing."""
     if is_static(fmt.granularity) and not fmt.is_float:
-        return fake_quantize(x, fmt, page_size=page_size, **_static_metadata(x, fmt, page_size))
+        return fake_quantize(x, fmt, page_size=page_size, **_static_metadata(x if fit is None else fit, fmt, page_size))
     return fake_quantize(x, fmt, page_size=page_size)
 
 
 def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
-                key_cost: KeyCost | None = None) -> torch.Tensor:
+                key_cost: KeyCost | None = None, salient: Any = None) -> torch.Tensor:
     """What the cache gives back for ``x``: sinks and window in ``window_dtype``, the rest
     quantized and dequantized with the format of each kv head. Salient prompt tokens
-    (``config.salient``) are chosen by queries, which this function does not see: they are left
-    out (read back as quantized); the calibration objective takes them out per query instead
-    (:func:`kverr.calibration.objective.salient_tokens`). Keys of a config that rounds them with
-    compensation (``key_rounding`` ``"compensated"``) are rounded so in its integer formats
-    under ``key_cost``, which the queries give and this function cannot see.
+    (``config.salient``) are chosen by queries, which this function does not see: given their
+    positions (``salient``) it reads them back as received and fits static scales on the other
+    tokens, as the cache does; without them it reads them back quantized (the calibration
+    objective takes them out per query instead, :func:`kverr.calibration.objective.salient_tokens`).
+    Keys of a config that rounds them with compensation (``key_rounding`` ``"compensated"``) are
+    rounded so in its integer formats under ``key_cost``, which the queries give and this
+    function cannot see.
 
     Parameters
     ----------
@@ -271,6 +277,11 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
         For keys of a config with ``key_rounding`` ``"compensated"``: the cost of an error in
         each key (:class:`~kverr.quant.compensated.KeyCost`, leading shape ``[kv_head, token]``
         of ``x``, ``token`` may be 1). Required there, refused elsewhere.
+    salient
+        For a config with ``salient`` > 0: the positions of each kv head's salient tokens,
+        ``[..., kv_head, m]`` integers (the leading axes of ``x``, or none to share them), each
+        among the tokens the head's formats quantize (:func:`kverr.error.salient.positions`
+        chooses them so). Refused for a config that keeps none.
 
     Returns
     -------
@@ -291,19 +302,47 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
     *lead, H, T, D = x32.shape
     # The cache receives K/V in its own dtype (window_dtype); every stored number derives from
     # those values.
-    x4 = receive(x32.reshape(math.prod(lead), H, T, D), config.window_dtype)
+    N = math.prod(lead)
+    x4 = receive(x32.reshape(N, H, T, D), config.window_dtype)
+    sal = None if salient is None else _salient_positions(salient, config, lead, H).to(x4.device)
     out = x4.clone()
+    kept = None if sal is None else torch.zeros((N, H, T), dtype=torch.bool, device=x4.device)
     for fmt, heads in config.head_groups(layer, H, which):
         fmt.check_head_dim(D, which)
         start, end = token_regions(T, config, fmt)
         if end > start:
             region = x4[:, heads, start:end, :]
+            fit = None
+            if sal is not None and config.keeps_salient(which, fmt):
+                rel = sal[:, heads] - start
+                if sal.shape[-1] and (int(rel.min()) < 0 or int(rel.max()) >= end - start):
+                    raise ShapeError(f"layer {layer} heads {heads}: salient positions {sorted(set(sal[:, heads].flatten().tolist()))} "
+                                     f"must lie among the tokens {start} .. {end - 1} the {which} format quantizes")
+                fit = without_salient(region, rel)
+                kept[:, heads] = kept[:, heads].scatter(2, sal[:, heads], True)
             if compensate and compensable(fmt):
                 cost = key_cost.factor(fmt, heads).select(tokens=slice(start, end))
-                out[:, heads, start:end, :] = quantize_region(region, fmt, config.page_size, cost).dequantize()
+                out[:, heads, start:end, :] = quantize_region(region, fmt, config.page_size, cost, fit=fit).dequantize()
             else:
-                out[:, heads, start:end, :] = fake_quantize_region(region, fmt, config.page_size)
+                out[:, heads, start:end, :] = fake_quantize_region(region, fmt, config.page_size, fit=fit)
+    if kept is not None:  # salient tokens read back as the rows the cache received
+        out = torch.where(kept[..., None], x4, out)
     return out.reshape(x32.shape)
+
+
+def _salient_positions(salient: Any, config: CacheConfig, lead: list[int], H: int) -> torch.Tensor:
+    """``salient`` checked and shaped ``[N, H, m]`` int64 (``N`` the product of ``lead``)."""
+    if not config.salient:
+        raise ConfigError(f"salient positions were given but config {config.name or '(unnamed)'} keeps no salient tokens")
+    pos = torch.as_tensor(salient)
+    if pos.is_floating_point() or pos.is_complex() or pos.ndim < 2 or pos.shape[-2] != H or pos.shape[-1] > config.salient \
+            or tuple(pos.shape[:-2]) not in ((), tuple(lead)):
+        raise ShapeError(f"salient positions of shape {tuple(pos.shape)} ({pos.dtype}): want integer "
+                         f"[{', '.join(map(str, [*lead, H]))}, m] or [{H}, m], m <= config.salient = {config.salient}")
+    pos = pos.long().cpu().expand(*lead, *pos.shape[-2:]).reshape(math.prod(lead), H, pos.shape[-1])
+    if pos.shape[-1] > 1 and bool((pos.diff(dim=-1) <= 0).any()):
+        raise ShapeError("salient positions must ascend, each token once per kv head")
+    return pos
 
 
 # --------------------------------------------------------------------------------------------

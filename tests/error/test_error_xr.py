@@ -16,8 +16,10 @@ import xarray as xr
 from kverr.config import PRESETS, CacheConfig, resolve
 from kverr.error import QUERY_METRICS, decompose_capture, decompose_stream
 from kverr.exceptions import CaptureError, ConfigError, ShapeError
-from kverr.quant import PerTokenGroup, int_format, reconstruct
-from kverr.rope import apply_rope
+from kverr.error.salient import OBSERVED_QUERIES, positions
+from kverr.quant import PerChannel, PerToken, PerTokenGroup, int_format, reconstruct
+from kverr.quant.compensated import KeyCost, turned_cost
+from kverr.rope import apply_rope, parse_rope, rope_cos_sin
 
 from captures import synthetic_capture as shared_capture
 
@@ -111,6 +113,57 @@ def test_pre_rope_keys_are_quantized_then_rotated():
     assert not np.allclose(post.kl.values, ds.kl.values)
 
 
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_compensated_keys_are_rounded_under_the_capture_s_last_queries(pre_rope):
+    # As a cache that prefilled the capture: each kv head's keys are rounded with compensation
+    # under the second moment of its query heads' last OBSERVED_QUERIES queries (written out here,
+    # and turned to each position for keys stored before RoPE), however many queries are
+    # decomposed; the values and the grid are the config's.
+    T, hq, hkv = OBSERVED_QUERIES + 40, 4, 2
+    cap = synthetic_capture(n_layers=1, hq=hq, hkv=hkv, T=T)
+    cfg = CacheConfig(k=int_format(2, PerChannel()), v=int_format(4, PerToken()), sinks=2, window=8,
+                      key_rounding="compensated", key_pre_rope=pre_rope)
+    ds = decompose_capture(cap, cfg, queries=16).compute(scheduler="synchronous")
+    q = torch.from_numpy(cap.q.values[0, :, -OBSERVED_QUERIES:]).double()
+    G = hq // hkv
+    moment = torch.stack([torch.einsum("gnd,gne->de", q[h * G:(h + 1) * G], q[h * G:(h + 1) * G]) / (G * OBSERVED_QUERIES)
+                          for h in range(hkv)])
+    k = torch.from_numpy(cap.k.values[0]).double()
+    if pre_rope:
+        pos, rope = cap.position.values, cap.attrs["rope"]
+        cost = turned_cost(moment, *rope_cos_sin(pos, *parse_rope(rope)))
+        k_hat = apply_rope(reconstruct(torch.from_numpy(cap.k_pre.values[0]), cfg, layer=0, which="k",
+                                       key_cost=KeyCost(cost)), pos, rope)
+    else:
+        k_hat = reconstruct(k.float(), cfg, layer=0, which="k", key_cost=KeyCost(moment[:, None]))
+    want = ((k_hat.double() - k) ** 2).mean(dim=(-2, -1)).numpy()
+    np.testing.assert_allclose(ds.k_mse.values[0], want, rtol=1e-9)
+    more = decompose_capture(cap, cfg, queries=64).compute(scheduler="synchronous")
+    np.testing.assert_array_equal(more.k_mse.values, ds.k_mse.values)
+    near = decompose_capture(cap, cfg.with_(key_rounding="nearest"), queries=16).compute(scheduler="synchronous")
+    assert not np.allclose(near.k_mse.values, ds.k_mse.values, rtol=1e-6)
+    np.testing.assert_array_equal(near.v_mse.values, ds.v_mse.values)
+
+
+def test_salient_tokens_are_those_the_capture_s_queries_choose_read_back_as_received():
+    # As a cache that prefilled the capture: the positions kverr.error.salient.positions chooses
+    # from the captured queries, given to the oracle; its static scales fitted on the other tokens.
+    cap = synthetic_capture(n_layers=1, T=200)
+    cfg = CacheConfig(k=int_format(2, PerChannel()), v=int_format(2, PerToken()), sinks=2, window=8,
+                      window_dtype="int8", salient=6)
+    ds = decompose_capture(cap, cfg, queries=24).compute(scheduler="synchronous")
+    q, k, v = (torch.from_numpy(cap[n].values[0]) for n in ("q", "k", "v"))
+    pos = positions(cfg, 0, q[None], k[None], float(cap.kv.attn_scales().values[0]))[0]
+    assert pos.shape == (2, 6)
+    k_hat = reconstruct(k, cfg, layer=0, which="k", salient=pos)
+    v_hat = reconstruct(v, cfg, layer=0, which="v", salient=pos)
+    d = decompose_stream(q[:, -24:], k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values)
+    for name in ("kl", "key_rel", "value_rel"):
+        np.testing.assert_allclose(ds[name].values[0], d.metrics[name].double().numpy(), rtol=1e-6, atol=1e-12, err_msg=name)
+    plain = decompose_capture(cap, cfg.with_(salient=0), queries=24).compute(scheduler="synchronous")
+    assert float(ds.layer_kl_mean[0]) < float(plain.layer_kl_mean[0])  # the tokens read most, kept
+
+
 def test_unquantized_config_gives_almost_no_error():
     cap = synthetic_capture(n_layers=1)
     ds = decompose_capture(cap, "fp16", queries=8).compute()
@@ -161,6 +214,9 @@ def test_bad_captures_and_configs():
         decompose_capture(cap.assign(v=cap.v.transpose("layer", "token", "kv_head", "channel")), "q4_0")
     with pytest.raises(ShapeError, match="queries"):
         decompose_capture(cap, "q4_0", queries=0)
+    with pytest.raises(CaptureError, match="need query head i"):
+        decompose_capture(cap.assign_coords(kv_head_of_q=("q_head", [0, 1, 0, 1])),
+                          PRESETS["q4_0"].with_(key_rounding="compensated"), queries=8)
     assert decompose_capture(cap, "q4_0", queries=10_000).sizes["query"] == 160  # all tokens
     with pytest.raises(ShapeError, match="not in the capture"):
         decompose_capture(cap, "q4_0", layers=[7], queries=8)

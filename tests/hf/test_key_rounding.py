@@ -15,7 +15,7 @@ from kverr.hf import KverrCache, cache_kwarg, kernels_support
 from kverr.quant import PerChannel, PerToken, int_format
 from kverr.quant.compensated import compensated_quantize, query_moment, turned_cost
 from kverr.quant.store import receive
-from kverr.rope import unrotate
+from kverr.rope import rotate, unrotate
 
 P, SINKS, WINDOW = 40, 2, 6
 KEYS = int_format(2, granularity=PerChannel())  # static per-channel scales, as the calibrated configs' keys
@@ -92,6 +92,29 @@ def test_the_prefill_keys_are_the_oracles_compensated_codes_on_the_nearest_grid(
         assert not torch.equal(g.chunks[0].codes, g0.chunks[0].codes)
         assert torch.equal(comp.read(layer, "v"), near.read(layer, "v"))
     assert comp.nbytes() == near.nbytes()
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_the_oracle_given_the_prefill_s_moment_holds_what_the_cache_holds(tiny, pre_rope):
+    # reconstruct with the key cost of the cache's own moment (KeyCost.of_moment; turned under the
+    # model's RoPE for pre-RoPE keys) reads back every key as the cache does, bit for bit.
+    from kverr.quant import reconstruct
+    from kverr.quant.compensated import KeyCost
+
+    cfg = CFG.with_(key_pre_rope=pre_rope)
+    ids = _ids(7)
+    cache = _prefill(tiny, cfg, ids)
+    rotary = tiny.model.model.rotary_emb
+    rope = {"inv_freq": rotary.inv_freq.tolist(), "attention_scaling": float(rotary.attention_scaling)}
+    for layer, k in enumerate(_keys(tiny, ids)):
+        moment = cache.layers[layer].groups["k"][0].key_cost
+        if pre_rope:
+            cos, sin = cache.layers[layer]._cos_sin(0, P)
+            got = rotate(reconstruct(unrotate(k.float(), cos, sin), cfg, layer=layer, which="k",
+                                     key_cost=KeyCost.of_moment(moment, positions=torch.arange(P), rope=rope)), cos, sin)
+        else:
+            got = reconstruct(k, cfg, layer=layer, which="k", key_cost=KeyCost.of_moment(moment))
+        assert torch.equal(cache.read(layer, "k"), got)
 
 
 def test_decode_tokens_leaving_the_window_are_compensated_too(tiny):

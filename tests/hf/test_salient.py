@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kverr.config import CacheConfig
-from kverr.exceptions import ConfigError
+from kverr.exceptions import ConfigError, ShapeError
 from kverr.hf import KverrCache, cache_kwarg, kernels_support
 from kverr.error.salient import OBSERVED_QUERIES, choose
 from kverr.memory import ModelShape, account
-from kverr.quant import PerChannel, PerToken, int_format, quantize
+from kverr.quant import PerChannel, PerToken, int_format, quantize, reconstruct
 from kverr.quant.store import receive
 
 P, SINKS, WINDOW, N = 48, 2, 4, 5
@@ -115,6 +115,36 @@ def test_static_scales_are_fitted_on_the_other_tokens(tiny):
         keep = [t for t in range(SINKS, P - WINDOW) if t not in pos[h].tolist()]
         ref = quantize(x[:, h:h + 1, keep], STATIC)
         assert torch.equal(g.static_scale[h:h + 1], ref.scale[0])
+
+
+@pytest.mark.parametrize("fmt", [PER_TOKEN, STATIC], ids=["per-token", "static"])
+def test_the_cache_holds_what_reconstruct_says_given_its_salient_positions(tiny, fmt):
+    # The oracle given the cache's own positions: salient rows read back as received, static
+    # scales fitted on the other tokens, the rest quantized -- bit for bit, both sides, every layer.
+    cfg = CacheConfig(k=fmt, v=fmt, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    ids = _ids(2)
+    cache = _prefill(tiny, cfg, ids)
+    exact = _prefill(tiny, CacheConfig(k=PER_TOKEN, v=PER_TOKEN, window=P, window_dtype="fp32"), ids)  # as computed
+    for layer in range(tiny.shape.n_layers):
+        for w in ("k", "v"):
+            pos = cache.layers[layer].groups[w][0].salient_pos
+            assert torch.equal(cache.read(layer, w), reconstruct(exact.read(layer, w), cfg, layer=layer, which=w, salient=pos))
+            assert torch.equal(cache.read(layer, w), reconstruct(exact.read(layer, w), cfg, layer=layer, which=w,
+                                                                 salient=pos[0]))  # shared by the batch
+    # without them the oracle reads those tokens back quantized: not what the cache holds
+    x = exact.read(0, "v")
+    assert not torch.equal(cache.read(0, "v"), reconstruct(x, cfg, layer=0, which="v"))
+    pos = cache.layers[0].groups["v"][0].salient_pos.long()
+    with pytest.raises(ConfigError, match="keeps no salient"):
+        reconstruct(x, cfg.with_(salient=0), layer=0, which="v", salient=pos)
+    with pytest.raises(ShapeError, match="want integer"):
+        reconstruct(x, cfg, layer=0, which="v", salient=pos.float())
+    with pytest.raises(ShapeError, match="want integer"):  # more than config.salient
+        reconstruct(x, cfg, layer=0, which="v", salient=torch.arange(SINKS, SINKS + N + 1).expand(1, x.shape[1], -1))
+    with pytest.raises(ShapeError, match="ascend"):
+        reconstruct(x, cfg, layer=0, which="v", salient=pos.flip(-1))
+    with pytest.raises(ShapeError, match="must lie among"):  # a sink
+        reconstruct(x, cfg, layer=0, which="v", salient=torch.cat([pos[..., :1] * 0, pos[..., 1:]], -1))
 
 
 def test_the_salient_rows_are_counted_as_the_cache_holds_them(tiny):
