@@ -147,21 +147,28 @@ def test_compensated_keys_are_rounded_under_the_capture_s_last_queries(pre_rope)
 
 def test_salient_tokens_are_those_the_capture_s_queries_choose_read_back_as_received():
     # As a cache that prefilled the capture: the positions kverr.error.salient.positions chooses
-    # from the captured queries, given to the oracle; its static scales fitted on the other tokens.
-    cap = synthetic_capture(n_layers=1, T=200)
+    # from the captured queries (each layer's window and sink logits in their softmax), given to
+    # the oracle, whose static scales are fitted on the other tokens.
+    windows = [24, 0]
+    cap = shared_capture(2, 4, 2, 200, 64, 2, outlier_channel=3, sliding_windows=windows)
+    sinks = np.random.default_rng(1).normal(scale=2.0, size=(2, 4))
+    cap["attn_sink"] = (("layer", "q_head"), sinks)
     cfg = CacheConfig(k=int_format(2, PerChannel()), v=int_format(2, PerToken()), sinks=2, window=8,
                       window_dtype="int8", salient=6)
     ds = decompose_capture(cap, cfg, queries=24).compute(scheduler="synchronous")
-    q, k, v = (torch.from_numpy(cap[n].values[0]) for n in ("q", "k", "v"))
-    pos = positions(cfg, 0, q[None], k[None], float(cap.kv.attn_scales().values[0]))[0]
-    assert pos.shape == (2, 6)
-    k_hat = reconstruct(k, cfg, layer=0, which="k", salient=pos)
-    v_hat = reconstruct(v, cfg, layer=0, which="v", salient=pos)
-    d = decompose_stream(q[:, -24:], k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values)
-    for name in ("kl", "key_rel", "value_rel"):
-        np.testing.assert_allclose(ds[name].values[0], d.metrics[name].double().numpy(), rtol=1e-6, atol=1e-12, err_msg=name)
     plain = decompose_capture(cap, cfg.with_(salient=0), queries=24).compute(scheduler="synchronous")
-    assert float(ds.layer_kl_mean[0]) < float(plain.layer_kl_mean[0])  # the tokens read most, kept
+    for li, w in enumerate(windows):
+        q, k, v = (torch.from_numpy(cap[n].values[li]) for n in ("q", "k", "v"))
+        sink = torch.from_numpy(sinks[li].astype(np.float32))
+        pos = positions(cfg, li, q[None], k[None], float(cap.kv.attn_scales().values[li]), sliding_window=w, sink=sink)[0]
+        assert pos.shape == (2, 6)
+        k_hat = reconstruct(k, cfg, layer=li, which="k", salient=pos)
+        v_hat = reconstruct(v, cfg, layer=li, which="v", salient=pos)
+        d = decompose_stream(q[:, -24:], k, v, k_hat, v_hat, kv_head_of_q=cap.kv_head_of_q.values, window=w, sink=sink)
+        for name in ("kl", "key_rel", "value_rel"):
+            np.testing.assert_allclose(ds[name].values[li], d.metrics[name].double().numpy(), rtol=1e-6, atol=1e-12,
+                                       err_msg=name)
+    assert not np.allclose(plain.kl.values, ds.kl.values)
 
 
 def test_unquantized_config_gives_almost_no_error():
