@@ -6,7 +6,10 @@ The tier's format for a (layer, kv head group, K|V) is the config's integer form
 channel ``--widen`` bits wider, up to 4 bits (``channel_bits`` widths 2 -> 3 -> 4 with 1; width 0
 stays 0, 4 and 8 stay), same granularity, rotation and rounding (compensated keys stay
 compensated), clipped as the config's format (``--clip config``) or not at all (``--clip
-absmax``); codebook, fp8 and plain-float formats keep their format. A static-scale tier format
+absmax``); codebook, fp8 and plain-float formats keep their format. With ``--rows b`` the tier
+holds every format's tokens as b-bit rows with an fp16 scale and zero point per token instead
+(absmax, ``--rotate hadamard`` to rotate them first; keys rounded with compensation when the
+config's are), which follow each token's own range. A static-scale tier format
 gets its own static scales, fitted on the same prompt tokens as the config's, beside the
 config's. Per
 segment (typing.py, P = 1024 prompt tokens quantized whole after the prefill, N = 256
@@ -21,7 +24,7 @@ effective bits.
 
 Usage (from the repository root): PYTHONPATH=. python experiments/does-a-second-window-tier-pay/tier.py
     CONFIG OUT.csv [--segments 0 4] [--sides k|kv] [--widen 0|1] [--clip config|absmax]
-    [--compensated-keys] [--refit] [--skip-base]
+    [--rows 0|3|4] [--rotate none|hadamard] [--compensated-keys] [--refit] [--skip-base]
 """
 from __future__ import annotations
 
@@ -31,16 +34,18 @@ from bench.heldout import DECODE, PREFILL, protocol_parser, protocol_runs, proto
 from kverr.config import WHICH, CacheConfig
 from kverr.hf.reference import KverrLayer
 from kverr.memory import account, group_bytes, model_shape
-from kverr.quant.formats import AbsMax, QuantFormat, is_static
-from kverr.quant.reference import codes_nbytes
+from kverr.quant.formats import AbsMax, PerToken, QuantFormat, int_format, is_static
 from kverr.quant.store import fit_static_scales
 
-ON = {"tier": False, "sides": "k", "scales": {}, "clip": "config", "widen": 1}
+ON = {"tier": False, "sides": "k", "scales": {}, "clip": "config", "widen": 1, "rows": 0, "rotate": "none"}
 
 
 def widened(fmt: QuantFormat) -> QuantFormat | None:
-    """The tier's format for ``fmt``: ``ON["widen"]`` bits wider per channel, up to 4, clipped as
-    ``ON["clip"]`` says (None: the tier would store ``fmt`` itself)."""
+    """The tier's format for ``fmt``: with ``ON["rows"]`` = b, b-bit rows with an fp16 scale and
+    zero point per token (absmax); else ``ON["widen"]`` bits wider per channel, up to 4, clipped
+    as ``ON["clip"]`` says (None: the tier would store ``fmt`` itself)."""
+    if ON["rows"]:
+        return int_format(ON["rows"], PerToken(), rotate=ON["rotate"])
     if fmt.dtype != "int":
         return None
     up = ON["widen"]
@@ -72,10 +77,19 @@ def quantize_tiered(self, which, g, x):
 KverrLayer._quantize = quantize_tiered
 
 
+def token_bytes(fmt: QuantFormat, D: int, page_size: int) -> float:
+    """Bytes a token of one head stores in ``fmt`` beside its sequence's static bytes: its codes,
+    and the scales and zero points of dynamic formats (:func:`kverr.memory.group_bytes` over
+    three whole pages)."""
+    T = 3 * page_size
+    b = group_bytes(CacheConfig(k=fmt, v=fmt, sinks=0, window=0, page_size=page_size), fmt, 1, T, D, 1, which="k")[0]
+    return (b.payload + b.scales + b.zeros) / T
+
+
 def tier_bits(cfg: CacheConfig, sides: str, tier: int, context: int, batch: int) -> float:
     """Bits per cached element at ``context`` tokens that a ``tier``-token tier on ``sides`` adds."""
     shape = model_shape("default")
-    D, extra = shape.head_dim, 0.0
+    D, P, extra = shape.head_dim, cfg.page_size, 0.0
     for layer in range(shape.n_layers):
         for w in WHICH:
             if w not in sides:
@@ -84,7 +98,7 @@ def tier_bits(cfg: CacheConfig, sides: str, tier: int, context: int, batch: int)
                 wide = widened(fmt)
                 if wide is None:
                     continue
-                extra += batch * len(heads) * tier * (codes_nbytes(wide, D) - codes_nbytes(fmt, D))
+                extra += batch * len(heads) * tier * (token_bytes(wide, D, P) - token_bytes(fmt, D, P))
                 extra += group_bytes(cfg, wide, len(heads), context, D, batch, which=w)[0].static
     return 8 * extra / (batch * shape.n_layers * shape.n_kv_heads * 2 * D * context)
 
@@ -98,6 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--clip", choices=("config", "absmax"), default="config",
                     help="the tier's clipping: the config format's, or none (scales cover the prompt's range)")
     ap.add_argument("--widen", type=int, choices=(0, 1), default=1, help="bits the tier adds per channel")
+    ap.add_argument("--rows", type=int, choices=(0, 3, 4), default=0,
+                    help="the tier holds b-bit per-token rows (fp16 scale and zero, absmax) instead (0: widen)")
+    ap.add_argument("--rotate", choices=("none", "hadamard"), default="none", help="the rows' rotation (with --rows)")
     ap.add_argument("--tier", type=int, default=DECODE - 64, help="tokens the tier holds (bytes only)")
     ap.add_argument("--context", type=int, default=PREFILL + DECODE, help="context the bits count at")
     ap.add_argument("--batch", type=int, default=8, help="sequences the static bytes are shared by")
@@ -105,7 +122,7 @@ def main(argv=None) -> int:
     loaded, cfg, runs = protocol_runs(a)
     if a.compensated_keys:
         cfg = cfg.with_(key_rounding="compensated")
-    ON.update(sides=a.sides, clip=a.clip, widen=a.widen)  # the tier's formats, which its bytes count
+    ON.update(sides=a.sides, clip=a.clip, widen=a.widen, rows=a.rows, rotate=a.rotate)  # the tier's formats, which its bytes count
     shape = model_shape("default")
     base = account(cfg, shape, a.context, batch=a.batch, prefill_quantized=PREFILL).effective_bits
     extra = tier_bits(cfg, a.sides, a.tier, a.context, a.batch)
@@ -119,7 +136,7 @@ def main(argv=None) -> int:
 
     for seg, off, on, measured in protocol_switch(loaded, cfg, runs, switch, refit=a.refit, skip_base=a.skip_base):
         row = {"config": name, "tier": a.sides if on else None, "clip": a.clip if on else None,
-               "widen": a.widen if on else None, "bits": base + (extra if on else 0.0),
+               "widen": a.widen if on else None, "rows": a.rows if on else None, "rotate": a.rotate if on and a.rows else None, "bits": base + (extra if on else 0.0),
                "segment": seg, "offset": off, **measured}
         record(rows, row, a.out, f"{name} seg {seg} tier {row['tier']}")
     return 0
