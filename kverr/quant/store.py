@@ -335,7 +335,7 @@ def _salient_positions(salient: Any, config: CacheConfig, lead: list[int], H: in
     if not config.salient:
         raise ConfigError(f"salient positions were given but config {config.name or '(unnamed)'} keeps no salient tokens")
     pos = torch.as_tensor(salient)
-    if pos.is_floating_point() or pos.is_complex() or pos.ndim < 2 or pos.shape[-2] != H or pos.shape[-1] > config.salient \
+    if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool or pos.ndim < 2 or pos.shape[-2] != H or pos.shape[-1] > config.salient \
             or tuple(pos.shape[:-2]) not in ((), tuple(lead)):
         raise ShapeError(f"salient positions of shape {tuple(pos.shape)} ({pos.dtype}): want integer "
                          f"[{', '.join(map(str, [*lead, H]))}, m] or [{H}, m], m <= config.salient = {config.salient}")

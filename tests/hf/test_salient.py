@@ -139,6 +139,8 @@ def test_the_cache_holds_what_reconstruct_says_given_its_salient_positions(tiny,
         reconstruct(x, cfg.with_(salient=0), layer=0, which="v", salient=pos)
     with pytest.raises(ShapeError, match="want integer"):
         reconstruct(x, cfg, layer=0, which="v", salient=pos.float())
+    with pytest.raises(ShapeError, match="want integer"):
+        reconstruct(x, cfg, layer=0, which="v", salient=pos > 0)
     with pytest.raises(ShapeError, match="want integer"):  # more than config.salient
         reconstruct(x, cfg, layer=0, which="v", salient=torch.arange(SINKS, SINKS + N + 1).expand(1, x.shape[1], -1))
     with pytest.raises(ShapeError, match="ascend"):
