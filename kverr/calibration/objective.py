@@ -67,7 +67,7 @@ from kverr.error import terms as _terms
 from kverr.error.salient import OBSERVED_QUERIES, choose, prompt_saliency
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
-from kverr.quant.compensated import KeyCost, compensable, query_moment
+from kverr.quant.compensated import KeyCost, compensable, query_moment, reads_in_groups
 from kverr.quant.store import reconstruct
 
 from .candidates import OuterOption
@@ -235,7 +235,7 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     norm = float((o * o).sum(-1).mean()) * q.shape[0]
     steps = None if decode is None else decode_steps(len(pos), decode)
     saliency = moment = None
-    if (salient or compensated_keys) and not torch.equal(kv_map, torch.arange(q.shape[0]) // (q.shape[0] // k.shape[0])):
+    if (salient or compensated_keys) and not reads_in_groups(kv_map, k.shape[0]):
         raise CaptureError("salient tokens and compensated keys need query head i to read kv head "
                            "i // (q_heads / kv_heads)")
     if compensated_keys:

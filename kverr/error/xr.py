@@ -261,7 +261,9 @@ def decompose_capture(
     # salient tokens and compensated keys: the prefill's queries choose the one and weigh the
     # other, the query heads of kv head h being h*G .. h*G+G-1
     if cfg.compensates_keys or cfg.salient:
-        if not np.array_equal(kv_map, np.arange(kv_map.size) // (kv_map.size // n_kv)):
+        from kverr.quant.compensated import reads_in_groups
+
+        if not reads_in_groups(kv_map, n_kv):
             raise CaptureError("salient tokens and compensated keys need query head i to read kv head "
                                f"i // (q_heads / kv_heads); this capture's {KV_HEAD_OF_Q} is {kv_map.tolist()}")
         q_all = prep(capture["q"].rename({TOKEN: PREFILL_QUERY}))

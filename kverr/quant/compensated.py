@@ -52,7 +52,7 @@ from kverr.rope import rotate
 
 __all__ = [
     "DAMP", "CompensationFactor", "KeyCost", "compensable", "compensated_quantize", "compensation_factor", "query_moment",
-    "turned_cost",
+    "reads_in_groups", "turned_cost",
 ]
 
 #: Damping of the cost, a fraction of its mean diagonal (GPTQ's default).
@@ -63,6 +63,15 @@ def compensable(fmt: QuantFormat) -> bool:
     """Whether :func:`compensated_quantize` takes ``fmt``: integer codes computed from the stored
     scale. Other formats keep nearest rounding."""
     return fmt.dtype == "int" and fmt.encode_with == "stored"
+
+
+def reads_in_groups(kv_map: Any, n_kv_heads: int) -> bool:
+    """Whether ``kv_map`` (the kv head each query head reads) is the grouping :func:`query_moment`
+    and the salient-token rule (:mod:`kverr.error.salient`) take: query head ``i`` reads kv head
+    ``i // (q_heads / kv_heads)``."""
+    m = torch.as_tensor(kv_map).long().flatten().cpu()
+    n = m.numel()
+    return n_kv_heads > 0 and n % n_kv_heads == 0 and torch.equal(m, torch.arange(n) // (n // n_kv_heads))
 
 
 def query_moment(query: torch.Tensor, n_kv_heads: int, last: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from kverr.quant import (
     MSEClip, PerChannel, PerToken, PerTokenGroup, fp8_format, hadamard_rotate, int_format, quantize,
 )
 from kverr.quant.compensated import (
-    KeyCost, compensable, compensated_quantize, compensation_factor, query_moment, turned_cost,
+    KeyCost, compensable, compensated_quantize, compensation_factor, query_moment, reads_in_groups, turned_cost,
 )
 from kverr.rope import default_inv_freq, rope_cos_sin, rotate
 
@@ -115,6 +115,13 @@ def test_the_moment_is_that_of_the_last_queries_of_the_heads_that_read_each_kv_h
             torch.testing.assert_close(m[b, h], rows.T @ rows / 8, rtol=1e-12, atol=1e-12)
     with pytest.raises(ShapeError, match="cannot be shared"):
         query_moment(q, 4, last=4)
+
+
+def test_the_grouping_it_takes_is_query_head_i_reading_kv_head_i_over_the_group_size():
+    assert reads_in_groups([0, 0, 1, 1], 2) and reads_in_groups(torch.arange(6), 6)
+    assert not reads_in_groups([0, 1, 0, 1], 2)  # interleaved
+    assert not reads_in_groups([0, 0, 1], 2)  # 3 query heads cannot share 2 kv heads evenly
+    assert not reads_in_groups([0, 0], 0)
 
 
 def test_the_turned_cost_is_the_mean_squared_score_error_after_rope():
