@@ -86,8 +86,7 @@ def _layer_block(q, q_all, k, v, k_pre, layer_vals, scales, windows, sinks, *, c
 
     from kverr.error.core import decompose_stream
     from kverr.quant import reconstruct
-    from kverr.error.salient import OBSERVED_QUERIES
-    from kverr.error.salient import positions as salient_positions
+    from kverr.error.salient import OBSERVED_QUERIES, positions as salient_positions
     from kverr.quant.compensated import KeyCost, query_moment
 
     n_l = q.shape[0]

@@ -318,7 +318,8 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
                 if sal.shape[-1] and (int(rel.min()) < 0 or int(rel.max()) >= end - start):
                     raise ShapeError(f"layer {layer} heads {heads}: salient positions {sorted(set(sal[:, heads].flatten().tolist()))} "
                                      f"must lie among the tokens {start} .. {end - 1} the {which} format quantizes")
-                fit = without_salient(region, rel)
+                if is_static(fmt.granularity):  # only static scales are fitted on other tokens
+                    fit = without_salient(region, rel)
                 kept[:, heads] = kept[:, heads].scatter(2, sal[:, heads], True)
             if compensate and compensable(fmt):
                 cost = key_cost.factor(fmt, heads).select(tokens=slice(start, end))
