@@ -146,7 +146,11 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
     A config with salient tokens (``config.salient``) has them chosen from the prefill's queries
     (:func:`kverr.error.salient.positions`, softmax scale ``1/sqrt(D)``) and stored with it; the
-    reference reads their ``window_dtype`` rows in place of what ``reconstruct`` gives there.
+    reference reads their ``window_dtype`` rows in place of what ``reconstruct`` gives there. A
+    config that rounds keys with compensation (``key_rounding`` ``"compensated"``) rounds them,
+    on both paths, under the second moment of the prefill's last
+    :data:`~kverr.error.salient.OBSERVED_QUERIES` queries (:func:`kverr.quant.compensated.query_moment`),
+    turned to each key's position for keys stored before RoPE.
     """
     from kverr.gpu import PagedKVCache, calibrate_static_scales
     from kverr.gpu.cache import interpreting
@@ -202,8 +206,25 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             salient[l] = positions(config, l, q[l, :, :, :n], post(k[l, :, :, :n], l), 1.0 / math.sqrt(D),
                                    sliding_window=windows[l], sink=None if sinks is None else sinks[l])
 
+    # keys rounded with compensation: under the second moment of the prefill's last queries, per
+    # sequence and kv head (the kernel path is given it with the prefill and keeps it)
+    moments: dict[int, torch.Tensor] = {}
+    if config.compensates_keys:
+        from kverr.error.salient import OBSERVED_QUERIES
+        from kverr.quant.compensated import KeyCost, query_moment, turned_cost
+
+        for l in range(L):
+            moments[l] = query_moment(q[l, :, :, :T - steps], H, OBSERVED_QUERIES)
+
+    def key_cost(l, t):  # the cost of the first t keys of layer l, [B, H, t | 1, D, D]
+        if not config.key_pre_rope:
+            return KeyCost(moments[l][:, :, None])
+        cos, sin = pairs[l]
+        return KeyCost(turned_cost(moments[l], cos[:t], sin[:t]))
+
     def held(x, l, which):  # what the reference says layer l holds of x [B, H, t, D]
-        hat = reconstruct(x, config, layer=l, which=which)
+        kw = dict(key_cost=key_cost(l, x.shape[-2])) if which == "k" and moments else {}
+        hat = reconstruct(x, config, layer=l, which=which, **kw)
         if l in salient:
             hat = _salient_rows(hat, x, salient[l], config, l, which)
         return hat
@@ -219,7 +240,8 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         for l in range(L):
             cache.store(step, l, k[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev),
                         v[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev),
-                        salient=salient.get(l) if si == 0 else None)
+                        salient=salient.get(l) if si == 0 else None,
+                        key_moment=moments[l].to(dev) if si == 0 and moments else None)
         if si == 0:
             continue  # the prefill is checked through the steps that follow
         if has_static and not final:

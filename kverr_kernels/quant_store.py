@@ -29,6 +29,12 @@ oracle, :mod:`kverr.quant.reference`, bit for bit:
   float64, an rms scale the float64 root mean square (an IEEE float64 square root) rounded up to fp32 and to
   the scale dtype, the float64 sum's order being the one thing not the oracle's (a flip needs a
   root mean square within 1e-16 of an fp32 rounding boundary).
+* keys rounded with compensation (``COMP``; integer formats, :mod:`kverr.quant.compensated`)
+  keep the scales above and choose each row's codes by the sequential rule: channel by channel in
+  the row's order (``ORD``), each encoded and decoded as the format does, its float64 error
+  divided by ``U_kk`` times row ``k`` of the row's factor ``U`` (``COMP_U``, channel-major, read
+  at the channels' positions in the order) subtracted from the channels after it -- the oracle's
+  operations in the oracle's order, a product and a difference each rounded (no contraction).
 
 Constexpr format codes (shared with :mod:`kernels.decode` and :mod:`kverr.gpu.spec`):
 ``KIND`` 0 = int symmetric, 1 = int asymmetric, 2 = fp8 e4m3, 3 = fp8 e5m2, 4 = plain float,
@@ -371,11 +377,17 @@ def quant_store_kernel(
     # the bytes of a code row (CB is 0 then: one specialisation serves every layout of widths);
     # codebooks (KIND 5, 6): LAY is their table (int32 bit patterns of fp32), PACK unread
     SFLOOR,  # fp32 scale floor (0: none)
+    # COMP: the factor U of each job row (fp64, element (k, p) at k * cu_k + p * cu_p from the
+    # row's offset j * cu_j + r * cu_r + b * cu_b + hl * cu_h) and its channel order and inverse
+    # (int32, [2D] at j * co_j + r * co_r + b * co_b + hl * co_h: the order, then the position of
+    # each channel in it); unread otherwise
+    COMP_U, cu_j, cu_r, cu_b, cu_h, cu_k, cu_p,
+    COMP_ORD, co_j, co_r, co_b, co_h,
     D: tl.constexpr, CB: tl.constexpr, BLOCK_R: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr,
     GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
     ROT: tl.constexpr, LOG2D: tl.constexpr, RSCALE: tl.constexpr, CLIP_N: tl.constexpr,
-    FP_Q: tl.constexpr, ARITH: tl.constexpr,
+    FP_Q: tl.constexpr, ARITH: tl.constexpr, COMP: tl.constexpr,
 ):
     """One program quantizes the rows of one job (consecutive tokens of one page) for one head.
 
@@ -420,6 +432,10 @@ def quant_store_kernel(
         x = tl.where(from_x[:, None], _round_to(xa, FP.dtype.element_ty), xb)
 
     rows = (row0 + r).to(tl.int64)
+    # COMP: each row's factor and order
+    r64 = r.to(tl.int64)
+    u_off = j.to(tl.int64) * cu_j + r64 * cu_r + b * cu_b + hl.to(tl.int64) * cu_h
+    o_off = j.to(tl.int64) * co_j + r64 * co_r + b * co_b + hl.to(tl.int64) * co_h
     code_base = CODES + page * sc_p + hl * sc_h + rows[:, None] * CB
     if KIND == 4:
         if CODES.dtype.element_ty == tl.bfloat16:
@@ -434,18 +450,20 @@ def quant_store_kernel(
             x = fwht(x, BLOCK_R, D, LOG2D, RSCALE)
         if BITS == 0:
             _quant_rows_mixed(x, rmask, rows, CODES + page * sc_p + hl * sc_h, c, SCALE + hl * ss_h,
-                              ZERO + hl * ss_h, LAY, PACK, cb, D, BLOCK_R)
+                              ZERO + hl * ss_h, LAY, PACK, cb, COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off,
+                              D, BLOCK_R, COMP)
         else:
             _quant_rows(x, rmask, rows, code_base, c, SCALE + page * ss_p + hl * ss_h, ZERO + page * ss_p + hl * ss_h,
                         SCALE + hl * ss_h, ZERO + hl * ss_h, row0, RATIOS, LAY, SFLOOR,
-                        D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N, ARITH)
+                        COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off,
+                        D, BLOCK_R, KIND, BITS, SDT, GRAN, BD, BT_S, CLIP_N, ARITH, COMP)
 
 
 @triton.jit
 def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, static_z, row0, RATIOS, LUT,
-                SFLOOR, D: tl.constexpr, BLOCK_R: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                SDT: tl.constexpr, GRAN: tl.constexpr, BD: tl.constexpr, BT_S: tl.constexpr,
-                CLIP_N: tl.constexpr, ARITH: tl.constexpr):
+                SFLOOR, COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                KIND: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, GRAN: tl.constexpr, BD: tl.constexpr,
+                BT_S: tl.constexpr, CLIP_N: tl.constexpr, ARITH: tl.constexpr, COMP: tl.constexpr):
     """Scales, codes and packing of a ``[BLOCK_R, D]`` tile (integer, fp8 and codebook formats)."""
 
     NG: tl.constexpr = D // BD
@@ -490,7 +508,16 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
             else:
                 m = s * 0.0
         u3 = _encode(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS, ARITH)
-    u = tl.reshape(u3, (BLOCK_R, D))
+    if COMP:
+        # the scales stay; the codes are the sequential rule's
+        if GRAN == 0:
+            u = _compensate(x, s, m, g, g, rmask, c, COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off, LUT,
+                            D, BD, BLOCK_R, KIND, BITS, ARITH, False)
+        else:
+            u = _compensate(x, s[None, :], m[None, :], g, g, rmask, c, COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off,
+                            LUT, D, BD, BLOCK_R, KIND, BITS, ARITH, False)
+    else:
+        u = tl.reshape(u3, (BLOCK_R, D))
 
     if BITS == 8:
         tl.store(code_base + c[None, :], u.to(tl.uint8), mask=rmask[:, None])
@@ -512,8 +539,8 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
 
 
 @triton.jit
-def _quant_rows_mixed(x, rmask, rows, code_rows, c, static_s, static_z, LAY, PACK, cb,
-                      D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _quant_rows_mixed(x, rmask, rows, code_rows, c, static_s, static_z, LAY, PACK, cb, COMP_U, u_off, cu_k, cu_p,
+                      COMP_ORD, o_off, D: tl.constexpr, BLOCK_R: tl.constexpr, COMP: tl.constexpr):
     """Codes and packing of a ``[BLOCK_R, D]`` tile of an asymmetric integer format with a width per
     channel and static channel scales: each channel clamps to its own ``2**width - 1`` (0 for a
     width-0 channel, whose scale is 0 and whose zero point is what it reads back), then each byte
@@ -521,12 +548,64 @@ def _quant_rows_mixed(x, rmask, rows, code_rows, c, static_s, static_z, LAY, PAC
     top = top_code(tl.load(LAY + c))
     s = tl.load(static_s + c).to(tl.float32)[None, :]
     m = tl.load(static_z + c).to(tl.float32)[None, :]
-    y = tl.math.div_rn(x - m, tl.where(s > 0, s, 1.0))
-    y = tl.minimum(tl.maximum(y, 0.0), top.to(tl.float32)[None, :])
-    u = _rint(y).to(tl.int32)
+    if COMP:
+        u = _compensate(x, s, m, top[None, :], c, rmask, c, COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off, LAY,
+                        D, 1, BLOCK_R, 1, 0, 0, True)
+    else:
+        u = _encode_mixed(x, s, m, top[None, :])
     packed = tl.zeros([BLOCK_R, D], dtype=tl.int32)  # byte c of the row in column c (a row has <= D bytes)
     for t in tl.static_range(8):
         w = tl.load(PACK + t * D + c)
         g = tl.gather(u, tl.broadcast_to((w & 0xFFFF)[None, :], (BLOCK_R, D)), 1)
         packed = packed | piece(w, g)
     tl.store(code_rows + rows[:, None] * cb + c[None, :], packed.to(tl.uint8), mask=rmask[:, None] & (c < cb)[None, :])
+
+
+@triton.jit
+def _encode_mixed(x, s, m, top):
+    """Codes (int32) of an asymmetric format with a width per channel: ``x`` clamped to the
+    channel's codes ``[0, top]`` (``top`` 0 for a width-0 channel: its scale is 0 and its zero
+    point is what it reads back)."""
+    y = tl.math.div_rn(x - m, tl.where(s > 0, s, 1.0))
+    y = tl.minimum(tl.maximum(y, 0.0), top.to(tl.float32))
+    return _rint(y).to(tl.int32)
+
+
+@triton.jit
+def _compensate(x, s, m, top, gi, rmask, c, COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off, LUT,
+                D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                ARITH: tl.constexpr, MIXED: tl.constexpr):
+    """Codes (int32 ``[BLOCK_R, D]``) of the tile ``x`` with the stored scales and zero points
+    ``s, m`` ``[BLOCK_R or 1, D // BD]`` of its channel groups ``gi`` (and, ``MIXED``, the top
+    codes ``top`` ``[1, D]``, ``BD`` 1), chosen by the sequential rule of
+    :mod:`kverr.quant.compensated`: the row's compensated values are float64, held in the row's
+    channel order (``ORD``: one gather); step ``k`` encodes the ``k``-th, channel ``ORD[k]``, from
+    its value cast to fp32 and subtracts its error ``(w - decoded) / U[k, k]`` times row ``k`` of
+    ``U`` from the values after it; the codes go back to channel order (one gather by the
+    inverse). Selecting one value of each row sums one element with zeros: exact."""
+    order = tl.load(COMP_ORD + o_off[:, None] + c[None, :], mask=rmask[:, None], other=0)
+    w = tl.gather(x, order, 1).to(tl.float64)
+    u = tl.zeros([BLOCK_R, D], dtype=tl.int32)
+    for k in range(D):
+        ch = tl.load(COMP_ORD + o_off + k, mask=rmask, other=0)
+        sel = c[None, :] == k
+        wk = tl.sum(tl.where(sel, w, 0.0), axis=1)
+        gsel = gi[None, :] == (ch // BD)[:, None]
+        sk = tl.sum(tl.where(gsel, s, 0.0), axis=1)
+        mk = tl.sum(tl.where(gsel, m, 0.0), axis=1)
+        v = wk.to(tl.float32)
+        if MIXED:
+            tk = tl.sum(tl.where(gsel, top, 0), axis=1)
+            uk = _encode_mixed(v, sk, mk, tk)
+            back = uk.to(tl.float32) * sk + mk
+        else:
+            uk = _encode(v, sk, mk, LUT, KIND, BITS, ARITH)
+            back = _decode(uk, sk, mk, LUT, KIND, BITS)
+        ukk = tl.load(COMP_U + u_off + k * cu_k + k * cu_p, mask=rmask, other=1.0)
+        err = (wk - back.to(tl.float64)) / ukk
+        urow = tl.load(COMP_U + u_off[:, None] + k * cu_k + c[None, :] * cu_p, mask=rmask[:, None] & (c > k)[None, :],
+                       other=0.0)
+        w = tl.where((c > k)[None, :], w - err[:, None] * urow, w)
+        u = tl.where(sel, uk[:, None], u)
+    inv = tl.load(COMP_ORD + o_off[:, None] + D + c[None, :], mask=rmask[:, None], other=0)
+    return tl.gather(u, inv, 1)

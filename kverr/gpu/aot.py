@@ -169,7 +169,9 @@ def store_signature(spec: KernelSpec, fp_q: bool = False) -> dict:
            "HEADS": "*i32", "JOB_PAGE": "*i32", "JOB_ROW0": "*i32", "JOB_NROWS": "*i32", "JOB_B": "*i32",
            "SRC_NEW": "*i32", "SRC_SLOT": "*i32", "CODES": _codes_ptr(spec), "sc_p": "i32", "sc_h": "i32",
            "SCALE": _sdt_ptr(spec), "ZERO": _sdt_ptr(spec), "ss_p": "i32", "ss_h": "i32", "RATIOS": "*fp32",
-           "LAY": "*i32", "PACK": "*i32", "cb": "i32", "SFLOOR": "fp32"}
+           "LAY": "*i32", "PACK": "*i32", "cb": "i32", "SFLOOR": "fp32",
+           "COMP_U": "*fp64", "cu_j": "i32", "cu_r": "i32", "cu_b": "i32", "cu_h": "i32", "cu_k": "i32", "cu_p": "i32",
+           "COMP_ORD": "*i32", "co_j": "i32", "co_r": "i32", "co_b": "i32", "co_h": "i32"}
     return sig
 
 
@@ -255,6 +257,18 @@ def specialisations(*, full: bool = False, D: int = 128, P: int = 64, rep: int =
             block_r = 16 if s.tb == 1 else s.tb
             jobs.append(("quant_store", f"{s.fmt.label()} int8 window", quant_store.quant_store_kernel,
                          store_signature(s, True), store_constexprs(s, D, block_r, True)))
+    # keys rounded with compensation: every integer format compensation takes (the sequential rule
+    # per row after the scales), and the int8-window reads of the calibrator's formats
+    from kverr.quant.compensated import compensable
+
+    for s in specs:
+        if compensable(s.fmt):
+            block_r = 16 if s.tb == 1 else s.tb
+            jobs.append(("quant_store", f"{s.fmt.label()} compensated", quant_store.quant_store_kernel,
+                         store_signature(s), store_constexprs(s, D, block_r, comp=True)))
+            if s.fmt.label() in int8_window or s.bits == 0:
+                jobs.append(("quant_store", f"{s.fmt.label()} compensated int8 window", quant_store.quant_store_kernel,
+                             store_signature(s, True), store_constexprs(s, D, block_r, True, comp=True)))
     pairs = [(s, s, False) for s in specs]
     by = {s.fmt.label(): s for s in specs}
     for a, b in (("int2a/ch32/fp16", "int2a/tg32/fp16"), ("int4a/ch32/fp16", "int4a/tg32/fp16"),
@@ -343,7 +357,7 @@ def compile_all(arch: int, *, full: bool = False, cover: bool = False, D: int = 
     out: list[Resource] = []
     for i, (kname, label, fn, sig, cx) in enumerate(jobs):
         attn = kname.startswith(("decode", "prefill"))
-        warps = DECODE_WARPS if attn else store_warps(cx["BLOCK_R"], D)
+        warps = DECODE_WARPS if attn else store_warps(cx["BLOCK_R"], D, cx.get("COMP", False))
         c = _compile(fn, sig, cx, arch, warps, DECODE_MAXNREG, None if attn else STORE_OPTIONS)
         out.append(Resource(kname, label, arch, num_warps=warps, **resource_usage(c)))
         if progress:

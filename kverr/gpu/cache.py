@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ import torch
 from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
+from kverr.quant.compensated import compensable
 from kverr.quant.formats import TORCH_DTYPES, window_format
 from kverr.quant.reference import QTensor, dequantize
 from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, receive
@@ -69,10 +70,18 @@ log = logging.getLogger(__name__)
 
 #: Most rows a store job quantizes for per-row granularities (one tile of the store kernel).
 JOB_ROWS = 16
+#: Most bytes of compensation factors (float64 ``[D, D]`` per job row and head) one store launch of
+#: pre-RoPE keys rounded with compensation reads; a longer store runs as several launches.
+COMP_FACTOR_BYTES = 64 << 20
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _order_table(order: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., 2D]``: a factor's channel order ``[..., D]``, then each channel's position in it."""
+    return torch.cat([order, torch.argsort(order, dim=-1)], dim=-1).to(torch.int32).contiguous()
 
 
 def interpreting() -> bool:
@@ -126,6 +135,16 @@ class StoreJobs:
     fp_row: torch.Tensor
     fp_seq: torch.Tensor
     fp_slot: torch.Tensor
+    # host copies for the factors of compensated keys: each job's sequence [n_jobs] and each job
+    # row's token position [n_jobs, block_r] (-1: no row)
+    seq_np: np.ndarray | None = None
+    tokens: np.ndarray | None = None
+
+    def select(self, j0: int, j1: int) -> StoreJobs:
+        """Jobs ``j0 .. j1 - 1`` (views), without the window's writes."""
+        return replace(self, n_jobs=j1 - j0, page=self.page[j0:j1], row0=self.row0[j0:j1], nrows=self.nrows[j0:j1],
+                       seq=self.seq[j0:j1], src_new=self.src_new[j0:j1], src_slot=self.src_slot[j0:j1], n_fp=0,
+                       seq_np=self.seq_np[j0:j1], tokens=self.tokens[j0:j1])
 
 
 @dataclass(eq=False)
@@ -257,10 +276,6 @@ class PagedKVCache:
         if n_q_heads % n_kv_heads:
             raise ShapeError(f"n_q_heads={n_q_heads} is not a multiple of n_kv_heads={n_kv_heads}")
         check_head_dim(head_dim)
-        if config.compensates_keys:
-            raise KernelError(
-                f"key_rounding={config.key_rounding!r}: the store kernel rounds keys to nearest; run this config on "
-                "the reference cache (kverr.hf.KverrCache, kverr evaluate)")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -379,6 +394,13 @@ class PagedKVCache:
         self.pages_held = np.zeros(max_batch, dtype=np.int64)
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.token_blocks = sorted({p.spec.tb for per in self.pools for ps in per.values() for p in ps})
+        # config.compensates_keys: each sequence's query moment per layer, kept while it decodes (zero:
+        # none given, which rounds to nearest), and which sequences have one
+        self.key_moments: list[torch.Tensor] | None = None
+        self.has_moment = np.zeros((n_layers, max_batch), dtype=bool)
+        if config.compensates_keys and any(compensable(p.spec.fmt) for per in self.pools for p in per["k"]):
+            self.key_moments = [torch.zeros((max_batch, n_kv_heads, head_dim, head_dim), dtype=torch.float64,
+                                            device=dev) for _ in range(n_layers)]
 
     # ---- construction helpers ----------------------------------------------------------------
 
@@ -455,8 +477,11 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache allocated (pools, fp buffers, block table)."""
-        return sum(p.nbytes for per in self.pools for ps in per.values() for p in ps) + self.block_table_t.numel() * 4
+        """Bytes of every tensor the cache allocated (pools, fp buffers, block table, the query
+        moments of keys rounded with compensation)."""
+        moments = sum(m.numel() * m.element_size() for m in self.key_moments or ())
+        return (sum(p.nbytes for per in self.pools for ps in per.values() for p in ps) + self.block_table_t.numel() * 4
+                + moments)
 
     # ---- token policy ------------------------------------------------------------------------
 
@@ -478,6 +503,10 @@ class PagedKVCache:
                 for pool in ps:
                     if pool.sal_pos is not None:
                         pool.sal_pos[seq] = -1
+        if self.key_moments is not None:
+            for m in self.key_moments:
+                m[seq] = 0
+            self.has_moment[:, seq] = False
 
     # ---- plan (once per step) ------------------------------------------------------------------
 
@@ -587,10 +616,13 @@ class PagedKVCache:
             pos = np.arange(t.size) - starts[job_of]
             sn = np.full((starts.size, block_r), -1, np.int64)
             ss = np.full((starts.size, block_r), -1, np.int64)
+            tok = np.full((starts.size, block_r), -1, np.int64)
             sn[job_of, pos] = src_new
             ss[job_of, pos] = src_slot
+            tok[job_of, pos] = t
             jobs = dict(n_jobs=int(starts.size), block_r=block_r, page=i32(page[starts]), row0=i32(row[starts]),
-                        nrows=i32(nrows), seq=i32(b[starts]), src_new=i32(sn), src_slot=i32(ss))
+                        nrows=i32(nrows), seq=i32(b[starts]), src_new=i32(sn), src_slot=i32(ss),
+                        seq_np=b[starts], tokens=tok)
         else:
             z = i32(np.zeros(1))
             jobs = dict(n_jobs=0, block_r=1, page=z, row0=z, nrows=z, seq=z, src_new=z, src_slot=z)
@@ -626,7 +658,7 @@ class PagedKVCache:
         return x
 
     def store(self, step: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor, *,
-              salient: torch.Tensor | None = None) -> None:
+              salient: torch.Tensor | None = None, key_moment: torch.Tensor | None = None) -> None:
         """Quantize-and-store this step's new keys and values of ``layer``.
 
         ``salient`` (a config with ``salient`` = N): ``[B, n_kv_heads, m]`` (``m <= N``) positions of
@@ -635,10 +667,22 @@ class PagedKVCache:
         among those it quantizes in both formats of their kv head
         (:func:`kverr.quant.store.salient_candidates`). Their rows, as received, are kept beside
         their codes and read in their place.
+
+        ``key_moment`` (a config that rounds keys with compensation, ``key_rounding``
+        ``"compensated"``): ``[B, n_kv_heads, D, D]`` float, the second moment of each sequence's
+        queries (:func:`kverr.quant.compensated.query_moment`), kept for the sequences with new
+        tokens in this step until :meth:`reset`. The keys a sequence quantizes from then on -- this
+        store's and every later one's -- in integer formats that encode with their stored scale
+        choose their codes by the sequential rule under it (:mod:`kverr.quant.compensated`;
+        turned to each token's position for keys stored before RoPE), bit for bit
+        :func:`~kverr.quant.compensated.compensated_quantize`'s given the same factors; keys of
+        sequences without one round to nearest.
         """
         from kverr.gpu.launch import launch_store
 
         self._check_layer(layer)
+        if key_moment is not None:
+            self._keep_moment(step, layer, key_moment)
         waiting = self.static_pending(layer)
         if waiting:
             raise KernelError(f"layer {layer}: static scales of {waiting} are not set yet (set_static_scales)")
@@ -654,7 +698,11 @@ class PagedKVCache:
             for pool in self.pools[layer][which]:
                 jobs = step.store[pool.spec.tb]
                 # quantize first: a job may read a window slot this step's new tokens overwrite
-                if jobs.n_jobs:
+                if (jobs.n_jobs and which == "k" and self.key_moments is not None and compensable(pool.spec.fmt)
+                        and self.has_moment[layer, jobs.seq_np].any()):
+                    for part, comp in self._compensation(layer, pool, jobs, self.key_moments[layer]):
+                        launch_store(pool, part, x if codes is None else codes, self.D, self.P, xs=scale, comp=comp)
+                elif jobs.n_jobs:
                     launch_store(pool, jobs, x if codes is None else codes, self.D, self.P, xs=scale)
                 if jobs.n_fp:
                     # one gather and one scatter per tensor (rows x heads at once): each is a
@@ -676,6 +724,60 @@ class PagedKVCache:
                         pool.fp[:, :, slots] = codes[at]
                         pool.fp_scale[:, :, slots] = scale[at]
                     pool.sal_pos[:, :, :m] = pos[:, pool.heads_l]
+
+    def _keep_moment(self, step: StepPlan, layer: int, moment) -> None:
+        """Check ``moment`` ``[B, H, D, D]`` and keep it (float64) for the step's sequences with new tokens."""
+        if not self.config.compensates_keys:
+            raise ConfigError("a key moment was given but the config rounds keys to nearest "
+                              f"(key_rounding={self.config.key_rounding!r})")
+        m = torch.as_tensor(moment).detach()
+        if m.shape != (self.B, self.H, self.D, self.D) or not m.is_floating_point():
+            raise ShapeError(f"key_moment of shape {tuple(m.shape)} ({m.dtype}): want floating point "
+                             f"[{self.B}, {self.H}, {self.D}, {self.D}]")
+        m = m.to(device=self.device, dtype=torch.float64)
+        if not bool(torch.isfinite(m).all()):
+            raise ConfigError("key_moment holds NaN/Inf")
+        if self.key_moments is None:  # no key format rounds with compensation: nothing to weigh
+            return
+        seqs = np.flatnonzero(step.new_tokens > 0)
+        idx = torch.from_numpy(seqs).to(self.device)
+        self.key_moments[layer][idx] = m[idx]
+        self.has_moment[layer, seqs] = True
+
+    def _compensation(self, layer: int, pool: Pool, jobs: StoreJobs, moment: torch.Tensor):
+        """``pool``'s store ``jobs`` as launches, each with the factors of its rows
+        (:class:`~kverr.gpu.launch.CompensationArgs`; :func:`~kverr.quant.compensated.compensation_factor`
+        under ``moment``): post-RoPE keys one factor per sequence and head, one launch; pre-RoPE keys
+        one per row (the moment turned to the row's position), at most :data:`COMP_FACTOR_BYTES`
+        of them a launch."""
+        from kverr.gpu.launch import CompensationArgs
+        from kverr.quant.compensated import compensation_factor, turned_cost
+
+        fmt, D = pool.spec.fmt, self.D
+        m = moment[:, pool.heads_l]  # [B, h, D, D]
+        if not self.key_pre_rope:
+            f = compensation_factor(m[:, :, None], fmt)  # order [B, h, 1, D], U [D, D, B, h, 1]
+            order, U = _order_table(f.order), f.channel_major
+            yield jobs, CompensationArgs(U, (0, 0, U.stride(2), U.stride(3), U.stride(0), U.stride(1)),
+                                         order, (0, 0, order.stride(0), order.stride(1)))
+            return
+        R, h = jobs.block_r, len(pool.heads)
+        per_launch = max(1, COMP_FACTOR_BYTES // (R * h * D * D * 8))
+        cos_h, sin_h = self.rope_tables[layer]
+        for j0 in range(0, jobs.n_jobs, per_launch):
+            part = jobs.select(j0, min(jobs.n_jobs, j0 + per_launch))
+            tok = part.tokens.reshape(-1)
+            seq = np.repeat(part.seq_np, R)
+            cost = torch.empty((h, tok.size, D, D), dtype=torch.float64, device=self.device)
+            for b in np.unique(seq):
+                rows = np.flatnonzero(seq == b)
+                t = torch.from_numpy(np.maximum(tok[rows], 0)).to(self.device)  # no row: any position
+                cos, sin = (torch.cat([tab[t]] * 2, dim=-1) for tab in (cos_h, sin_h))
+                cost[:, torch.from_numpy(rows).to(self.device)] = turned_cost(m[int(b)], cos, sin)
+            f = compensation_factor(cost, fmt)  # order [h, rows, D], U [D, D, h, rows]
+            order, U = _order_table(f.order), f.channel_major
+            yield part, CompensationArgs(U, (R * U.stride(3), U.stride(3), 0, U.stride(2), U.stride(0), U.stride(1)),
+                                         order, (R * order.stride(1), order.stride(1), 0, order.stride(0)))
 
     def _salient_rows(self, step: StepPlan, layer: int, salient) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked salient positions ``[B, H, m]``: (their rows among the step's new rows, int64,

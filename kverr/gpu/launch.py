@@ -31,9 +31,12 @@ def decode_block_n(kspec: KernelSpec, vspec: KernelSpec, block_n: int) -> int:
     return max(16, block_n // 2) if 3 in (kspec.bits, vspec.bits) else block_n
 
 
-def store_warps(block_r: int, D: int) -> int:
-    """Warps of the store kernel: 8 for tiles of 4096+ elements (whole pages), else 4."""
-    return 8 if block_r * D >= 4096 else 4
+def store_warps(block_r: int, D: int, comp: bool = False) -> int:
+    """Warps of the store kernel: 8 for tiles of 4096+ elements (whole pages), else 4; twice that
+    for keys rounded with compensation (a float64 tile and a float64 row of factors per row carried
+    through the sequential rule: with fewer, 128-row pages and 32-row channel groups spill at head
+    dim 128, AOT)."""
+    return (2 if comp else 1) * (8 if block_r * D >= 4096 else 4)
 
 
 def _next_pow2(n: int) -> int:
@@ -45,10 +48,25 @@ def rotation_constexprs(D: int) -> dict:
     return dict(LOG2D=D.bit_length() - 1, RSCALE=hadamard_scale(D))
 
 
-def store_constexprs(spec: KernelSpec, D: int, block_r: int, fp_q: bool = False) -> dict:
+def store_constexprs(spec: KernelSpec, D: int, block_r: int, fp_q: bool = False, comp: bool = False) -> dict:
+    """``comp``: keys rounded with compensation (the job rows' factors given, :class:`CompensationArgs`)."""
     return dict(D=D, CB=spec.cb_const, BLOCK_R=block_r, KIND=spec.kind, BITS=spec.bits, SDT=spec.sdt,
                 GRAN=spec.gran, BD=spec.bd, BT_S=spec.bts, ROT=spec.rot, CLIP_N=spec.clip_n,
-                **rotation_constexprs(D), FP_Q=fp_q, ARITH=spec.arith)
+                **rotation_constexprs(D), FP_Q=fp_q, ARITH=spec.arith, COMP=comp)
+
+
+class CompensationArgs(NamedTuple):
+    """The factors a store launch rounds keys with (:mod:`kverr.quant.compensated`): ``U`` float64
+    holding each job row's factor, element ``(k, p)`` at ``k * strides[4] + p * strides[5]`` from
+    the row's offset ``j * strides[0] + r * strides[1] + b * strides[2] + head * strides[3]`` (job
+    ``j``, its row ``r``, sequence ``b``, local head); ``order`` int32 holding at ``j * ostrides[0]
+    + r * ostrides[1] + b * ostrides[2] + head * ostrides[3]`` the row's channel order (``D``) and
+    then each channel's position in it (``D``)."""
+
+    U: torch.Tensor
+    strides: tuple[int, int, int, int, int, int]
+    order: torch.Tensor
+    ostrides: tuple[int, int, int, int]
 
 
 def _fp_scale_args(pool) -> tuple:
@@ -63,9 +81,11 @@ def _fp_scale_args(pool) -> tuple:
 STORE_OPTIONS = dict(enable_fp_fusion=False)
 
 
-def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor | None = None) -> None:
+def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor | None = None,
+                 comp: CompensationArgs | None = None) -> None:
     """Quantize-and-store ``jobs`` of ``pool`` from the new rows ``x [N, H, D]``; an int8 window
-    passes them as received, ``x`` their uint8 codes and ``xs [N, H]`` their fp16 scales."""
+    passes them as received, ``x`` their uint8 codes and ``xs [N, H]`` their fp16 scales;
+    ``comp``: the factors of keys rounded with compensation."""
     qs, _ = _kernels()
     spec = pool.spec
     scale = pool.scale if pool.scale is not None else pool.codes
@@ -84,8 +104,10 @@ def launch_store(pool, jobs, x: torch.Tensor, D: int, P: int, xs: torch.Tensor |
         jobs.page, jobs.row0, jobs.nrows, jobs.seq, jobs.src_new, jobs.src_slot,
         pool.codes, pool.codes.stride(0), pool.codes.stride(1),
         scale, zero, ss_p, ss_h, pool.ratios, *_layout_args(pool), spec.cb, spec.scale_floor,
-        **store_constexprs(spec, D, jobs.block_r, pool.fp_scale is not None),
-        num_warps=store_warps(jobs.block_r, D), maxnreg=DECODE_MAXNREG, **STORE_OPTIONS,
+        *((pool.ratios, 0, 0, 0, 0, 0, 0, pool.heads_t, 0, 0, 0, 0) if comp is None
+          else (comp.U, *comp.strides, comp.order, *comp.ostrides)),
+        **store_constexprs(spec, D, jobs.block_r, pool.fp_scale is not None, comp is not None),
+        num_warps=store_warps(jobs.block_r, D, comp is not None), maxnreg=DECODE_MAXNREG, **STORE_OPTIONS,
     )
 
 

@@ -50,13 +50,9 @@ def cache_for(model: Any, config: CacheConfig, *, backend: str = "auto", **kwarg
 
 
 def kernels_support(config: CacheConfig) -> bool:
-    """Whether the Triton kernels can run ``config`` (all but percentile clips with dynamic scales
-    and keys rounded with compensation)."""
+    """Whether the Triton kernels can run ``config`` (all but percentile clips with dynamic scales)."""
     from kverr.exceptions import KernelError
     from kverr.gpu.spec import kernel_spec
-
-    if config.compensates_keys:
-        return False
 
     for _, fmt in config._all_formats():
         try:

@@ -3,9 +3,10 @@
 Keys and values go through the quantize-and-store kernel into :class:`kverr.gpu.PagedKVCache`;
 decode steps attend with the fused-dequant decode kernel, installed as the model's attention
 function (:func:`register_kernel_attention`) while the cache is attached. Same token policy,
-static-scale rule and salient tokens (:mod:`kverr.error.salient`: the prefill is stored once the
-attention function has handed over its queries) as the reference path
-(:class:`kverr.hf.reference.KverrCache`).
+static-scale rule, salient tokens (:mod:`kverr.error.salient`) and keys rounded with compensation
+(:mod:`kverr.quant.compensated`, under the second moment of the prefill's last queries) as the
+reference path (:class:`kverr.hf.reference.KverrCache`): the prefill is stored once the attention
+function has handed over its queries.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class KernelKVCache(Cache):
         )
         self.batch, self.length = batch, 0
         self.step = None
-        # config.salient: per layer, the prefill's (keys as stored, values) until its queries arrive
+        # config.needs_queries: per layer, the prefill's (keys as stored, values) until its queries arrive
         self._awaiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decoding = False
         self._model = model
@@ -177,8 +178,9 @@ class KernelKVCache(Cache):
         if layer == 0:
             if self._awaiting:
                 raise ConfigError(
-                    f"layers {sorted(self._awaiting)}: the config keeps salient tokens, chosen by the prefill's "
-                    "queries, and this cache never saw them: run the prefill through the model the cache was built for")
+                    f"layers {sorted(self._awaiting)}: the config keeps salient tokens or rounds keys with "
+                    "compensation, both weighed by the prefill's queries, and this cache never saw them: run the "
+                    "prefill through the model the cache was built for")
             self.decoding = self.length > 0
             self.step = self.paged.plan([n] * B)
             self.length += n
@@ -187,13 +189,14 @@ class KernelKVCache(Cache):
             t0 = self.length - n
             cos, sin = self._rope[layer]
             k_in = unrotate(k.float(), cos[t0:self.length], sin[t0:self.length])
-        if self.config.salient and not self.decoding:
+        if self.config.needs_queries and not self.decoding:
             self._awaiting[layer] = (k_in, v)  # stored once the queries chose the salient tokens
         else:
             self._write(layer, k_in, v)
         return k, v
 
-    def _write(self, layer: int, k_in: torch.Tensor, v: torch.Tensor, salient: torch.Tensor | None = None) -> None:
+    def _write(self, layer: int, k_in: torch.Tensor, v: torch.Tensor, salient: torch.Tensor | None = None,
+               key_moment: torch.Tensor | None = None) -> None:
         if self.paged.static_pending(layer):
             # the first chunk quantized sets the static scales, jointly over the batch, from the
             # same tokens KverrCache quantizes first: the prefill's, sinks, window and salient
@@ -201,18 +204,25 @@ class KernelKVCache(Cache):
             from kverr.gpu.cache import layer_static_scales
 
             self.paged.set_static_scales(layer_static_scales(self.config, layer, k_in, v, salient=salient))
-        self.paged.store(self.step, layer, k_in, v, salient=salient)
+        self.paged.store(self.step, layer, k_in, v, salient=salient, key_moment=key_moment)
 
     def _observe(self, module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> None:
         """The prefill's queries reached ``module``'s attention: choose the salient tokens of each
-        sequence (:mod:`kverr.error.salient`), then store the layer's prefill."""
-        from kverr.error.salient import positions
+        sequence (:mod:`kverr.error.salient`) and take the second moment of its last
+        :data:`~kverr.error.salient.OBSERVED_QUERIES` queries (keys rounded with compensation),
+        then store the layer's prefill."""
+        from kverr.error.salient import OBSERVED_QUERIES, positions
         from kverr.hf.salient import attention_context
+        from kverr.quant.compensated import query_moment
 
         layer = module.layer_idx
         k_in, v = self._awaiting.pop(layer)
-        pos = positions(self.config, layer, query.detach(), key.detach(), **attention_context(module, kwargs))
-        self._write(layer, k_in, v, salient=pos)
+        pos = moment = None
+        if self.config.salient:
+            pos = positions(self.config, layer, query.detach(), key.detach(), **attention_context(module, kwargs))
+        if self.config.compensates_keys:
+            moment = query_moment(query.detach(), k_in.shape[1], OBSERVED_QUERIES)
+        self._write(layer, k_in, v, salient=pos, key_moment=moment)
 
     def __deepcopy__(self, memo: dict) -> KernelKVCache:
         raise ConfigError("a KernelKVCache cannot be copied (it is attached to its model and holds device pages); "

@@ -331,21 +331,27 @@ def _logprob_bound(model, T, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "static-pre-rope", "int8-window-pre-rope", "salient"])
+@pytest.mark.parametrize("name", ["kivi-2", "int8-token", "static-pre-rope", "int8-window-pre-rope", "salient",
+                                  "compensated", "compensated-pre-rope"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same cache contents and next-token distributions, through every layer of a real
     transformers model (including Hadamard-rotated, MSE-clipped formats on keys stored before
     RoPE with sinks, window and pending key blocks held as int8 rows, static per-channel
     scales, which both caches set from the prefill, and salient prompt tokens, which both
-    choose from the prefill's queries, K and V with different token blocks). A prefill of 40 tokens, then three
+    choose from the prefill's queries, K and V with different token blocks, and keys rounded with
+    compensation under the prefill queries' moment, which both take from the same queries, before
+    and after RoPE). A prefill of 40 tokens, then three
     single-token decode steps (the decode kernel; each moves a token out of the 8-token window
     into the quantized region, the path every later step repeats)."""
     from kverr.hf import cache_for
 
     named = {"static-pre-rope": _static_pre_rope,
              "int8-window-pre-rope": lambda: _rotated_pre_rope().with_(window_dtype="int8"),
-             "salient": lambda: _static_pre_rope().with_(v=_rotated_pre_rope().k, window_dtype="int8", salient=5)}
+             "salient": lambda: _static_pre_rope().with_(v=_rotated_pre_rope().k, window_dtype="int8", salient=5),
+             "compensated": lambda: PRESETS["kivi-2"].with_(key_rounding="compensated"),
+             "compensated-pre-rope": lambda: _static_pre_rope().with_(window_dtype="int8", salient=5,
+                                                                      key_rounding="compensated")}
     cfg = (named[name]() if name in named else PRESETS[name]).with_(window=8)
     ids = torch.randint(0, 256, (43,), generator=torch.Generator().manual_seed(3))
     chunks = [40] + [1] * 3
