@@ -206,21 +206,28 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             salient[l] = positions(config, l, q[l, :, :, :n], post(k[l, :, :, :n], l), 1.0 / math.sqrt(D),
                                    sliding_window=windows[l], sink=None if sinks is None else sinks[l])
 
-    # keys rounded with compensation: under the second moment of the prefill's last queries, per
-    # sequence and kv head (the kernel path is given it with the prefill and keeps it)
+    # keys rounded with compensation: those the prefill quantizes, under the second moment of its
+    # last queries per sequence and kv head (the kernel path is given it with the prefill); keys
+    # quantized later round to nearest, which a zero cost gives (the identity after damping)
     moments: dict[int, torch.Tensor] = {}
     if config.compensates_keys:
         from kverr.error.salient import OBSERVED_QUERIES
         from kverr.quant.compensated import KeyCost, query_moment, turned_cost
+        from kverr.quant.store import token_regions
 
+        n = T - steps
         for l in range(L):
-            moments[l] = query_moment(q[l, :, :, :T - steps], H, OBSERVED_QUERIES)
+            moments[l] = query_moment(q[l, :, :, :n], H, OBSERVED_QUERIES)
 
-    def key_cost(l, t):  # the cost of the first t keys of layer l, [B, H, t | 1, D, D]
-        if not config.key_pre_rope:
-            return KeyCost(moments[l][:, :, None])
-        cos, sin = pairs[l]
-        return KeyCost(turned_cost(moments[l], cos[:t], sin[:t]))
+    def key_cost(l, t):  # the cost of the first t keys of layer l, [B, H, t, D, D]
+        if config.key_pre_rope:
+            cos, sin = pairs[l]
+            cost = turned_cost(moments[l], cos[:t], sin[:t])
+        else:
+            cost = moments[l][:, :, None].expand(-1, -1, t, -1, -1).clone()
+        for fmt, heads in config.head_groups(l, H, "k"):
+            cost[:, heads, token_regions(T - steps, config, fmt)[1]:] = 0
+        return KeyCost(cost)
 
     def held(x, l, which):  # what the reference says layer l holds of x [B, H, t, D]
         kw = dict(key_cost=key_cost(l, x.shape[-2])) if which == "k" and moments else {}

@@ -61,7 +61,6 @@ import torch
 from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
-from kverr.quant.compensated import compensable
 from kverr.quant.formats import TORCH_DTYPES, window_format
 from kverr.quant.reference import QTensor, dequantize
 from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, receive
@@ -394,13 +393,6 @@ class PagedKVCache:
         self.pages_held = np.zeros(max_batch, dtype=np.int64)
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.token_blocks = sorted({p.spec.tb for per in self.pools for ps in per.values() for p in ps})
-        # config.compensates_keys: each sequence's query moment per layer, kept while it decodes (zero:
-        # none given, which rounds to nearest), and which sequences have one
-        self.key_moments: list[torch.Tensor] | None = None
-        self.has_moment = np.zeros((n_layers, max_batch), dtype=bool)
-        if config.compensates_keys and any(compensable(p.spec.fmt) for per in self.pools for p in per["k"]):
-            self.key_moments = [torch.zeros((max_batch, n_kv_heads, head_dim, head_dim), dtype=torch.float64,
-                                            device=dev) for _ in range(n_layers)]
 
     # ---- construction helpers ----------------------------------------------------------------
 
@@ -477,11 +469,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache allocated (pools, fp buffers, block table, the query
-        moments of keys rounded with compensation)."""
-        moments = sum(m.numel() * m.element_size() for m in self.key_moments or ())
-        return (sum(p.nbytes for per in self.pools for ps in per.values() for p in ps) + self.block_table_t.numel() * 4
-                + moments)
+        """Bytes of every tensor the cache allocated (pools, fp buffers, block table)."""
+        return sum(p.nbytes for per in self.pools for ps in per.values() for p in ps) + self.block_table_t.numel() * 4
 
     # ---- token policy ------------------------------------------------------------------------
 
@@ -503,10 +492,6 @@ class PagedKVCache:
                 for pool in ps:
                     if pool.sal_pos is not None:
                         pool.sal_pos[seq] = -1
-        if self.key_moments is not None:
-            for m in self.key_moments:
-                m[seq] = 0
-            self.has_moment[:, seq] = False
 
     # ---- plan (once per step) ------------------------------------------------------------------
 
@@ -670,19 +655,19 @@ class PagedKVCache:
 
         ``key_moment`` (a config that rounds keys with compensation, ``key_rounding``
         ``"compensated"``): ``[B, n_kv_heads, D, D]`` float, the second moment of each sequence's
-        queries (:func:`kverr.quant.compensated.query_moment`), kept for the sequences with new
-        tokens in this step until :meth:`reset`. The keys a sequence quantizes from then on -- this
-        store's and every later one's -- in integer formats that encode with their stored scale
-        choose their codes by the sequential rule under it (:mod:`kverr.quant.compensated`;
-        turned to each token's position for keys stored before RoPE), bit for bit
-        :func:`~kverr.quant.compensated.compensated_quantize`'s given the same factors; keys of
-        sequences without one round to nearest.
+        queries (:func:`kverr.quant.compensated.query_moment`), given with the prefill. The keys
+        this store quantizes in integer formats that encode with their stored scale choose their
+        codes by the sequential rule under it (:mod:`kverr.quant.compensated`; turned to each
+        token's position for keys stored before RoPE), bit for bit
+        :func:`~kverr.quant.compensated.compensated_quantize`'s given the same factors; the cache
+        does not keep it, so the keys later stores quantize round to nearest, as in
+        :class:`~kverr.hf.reference.KverrCache`.
         """
         from kverr.gpu.launch import launch_store
+        from kverr.quant.compensated import compensable
 
         self._check_layer(layer)
-        if key_moment is not None:
-            self._keep_moment(step, layer, key_moment)
+        moment = None if key_moment is None else self._key_moment(key_moment)
         waiting = self.static_pending(layer)
         if waiting:
             raise KernelError(f"layer {layer}: static scales of {waiting} are not set yet (set_static_scales)")
@@ -698,9 +683,8 @@ class PagedKVCache:
             for pool in self.pools[layer][which]:
                 jobs = step.store[pool.spec.tb]
                 # quantize first: a job may read a window slot this step's new tokens overwrite
-                if (jobs.n_jobs and which == "k" and self.key_moments is not None and compensable(pool.spec.fmt)
-                        and self.has_moment[layer, jobs.seq_np].any()):
-                    for part, comp in self._compensation(layer, pool, jobs, self.key_moments[layer]):
+                if jobs.n_jobs and which == "k" and moment is not None and compensable(pool.spec.fmt):
+                    for part, comp in self._compensation(layer, pool, jobs, moment):
                         launch_store(pool, part, x if codes is None else codes, self.D, self.P, xs=scale, comp=comp)
                 elif jobs.n_jobs:
                     launch_store(pool, jobs, x if codes is None else codes, self.D, self.P, xs=scale)
@@ -725,8 +709,8 @@ class PagedKVCache:
                         pool.fp_scale[:, :, slots] = scale[at]
                     pool.sal_pos[:, :, :m] = pos[:, pool.heads_l]
 
-    def _keep_moment(self, step: StepPlan, layer: int, moment) -> None:
-        """Check ``moment`` ``[B, H, D, D]`` and keep it (float64) for the step's sequences with new tokens."""
+    def _key_moment(self, moment) -> torch.Tensor:
+        """A checked query moment ``[B, H, D, D]``, float64 on the device."""
         if not self.config.compensates_keys:
             raise ConfigError("a key moment was given but the config rounds keys to nearest "
                               f"(key_rounding={self.config.key_rounding!r})")
@@ -737,12 +721,7 @@ class PagedKVCache:
         m = m.to(device=self.device, dtype=torch.float64)
         if not bool(torch.isfinite(m).all()):
             raise ConfigError("key_moment holds NaN/Inf")
-        if self.key_moments is None:  # no key format rounds with compensation: nothing to weigh
-            return
-        seqs = np.flatnonzero(step.new_tokens > 0)
-        idx = torch.from_numpy(seqs).to(self.device)
-        self.key_moments[layer][idx] = m[idx]
-        self.has_moment[layer, seqs] = True
+        return m
 
     def _compensation(self, layer: int, pool: Pool, jobs: StoreJobs, moment: torch.Tensor):
         """``pool``'s store ``jobs`` as launches, each with the factors of its rows

@@ -44,9 +44,12 @@ Keys can be stored before RoPE (``key_pre_rope``): the cache undoes the rotation
 model's own rotary embedding and applies it again when it reads keys back.
 
 With ``key_rounding`` ``"compensated"`` the cache waits for the prefill's queries as it does for
-salient tokens, and every integer key format then chooses its codes -- prompt and decode tokens
-alike -- by :mod:`kverr.quant.compensated` under the second moment of the prefill's last queries
-(per sequence and kv head), turned to each token's position for keys stored before RoPE.
+salient tokens, and every integer key format then chooses the codes of the keys it quantizes with
+the prefill -- and by a :meth:`KverrCache.flush` before the next update -- by
+:mod:`kverr.quant.compensated` under the second moment of the prefill's last queries (per sequence
+and kv head), turned to each token's position for keys stored before RoPE. The moment is dropped
+at the next update: keys quantized later (those that leave the window while the sequence decodes)
+round to nearest on the same grid, and the cache keeps no per-sequence state beyond its tokens.
 
 On a CUDA device the paged Triton path (:class:`kverr.hf.kernel.KernelKVCache`) runs the same
 config; this class is the CPU reference path that evaluation runs on.
@@ -252,6 +255,8 @@ class KverrLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         start = self.cumulative_length
         pads = left_pads(kwargs, key_states.shape[0], key_states.shape[-2]) if start == 0 else None
+        if start > 0:
+            self._forget_key_cost()
         self._store_update(key_states, value_states, pads)
         if start == 0 and self.config.needs_queries:
             # nothing is quantized before the prefill's queries choose the salient tokens or
@@ -578,8 +583,9 @@ class KverrLayer(CacheLayerMixin):
         """The prefill's queries ``[B, q_head, n, D]`` and fresh keys ``[B, kv_head, n, D]``:
         choose each sequence's salient tokens and keep their rows (``config.salient``), take the
         second moment of its last :data:`~kverr.error.salient.OBSERVED_QUERIES` queries as the
-        cost that weighs its keys' rounding (``config.key_rounding`` ``"compensated"``, integer
-        key formats), then quantize the prefill as the token policy says."""
+        cost that weighs the rounding of the keys quantized with the prefill
+        (``config.key_rounding`` ``"compensated"``, integer key formats; dropped at the next
+        update), then quantize the prefill as the token policy says."""
         from kverr.error.salient import OBSERVED_QUERIES, positions
 
         self._release()
@@ -599,6 +605,14 @@ class KverrLayer(CacheLayerMixin):
                 for g in (g for g in layer.groups["k"] if compensable(g.fmt)):
                     g.key_cost = moment[:, g.heads]
         self._flush(respect_window=True)
+
+    def _forget_key_cost(self) -> None:
+        """Drop the prefill's query moment (``key_rounding`` ``"compensated"``): it weighs the keys
+        quantized with the prefill and by a flush before the next update, no later ones, so the
+        cache keeps nothing per sequence while it decodes."""
+        for layer in [self] if self.rows is None else self.rows:
+            for g in layer.groups["k"]:
+                g.key_cost = None
 
     def _release(self) -> None:
         """Stop waiting for the prefill's queries."""

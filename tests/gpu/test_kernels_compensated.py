@@ -39,11 +39,11 @@ def rope_tables(T: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_cos_sin(torch.arange(T), default_inv_freq(D, 10000.0))
 
 
-def run(cfg: CacheConfig, seed: int, *, static=None, every_step: bool = True, moments=None):
+def run(cfg: CacheConfig, seed: int, *, static=None, every_step: bool = True):
     """Fill a sentinel cache per :data:`SCHEDULE`, the moment given with every store (or only with
-    the first); returns the cache, the keys, the moment and the tokens each store quantized."""
+    the first); returns the cache, the keys and the moment."""
     x, y = data(B, max(LENS), seed), data(B, max(LENS), seed + 1)
-    M = moment(seed) if moments is None else moments
+    M = moment(seed)
     kw = dict(rope=rope_tables(64)) if cfg.key_pre_rope else {}
     cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=H, head_dim=D, max_batch=B, max_tokens=64,
                          device="cpu", static_scales=static, **kw)
@@ -129,23 +129,21 @@ def test_compensated_per_channel_widths_and_int8_window():
     assert check(cache, cfg, x, M, static) == B
 
 
-def test_the_moment_is_kept_until_reset():
-    """Given with the first store only, the moment weighs every later store of the sequence too;
-    a sequence given none (a zero moment: nothing to weigh), or reset, rounds to nearest."""
+def test_keys_stored_without_the_moment_round_to_nearest():
+    """The moment weighs the store it is given with (the prefill): the first store's rows are
+    compensated, those later stores quantize (given none) get the format's own codes."""
     kf = int_format(3, PerToken())
     cfg = CacheConfig(k=kf, v=kf, page_size=P, window=5, sinks=2, key_rounding="compensated")
     cache, x, M = run(cfg, 5, every_step=False)
-    assert check(cache, cfg, x, M) == B
-    M0 = M.clone()
-    M0[1] = 0
-    cache, x, _ = run(cfg, 5, moments=M0)
-    assert check(cache, cfg, x, M0) == B
-    qt, _, start, end = cache.quantized(0, "k", 1)[0]
-    assert torch.equal(qt.codes, quantize(receive(x[1, :, :LENS[1]], cfg.window_dtype)[:, start:end], kf,
-                                          page_size=P).codes)
-    assert cache.has_moment[0].tolist() == [True, True]
-    cache.reset(0)
-    assert cache.has_moment[0].tolist() == [False, True] and not cache.key_moments[0][0].any()
+    for b, n in enumerate(LENS):
+        qt, heads, start, end = cache.quantized(0, "k", b)[0]
+        region = receive(x[b, :, :n], cfg.window_dtype)[:, start:end]
+        first = SCHEDULE[0][b] - cfg.window - start  # rows the first store quantized
+        comp = expected(cfg, kf, region[:, :first], M[b], start)
+        near = quantize(region[:, first:], kf, page_size=P)
+        assert first > 0 and end - start > first
+        assert torch.equal(qt.codes[:, :first], comp.codes) and torch.equal(qt.codes[:, first:], near.codes)
+        assert not torch.equal(comp.codes, quantize(region[:, :first], kf, page_size=P).codes)
 
 
 def test_codebook_keys_keep_nearest_rounding():
