@@ -3,7 +3,7 @@ on this CPU-only machine: the interpreter accepts code the GPU compiler rejects,
 specialisations the calibrator can emit must also compile to a cubin. Resource usage is read from
 the cubin with cuobjdump; the decode kernel must not spill (no stack, no local memory).
 
-Runs in a subprocess (the compiler must not see TRITON_INTERPRET=1). The whole sweep (1060
+Runs in a subprocess (the compiler must not see TRITON_INTERPRET=1). The whole sweep (1237
 specialisations: every element format x every granularity, head dim 128) takes minutes per
 architecture; it is the documented ``python -m kverr.gpu.aot --full`` command, whose tables are
 committed in bench/results/aot-*.txt. Here each architecture compiles a covering subset of that
