@@ -30,10 +30,10 @@ oracle, :mod:`kverr.quant.reference`, bit for bit:
   the scale dtype, the float64 sum's order being the one thing not the oracle's (a flip needs a
   root mean square within 1e-16 of an fp32 rounding boundary).
 * keys rounded with compensation (``COMP``; integer formats, :mod:`kverr.quant.compensated`)
-  keep the scales above and choose each row's codes by the sequential rule: channel by channel in
-  the row's order (``ORD``), each encoded and decoded as the format does, its float64 error
-  divided by ``U_kk`` times row ``k`` of the row's factor ``U`` (``COMP_U``, channel-major, read
-  at the channels' positions in the order) subtracted from the channels after it -- the oracle's
+  keep the scales above and choose each row's codes by the sequential rule: the row gathered into
+  its factor's channel order (``ORD``), then value by value encoded and decoded as the format
+  does, its float64 error divided by ``U_kk`` times row ``k`` of the row's factor ``U``
+  (``COMP_U``) subtracted from the values after it, the codes gathered back -- the oracle's
   operations in the oracle's order, a product and a difference each rounded (no contraction).
 
 Constexpr format codes (shared with :mod:`kernels.decode` and :mod:`kverr.gpu.spec`):

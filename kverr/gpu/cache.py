@@ -61,6 +61,7 @@ import torch
 from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
+from kverr.quant.compensated import compensable
 from kverr.quant.formats import TORCH_DTYPES, window_format
 from kverr.quant.reference import QTensor, dequantize
 from kverr.quant.store import SALIENT_INDEX_DTYPE, WindowRows, receive
@@ -664,7 +665,6 @@ class PagedKVCache:
         :class:`~kverr.hf.reference.KverrCache`.
         """
         from kverr.gpu.launch import launch_store
-        from kverr.quant.compensated import compensable
 
         self._check_layer(layer)
         moment = None if key_moment is None else self._key_moment(key_moment)

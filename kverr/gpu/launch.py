@@ -33,9 +33,9 @@ def decode_block_n(kspec: KernelSpec, vspec: KernelSpec, block_n: int) -> int:
 
 def store_warps(block_r: int, D: int, comp: bool = False) -> int:
     """Warps of the store kernel: 8 for tiles of 4096+ elements (whole pages), else 4; twice that
-    for keys rounded with compensation (a float64 tile and a float64 row of factors per row carried
-    through the sequential rule: with fewer, 128-row pages and 32-row channel groups spill at head
-    dim 128, AOT)."""
+    for keys rounded with compensation (a float64 tile and a float64 row of factors carried
+    through the sequential rule: with fewer, rows of 16 tokens and 32-token channel groups spill
+    at head dim 128; with these, only 64-token blocks still do, AOT)."""
     return (2 if comp else 1) * (8 if block_r * D >= 4096 else 4)
 
 

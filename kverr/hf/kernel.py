@@ -190,7 +190,7 @@ class KernelKVCache(Cache):
             cos, sin = self._rope[layer]
             k_in = unrotate(k.float(), cos[t0:self.length], sin[t0:self.length])
         if self.config.needs_queries and not self.decoding:
-            self._awaiting[layer] = (k_in, v)  # stored once the queries chose the salient tokens
+            self._awaiting[layer] = (k_in, v)  # stored once the prefill's queries arrive (_observe)
         else:
             self._write(layer, k_in, v)
         return k, v
