@@ -135,8 +135,8 @@ class StoreJobs:
     fp_row: torch.Tensor
     fp_seq: torch.Tensor
     fp_slot: torch.Tensor
-    # host copies for the factors of compensated keys: each job's sequence [n_jobs] and each job
-    # row's token position [n_jobs, block_r] (-1: no row)
+    # host copies for the factors of compensated keys: each job's sequence [n_jobs] and, for keys
+    # stored before RoPE, each job row's token position [n_jobs, block_r] (-1: no row)
     seq_np: np.ndarray | None = None
     tokens: np.ndarray | None = None
 
@@ -144,7 +144,7 @@ class StoreJobs:
         """Jobs ``j0 .. j1 - 1`` (views), without the window's writes."""
         return replace(self, n_jobs=j1 - j0, page=self.page[j0:j1], row0=self.row0[j0:j1], nrows=self.nrows[j0:j1],
                        seq=self.seq[j0:j1], src_new=self.src_new[j0:j1], src_slot=self.src_slot[j0:j1], n_fp=0,
-                       seq_np=self.seq_np[j0:j1], tokens=self.tokens[j0:j1])
+                       seq_np=self.seq_np[j0:j1], tokens=None if self.tokens is None else self.tokens[j0:j1])
 
 
 @dataclass(eq=False)
@@ -602,10 +602,12 @@ class PagedKVCache:
             pos = np.arange(t.size) - starts[job_of]
             sn = np.full((starts.size, block_r), -1, np.int64)
             ss = np.full((starts.size, block_r), -1, np.int64)
-            tok = np.full((starts.size, block_r), -1, np.int64)
             sn[job_of, pos] = src_new
             ss[job_of, pos] = src_slot
-            tok[job_of, pos] = t
+            tok = None
+            if self.config.compensates_keys and self.key_pre_rope:  # each row's factor is its position's
+                tok = np.full((starts.size, block_r), -1, np.int64)
+                tok[job_of, pos] = t
             jobs = dict(n_jobs=int(starts.size), block_r=block_r, page=i32(page[starts]), row0=i32(row[starts]),
                         nrows=i32(nrows), seq=i32(b[starts]), src_new=i32(sn), src_slot=i32(ss),
                         seq_np=b[starts], tokens=tok)
