@@ -208,7 +208,7 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
     # keys rounded with compensation: those the prefill quantizes, under the second moment of its
     # last queries per sequence and kv head (the kernel path is given it with the prefill); keys
-    # quantized later round to nearest, which a zero cost gives (the identity after damping)
+    # quantized later round to nearest on the same scales (each row's codes are its own)
     moments: dict[int, torch.Tensor] = {}
     if config.compensates_keys:
         from kverr.error.salient import OBSERVED_QUERIES
@@ -218,20 +218,20 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         n = T - steps
         for l in range(L):
             moments[l] = query_moment(q[l, :, :, :n], H, OBSERVED_QUERIES)
-
-    def key_cost(l, t):  # the cost of the first t keys of layer l, [B, H, t, D, D]
-        if config.key_pre_rope:
-            cos, sin = pairs[l]
-            cost = turned_cost(moments[l], cos[:t], sin[:t])
-        else:
-            cost = moments[l][:, :, None].expand(-1, -1, t, -1, -1).clone()
-        for fmt, heads in config.head_groups(l, H, "k"):
-            cost[:, heads, token_regions(T - steps, config, fmt)[1]:] = 0
-        return KeyCost(cost)
+        nearest = config.with_(key_rounding="nearest")
 
     def held(x, l, which):  # what the reference says layer l holds of x [B, H, t, D]
-        kw = dict(key_cost=key_cost(l, x.shape[-2])) if which == "k" and moments else {}
-        hat = reconstruct(x, config, layer=l, which=which, **kw)
+        if which == "k" and moments:
+            t = x.shape[-2]
+            cost = (KeyCost(turned_cost(moments[l], pairs[l][0][:t], pairs[l][1][:t])) if config.key_pre_rope
+                    else KeyCost(moments[l][:, :, None]))
+            hat = reconstruct(x, config, layer=l, which=which, key_cost=cost)
+            near = reconstruct(x, nearest, layer=l, which=which)
+            for fmt, heads in config.head_groups(l, H, "k"):
+                end = token_regions(T - steps, config, fmt)[1]  # of the prefill's quantized keys
+                hat[:, heads, end:] = near[:, heads, end:]
+        else:
+            hat = reconstruct(x, config, layer=l, which=which)
         if l in salient:
             hat = _salient_rows(hat, x, salient[l], config, l, which)
         return hat

@@ -84,3 +84,16 @@ def test_validate_errors_are_one_line(capsys, tmp_path):
         code = main(["validate", str(cfg), "--capture", str(CAPTURE), "--tokens", "20", "--batch", "1", "--steps", "1"])
         err = capsys.readouterr().err
         assert code == 2 and "not implemented" in err and err.count("\n") == 1
+
+
+@needs_capture
+def test_validate_compensated_keys_after_rope_agree():
+    """Keys after RoPE rounded with compensation, a short window so the decode steps quantize keys
+    (to nearest: the prefill's moment weighs only the prefill's keys) on both paths."""
+    pytest.importorskip("zarr")
+    from kverr.config import named_presets
+    from kverr.validation import validate
+
+    cfg = named_presets()["kivi-2"].with_(key_rounding="compensated", window=16)
+    rep = validate(cfg, CAPTURE, tokens=120, batch=2, steps=3, layers=[0, 15])
+    assert rep.ok and all(r.mismatched == 0 and r.rel_rms <= 1e-3 for r in rep.layers), rep
