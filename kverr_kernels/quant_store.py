@@ -509,7 +509,8 @@ def _quant_rows(x, rmask, rows, code_base, c, scale_base, zero_base, static_s, s
                 m = s * 0.0
         u3 = _encode(x3, s[None, :, None], m[None, :, None], LUT, KIND, BITS, ARITH)
     if COMP:
-        # the scales stay; the codes are the sequential rule's
+        # the scales stay; the codes are the sequential rule's (``top``, for per-channel widths
+        # only, is passed the group indices, unread)
         if GRAN == 0:
             u = _compensate(x, s, m, g, g, rmask, c, COMP_U, u_off, cu_k, cu_p, COMP_ORD, o_off, LUT,
                             D, BD, BLOCK_R, KIND, BITS, ARITH, False)
