@@ -11,7 +11,9 @@ tokens its prompt's last queries attend to most as ``window_dtype`` rows with th
 beside their codes (:mod:`kverr.error.salient`), for the sides ``salient_sides`` names (``"kv"``,
 ``"k"`` or ``"v"``; formats that quantize). With ``key_rounding`` = ``"compensated"`` the
 integer key formats choose their codes by error compensation under the prefill's queries
-(:mod:`kverr.quant.compensated`): the same grid and bytes, other codes.
+(:mod:`kverr.quant.compensated`): the same grid and bytes, other codes; with ``key_moments``
+(:class:`~kverr.quant.compensated.KeyMoments`, a calibration capture's query moments, static
+bytes) they round every key under those instead, and the cache need not wait for queries.
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
 formats or values raise :class:`kverr.exceptions.ConfigError` naming the field, the value and what is
@@ -30,6 +32,7 @@ JSON layout::
       "salient": 16,                          # optional (0 when absent)
       "salient_sides": "k",                   # optional ("kv" when absent)
       "key_rounding": "compensated",          # optional ("nearest" when absent)
+      "key_moments": {"dtype": "fp16", "shape": [L, H, D], "data": "..."},  # optional
       "page_size": 64, "window_dtype": "fp16", "align": 16,
       "layers": {"3": {"k": {...}}},          # optional overrides for a whole layer
       "heads": {"3:1": {"v": {...}}},         # optional overrides for (layer, kv_head)
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kverr.exceptions import ConfigError
+from kverr.quant.compensated import KeyMoments
 from kverr.quant.formats import (
     WINDOW_DTYPES,
     MSEClip,
@@ -135,6 +139,7 @@ class CacheConfig:
     salient: int = 0
     salient_sides: str = "kv"
     key_rounding: str = "nearest"
+    key_moments: KeyMoments | None = None
 
     def __post_init__(self) -> None:
         for w in WHICH:
@@ -147,6 +152,12 @@ class CacheConfig:
             raise ConfigError(f"salient_sides={self.salient_sides!r} is not allowed; one of {', '.join(SALIENT_SIDES)}")
         if self.key_rounding not in KEY_ROUNDINGS:
             raise ConfigError(f"key_rounding={self.key_rounding!r} is not allowed; one of {', '.join(KEY_ROUNDINGS)}")
+        if self.key_moments is not None:
+            if not isinstance(self.key_moments, KeyMoments):
+                raise ConfigError(f"key_moments must be KeyMoments, got {type(self.key_moments).__name__}")
+            if self.key_rounding != "compensated":
+                raise ConfigError(f"key_moments weigh compensated rounding; key_rounding={self.key_rounding!r} does "
+                                  "not use them (set key_rounding 'compensated', or drop key_moments)")
         _positive_int(self.page_size, "page_size", maximum=1 << 16)
         _positive_int(self.align, "align", maximum=4096)
         if self.align & (self.align - 1):
@@ -221,8 +232,9 @@ class CacheConfig:
     @property
     def needs_queries(self) -> bool:
         """Whether a cache must see the prefill's queries before it quantizes the prefill: the
-        config keeps salient tokens, or rounds keys with compensation."""
-        return bool(self.salient) or self.compensates_keys
+        config keeps salient tokens, or rounds keys with compensation under the prefill's queries
+        (no ``key_moments``)."""
+        return bool(self.salient) or (self.compensates_keys and self.key_moments is None)
 
     def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
         """kv heads of ``layer`` grouped by format, in order of first appearance.
@@ -266,6 +278,12 @@ class CacheConfig:
                 )
         for where, fmt in self._all_formats():
             fmt.check_head_dim(head_dim, where)
+        km = self.key_moments
+        if km is not None and (km.n_layers, km.n_kv_heads, km.head_dim) != (n_layers, n_kv_heads, head_dim):
+            raise ConfigError(
+                f"key_moments are for {km.n_layers} layers x {km.n_kv_heads} kv heads x head dim {km.head_dim}; "
+                f"the model has {n_layers} x {n_kv_heads} x {head_dim}"
+            )
         if max_context is not None and self.sinks + self.window > max_context:
             raise ConfigError(
                 f"sinks + window = {self.sinks + self.window} tokens exceeds the model's context "
@@ -278,7 +296,12 @@ class CacheConfig:
         pos = {int(l): i for i, l in enumerate(model_layers)}
         if len(pos) != len(model_layers):
             raise ConfigError(f"model_layers {list(model_layers)} repeats a layer")
+        km = self.key_moments
+        if km is not None and max(pos, default=-1) >= km.n_layers:
+            raise ConfigError(f"model_layers {list(model_layers)} name a layer the key_moments do not have "
+                              f"({km.n_layers} layers)")
         return self.with_(
+            key_moments=None if km is None else km.select_layers(list(model_layers)),
             layers={pos[l]: ov for l, ov in self.layers.items() if l in pos},
             heads={(pos[l], h): ov for (l, h), ov in self.heads.items() if l in pos},
         )
@@ -305,6 +328,8 @@ class CacheConfig:
             out["salient_sides"] = self.salient_sides
         if self.key_rounding != "nearest":
             out["key_rounding"] = self.key_rounding
+        if self.key_moments is not None:
+            out["key_moments"] = self.key_moments.to_dict()
         if self.layers:
             out["layers"] = {str(k): ov.to_dict() for k, ov in sorted(self.layers.items())}
         if self.heads:
@@ -321,7 +346,7 @@ class CacheConfig:
         required = {"version", "k", "v"}
         optional = {
             "name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
-            "salient_sides", "key_rounding", "layers", "heads", "provenance",
+            "salient_sides", "key_rounding", "key_moments", "layers", "heads", "provenance",
         }
         _check_keys(obj, "config", required, optional)
         version = obj["version"]
@@ -337,6 +362,8 @@ class CacheConfig:
                     "salient_sides", "key_rounding", "provenance"):
             if key in obj:
                 kwargs[key] = obj[key]
+        if "key_moments" in obj:
+            kwargs["key_moments"] = KeyMoments.from_dict(obj["key_moments"])
         if "provenance" in kwargs and not isinstance(kwargs["provenance"], dict):
             raise ConfigError("provenance must be a JSON object")
         layers = obj.get("layers", {})

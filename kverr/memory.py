@@ -3,8 +3,9 @@
 The seed formula ``2 * L * H_kv * D * T * b`` counts only the payload at a nominal element
 width. A real cache also holds scales and zero points (in their own dtype), pads sections to an
 alignment, rounds every sequence up to whole pages of a block allocator, keeps sink and window
-tokens in full precision and stores static scales (and a codebook format's levels) once per model. :func:`account` counts all of
-it, with the layout of :class:`kverr.quant.store.ReferenceStore` (whose allocated bytes it must
+tokens in full precision and stores static scales (and a codebook format's levels, and the
+query moments compensated keys are rounded under, ``config.key_moments``) once per model.
+:func:`account` counts all of it, with the layout of :class:`kverr.quant.store.ReferenceStore` (whose allocated bytes it must
 equal, and a test checks that it does), and reports effective bits per element including
 everything.
 """
@@ -129,7 +130,7 @@ class Bytes:
     payload: int = 0  # codes of the quantized tokens (plain-float formats: their values)
     scales: int = 0  # scales of the quantized tokens
     zeros: int = 0  # zero points of the quantized tokens
-    static: int = 0  # static scales and zero points, once per model
+    static: int = 0  # static scales and zero points, codebook levels, key moments: once per model
     sinks: int = 0  # full-precision sink tokens
     window: int = 0  # full-precision recent tokens
     salient: int = 0  # the salient prompt tokens' window-dtype rows and their positions
@@ -372,6 +373,8 @@ def account(
                 total.add(b)
                 report.seed_bytes += seed
             entry[w] = total
+        if config.key_moments is not None:  # the layer's share of the static query moments
+            entry["k"].static += config.key_moments.layer_nbytes()
         report.per_layer.append(entry)
     return report
 

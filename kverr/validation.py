@@ -150,7 +150,8 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     config that rounds keys with compensation (``key_rounding`` ``"compensated"``) rounds them,
     on both paths, under the second moment of the prefill's last
     :data:`~kverr.error.salient.OBSERVED_QUERIES` queries (:func:`kverr.quant.compensated.query_moment`),
-    turned to each key's position for keys stored before RoPE.
+    turned to each key's position for keys stored before RoPE; with static ``key_moments`` every
+    key, prefill and decode, under the config's moments.
     """
     from kverr.gpu import PagedKVCache, calibrate_static_scales
     from kverr.gpu.cache import interpreting
@@ -209,7 +210,9 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     # keys rounded with compensation: those the prefill quantizes, under the second moment of its
     # last queries per sequence and kv head (the kernel path is given it with the prefill); keys
     # quantized later round to nearest on the same scales (each row's codes are its own)
+    # (static key_moments: every key under the layer's moments, [1, H, D, D] for all sequences)
     moments: dict[int, torch.Tensor] = {}
+    static_moments = config.key_moments is not None
     if config.compensates_keys:
         from kverr.error.salient import OBSERVED_QUERIES
         from kverr.quant.compensated import KeyCost, query_moment, turned_cost
@@ -217,8 +220,9 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
         n = T - steps
         for l in range(L):
-            moments[l] = query_moment(q[l, :, :, :n], H, OBSERVED_QUERIES)
-        nearest = config.with_(key_rounding="nearest")
+            moments[l] = (config.key_moments.layer(l)[None] if static_moments
+                          else query_moment(q[l, :, :, :n], H, OBSERVED_QUERIES))
+        nearest = config.with_(key_rounding="nearest", key_moments=None)
 
     def held(x, l, which):  # what the reference says layer l holds of x [B, H, t, D]
         if which == "k" and moments:
@@ -226,10 +230,11 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             cost = (KeyCost(turned_cost(moments[l], pairs[l][0][:t], pairs[l][1][:t])) if config.key_pre_rope
                     else KeyCost(moments[l][:, :, None]))
             hat = reconstruct(x, config, layer=l, which=which, key_cost=cost)
-            near = reconstruct(x, nearest, layer=l, which=which)
-            for fmt, heads in config.head_groups(l, H, "k"):
-                end = token_regions(T - steps, config, fmt)[1]  # of the prefill's quantized keys
-                hat[:, heads, end:] = near[:, heads, end:]
+            if not static_moments:
+                near = reconstruct(x, nearest, layer=l, which=which)
+                for fmt, heads in config.head_groups(l, H, "k"):
+                    end = token_regions(T - steps, config, fmt)[1]  # of the prefill's quantized keys
+                    hat[:, heads, end:] = near[:, heads, end:]
         else:
             hat = reconstruct(x, config, layer=l, which=which)
         if l in salient:
@@ -248,7 +253,7 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             cache.store(step, l, k[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev),
                         v[l, :, :, t - n:t].permute(0, 2, 1, 3).reshape(-1, H, D).to(dev),
                         salient=salient.get(l) if si == 0 else None,
-                        key_moment=moments[l].to(dev) if si == 0 and moments else None)
+                        key_moment=moments[l].to(dev) if si == 0 and moments and not static_moments else None)
         if si == 0:
             continue  # the prefill is checked through the steps that follow
         if has_static and not final:

@@ -76,7 +76,7 @@ def mutate(path: str, value) -> dict:
 @pytest.mark.parametrize(
     "path, value, message",
     [
-        ("colour", "red", r"unknown field config\.colour; allowed fields: align, heads, k, key_pre_rope"),
+        ("colour", "red", r"unknown field config\.colour; allowed fields: align, heads, k, key_moments, key_pre_rope"),
         ("k.colour", 1, r"unknown field k\.colour; allowed fields: bits, channel_bits, clip, codebook, dtype"),
         ("k.dtype", "int5", r"k\.dtype='int5' is not allowed; one of int, fp8_e4m3"),
         ("k.bits", 5, r"bits=5 is not allowed; int allows 2, 3, 4, 8"),

@@ -97,3 +97,28 @@ def test_validate_compensated_keys_after_rope_agree():
     cfg = named_presets()["kivi-2"].with_(key_rounding="compensated", window=16)
     rep = validate(cfg, CAPTURE, tokens=120, batch=2, steps=3, layers=[0, 15])
     assert rep.ok and all(r.mismatched == 0 and r.rel_rms <= 1e-3 for r in rep.layers), rep
+
+
+@needs_capture
+@pytest.mark.float_order
+def test_validate_static_key_moments_agree():
+    """A config carrying the capture's static query moments (``key_moments``), keys stored before
+    RoPE: every key, the prefill's and those the decode steps quantize (token-group scales, a
+    16-token window), rounded under them on both paths, bit for bit. (Post-RoPE keys under static
+    moments: tests/gpu/test_kernels_compensated.py.)"""
+    pytest.importorskip("zarr")
+    from kverr.calibration.objective import capture_key_moments
+    from kverr.config import CacheConfig
+    from kverr.io import open_capture
+    from kverr.quant import PerToken, PerTokenGroup, int_format
+    from kverr.quant.compensated import KeyMoments
+    from kverr.validation import validate
+
+    ds = open_capture(CAPTURE)
+    captured = capture_key_moments(ds)  # of the captured layers; the model's other layers take layer 0's
+    at = {int(layer): i for i, layer in enumerate(ds.kv.layers)}
+    moments = KeyMoments(captured.packed[[at.get(layer, 0) for layer in range(ds.kv.n_layers)]], captured.head_dim)
+    cfg = CacheConfig(k=int_format(3, PerTokenGroup(32), rotate="hadamard"), v=int_format(2, PerToken()), window=16,
+                      sinks=4, key_pre_rope=True, key_rounding="compensated", key_moments=moments)
+    rep = validate(cfg, CAPTURE, tokens=64, batch=2, steps=2, layers=[15])
+    assert rep.ok and all(r.mismatched == 0 and r.rel_rms <= 1e-3 for r in rep.layers), rep

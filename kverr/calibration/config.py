@@ -147,8 +147,9 @@ class CalibrationConfig:
         ``"compensated"``, :mod:`kverr.quant.compensated`): the objective scores every integer key
         candidate so, under the second moment of the capture's queries
         (:func:`~kverr.calibration.objective.key_cost`), and the written configs say
-        ``key_rounding: compensated`` (served by the reference cache and the kernels). The
-        provenance records ``compensated_keys``.
+        ``key_rounding: compensated`` and carry that moment as ``key_moments`` (static bytes,
+        counted in the budget), under which caches round every key, prompt and decode (served by
+        the reference cache and the kernels). The provenance records ``compensated_keys``.
     step_tokens, step_batch, gpu
         Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
         GPU of :data:`kverr.cost.GPUS`.

@@ -31,8 +31,9 @@ saliency for the prompt that ends just before it (:func:`salient_tokens`), as a 
 chose them at that prompt's prefill reads them back from their rows.
 With ``compensated_keys`` (``kverr calibrate --compensated-keys``) the integer key formats
 reconstruct ``K̂`` with the codes a cache with ``key_rounding`` ``"compensated"`` chooses
-(:mod:`kverr.quant.compensated`), under the second moment of all the capture's queries
-(:func:`key_cost`).
+(:mod:`kverr.quant.compensated`), under the second moment of all the capture's queries as the
+calibrated config stores it, prompt and decode keys alike (:func:`capture_moment`,
+:func:`key_cost`).
 Then the terms as :mod:`kverr.error.terms` defines them (the definitions
 :func:`kverr.error.decompose` uses too):
 
@@ -67,7 +68,7 @@ from kverr.error import terms as _terms
 from kverr.error.salient import OBSERVED_QUERIES, choose, prompt_saliency
 from kverr.exceptions import CaptureError, ConfigError
 from kverr.quant.formats import QuantFormat
-from kverr.quant.compensated import KeyCost, compensable, query_moment, reads_in_groups
+from kverr.quant.compensated import KeyCost, KeyMoments, compensable, query_moment, reads_in_groups, stored_moment
 from kverr.quant.store import reconstruct
 
 from .candidates import OuterOption
@@ -195,6 +196,24 @@ def decode_steps(n_queries: int, decode: int) -> torch.Tensor:
     return torch.as_tensor((np.arange(n_queries) * decode) // max(1, n_queries), dtype=torch.long)
 
 
+def capture_moment(q: Any, n_kv_heads: int) -> torch.Tensor:
+    """The moment compensated keys are scored, and a calibrated config rounds them, under: the
+    second moment of all of one layer's captured queries ``q [q_head, T, D]`` per kv head
+    (:func:`~kverr.quant.compensated.query_moment`) as the config stores it
+    (:func:`~kverr.quant.compensated.stored_moment`), ``[kv_head, D, D]`` float64."""
+    q = torch.as_tensor(np.asarray(q), dtype=torch.float32)
+    return stored_moment(query_moment(q[None], n_kv_heads, q.shape[1])[0])
+
+
+def capture_key_moments(capture: Any) -> KeyMoments:
+    """:func:`capture_moment` of every layer of a capture Dataset (its ``q`` ``[layer, q_head,
+    token, channel]``): the static moments a calibration with compensated keys puts in its
+    configs (``CacheConfig.key_moments``)."""
+    n_kv = capture.sizes["kv_head"]
+    return KeyMoments.of(torch.stack([capture_moment(capture.q.isel(layer=i).values, n_kv)
+                                      for i in range(capture.sizes["layer"])]))
+
+
 def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: int,
                   positions=None, rope=None, decode: int | None = None, sliding_window: int = 0,
                   sinks=None, salient: bool = False, compensated_keys: bool = False) -> LayerPrep:
@@ -239,7 +258,7 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
         raise CaptureError("salient tokens and compensated keys need query head i to read kv head "
                            "i // (q_heads / kv_heads)")
     if compensated_keys:
-        moment = query_moment(q[None], k.shape[0], T)[0]
+        moment = capture_moment(q, k.shape[0])
     if salient:
         saliency = prompt_saliency(q, k, float(scale), _prompt_ends(pos, steps).tolist(), stride=SALIENCY_STRIDE,
                                    sliding_window=int(sliding_window),
@@ -305,9 +324,10 @@ def key_cost(prep: LayerPrep, pre: bool) -> KeyCost:
     """The cost compensated key rounding weighs on one RoPE side of the layer: the second moment
     ``Σ_q`` of all the layer's queries per kv head (:func:`~kverr.quant.compensated.query_moment`
     over every position of the capture), for post-RoPE keys one matrix per head, for pre-RoPE
-    keys turned to each token's position (:func:`~kverr.quant.compensated.turned_cost`). A
-    cache takes ``Σ_q`` from each prompt's last queries; the objective, which reconstructs the
-    capture once for every query, takes the capture's mean."""
+    keys turned to each token's position (:func:`~kverr.quant.compensated.turned_cost`), as a
+    calibrated config stores it (:func:`capture_moment`): the static moments the config then
+    rounds every key under. (A config without them takes ``Σ_q`` from each prompt's last queries;
+    the objective, which reconstructs the capture once for every query, takes the capture's.)"""
     if prep.moment is None:
         raise ConfigError("this layer was prepared without compensated_keys: no query moment to round keys under")
     if pre not in prep.key_costs:
@@ -321,9 +341,14 @@ def key_cost(prep: LayerPrep, pre: bool) -> KeyCost:
 def _key_reconstruct(prep: LayerPrep, x: torch.Tensor, cfg: CacheConfig, pre: bool,
                      heads: Sequence[int] | None = None) -> torch.Tensor:
     """``reconstruct`` of keys ``x`` (the layer's kv heads, or ``heads`` of them) on RoPE side
-    ``pre``, rounded with compensation under :func:`key_cost` when ``cfg`` says so."""
+    ``pre``, rounded with compensation when ``cfg`` says so: under its static ``key_moments``
+    where it has them, else under :func:`key_cost`."""
     cost = None
-    if cfg.compensates_keys:
+    if cfg.key_moments is not None:
+        m = cfg.key_moments.layer(prep.layer)
+        cost = KeyCost.of_moment(m, positions=prep.positions, rope=prep.rope) if pre else KeyCost.of_moment(m)
+        cost = cost if heads is None else cost.heads(heads)
+    elif cfg.compensates_keys:
         cost = key_cost(prep, pre)
         cost = cost if heads is None else cost.heads(heads)
     return reconstruct(x, cfg, layer=prep.layer, which="k", key_cost=cost)

@@ -30,6 +30,7 @@ import numpy as np
 from kverr.catalog import codebook_candidates
 from kverr.config import CacheConfig, Override, check_model_matches  # noqa: F401 (re-exported)
 from kverr.exceptions import CaptureError, ConfigError
+from kverr.quant.compensated import KeyMoments
 from kverr.quant.formats import QuantFormat
 
 from .candidates import (
@@ -50,6 +51,7 @@ from .objective import (
     OBJECTIVE_DOC,
     OBJECTIVE_KL_DOC,
     OBJECTIVES,
+    capture_key_moments,
     check_queries,
     prepare_layer,
     score_layer,
@@ -197,6 +199,8 @@ class Search:
     max_groups_per_layer: int | None = None
     batch: int = 1  # sequences the bytes are counted for (static bytes once)
     refit_widths: bool = False  # each sequence's width tables counted (CalibrationConfig.refit_widths)
+    #: compensated keys: the capture's static query moments the configs carry (counted in the budget)
+    key_moments: Any = None
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
@@ -582,6 +586,7 @@ def check_budget(
     sliding_windows: Sequence[int] | None = None,
     batch: int = 1,
     width_tables: bool = False,
+    static_bytes: int = 0,
 ) -> tuple[str, tuple[QuantFormat, ...], tuple[QuantFormat, ...]]:
     """Check, from the model's shape alone, that :func:`calibrate` can meet ``budget_bits``.
 
@@ -608,6 +613,9 @@ def check_budget(
     width_tables : bool
         Count each sequence's width tables of the formats with per-channel widths
         (:attr:`CalibrationConfig.refit_widths`).
+    static_bytes : int
+        Bytes every config holds whatever its formats: the static key moments of compensated keys
+        (:meth:`kverr.quant.compensated.KeyMoments.bytes_for`).
 
     Returns
     -------
@@ -648,7 +656,7 @@ def check_budget(
                            width_tables=width_tables)))
             * windows.count(w) for s, c in (("k", cands_k), ("v", cands_v)) for w in set(windows)) * n_kv
         for o in options
-    )
+    ) + static_bytes
     cheapest_bits = bits_of(cheapest, n_layers, n_kv, head_dim, context, batch)
     budget_bytes = budget_bytes_of(budget_bits, n_layers, n_kv, head_dim, context, batch)
     if budget_bytes < cheapest:
@@ -774,6 +782,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     # searches in a fixed order: int8 windows first, and within a window dtype the larger
     # candidate sets (NESTED_SETS) first, so that the later searches reuse their damage tables
     keys = {b: _search_key(cfg, b) for b in cfg.budgets}
+    # compensated keys: every config carries the capture's query moments (static bytes)
+    moment_bytes = KeyMoments.bytes_for(n_layers, n_kv, head_dim) if cfg.compensated_keys else 0
     rank = {name: i for i, name in enumerate(NESTED_SETS)}
     order = sorted(set(keys.values()),
                    key=lambda g: (g[0] != "int8", g[0], rank.get(g[1].removesuffix(CODEBOOKS_SUFFIX), -1)))
@@ -786,7 +796,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                          align=cfg.align,
                          context_from=None if cfg.context else f"the capture's length, {n_tok} tokens",
                          sliding_windows=kv.shape.sliding_windows, batch=cfg.batch,
-                         width_tables=cfg.refit_widths)
+                         width_tables=cfg.refit_widths, static_bytes=moment_bytes)
     if scores is not None:
         for name, want in (("decode", cfg.decode), ("options", options), ("compensated_keys", cfg.compensated_keys)):
             if getattr(scores, name) != want:
@@ -850,15 +860,17 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                                         head_dim=head_dim, context=context, page_size=cfg.page_size,
                                         window_dtype=key[0], align=cfg.align, max_bytes=max_bytes,
                                         max_groups=max_groups, sliding_windows=kv.shape.sliding_windows,
-                                        batch=cfg.batch, width_tables=cfg.refit_widths)
+                                        batch=cfg.batch, width_tables=cfg.refit_widths, static_bytes=moment_bytes)
         return Search(
             window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
             scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
             sensitivity=sensitivity, shape=kv.shape, context=context, page_size=cfg.page_size, align=cfg.align,
             objective=cfg.objective, capture=kv.provenance,
             seconds={"score": score_s[key], "search": time.perf_counter() - ts},
-            max_groups_per_layer=max_groups, batch=cfg.batch, refit_widths=cfg.refit_widths)
+            max_groups_per_layer=max_groups, batch=cfg.batch, refit_widths=cfg.refit_widths,
+            key_moments=moments)
 
+    moments = capture_key_moments(capture) if cfg.compensated_keys else None
     searches = [search(key, cfg.max_groups_per_layer) for key in order]
     configs, choices, index = {}, {}, {}
     for b in cfg.budgets:
@@ -930,10 +942,12 @@ def _grouped_solve(dmg: list[np.ndarray], ck: list[np.ndarray], cv: list[np.ndar
 
 def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, head_dim: int, context: int,
               page_size: int, window_dtype: str, align: int, max_bytes: int, max_groups: int | None = None,
-              sliding_windows: Sequence[int] | None = None, batch: int = 1, width_tables: bool = False):
+              sliding_windows: Sequence[int] | None = None, batch: int = 1, width_tables: bool = False,
+              static_bytes: int = 0):
     """The knapsack frontier of every outer option, and their common Pareto frontier (with at
     most ``max_groups`` (K, V) format pairs per layer when given). A candidate's bytes depend on
-    its layer's sliding window (a sliding layer holds only its window)."""
+    its layer's sliding window (a sliding layer holds only its window). ``static_bytes`` every
+    config holds whatever its formats (static key moments) are in each point's bytes."""
     import pandas as pd
 
     frontiers: dict[OuterOption, Frontier] = {}
@@ -948,15 +962,16 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
         ck = [by_w[windows[layer]][0] for layer in scores.layers]
         cv = [by_w[windows[layer]][1] for layer in scores.layers]
         if max_groups is not None and max_groups < n_kv:
-            fr = _grouped_solve(dmg, ck, cv, n_kv, max_groups, max_bytes)
+            fr = _grouped_solve(dmg, ck, cv, n_kv, max_groups, max_bytes - static_bytes)
         else:
             costs = [by_w[windows[layer]][0 if w == "k" else 1] for (layer, _, w) in keys]
-            fr = solve(costs, dmg, max_cost=max_bytes)
+            fr = solve(costs, dmg, max_cost=max_bytes - static_bytes)
         frontiers[opt] = fr
         for i in range(len(fr.cost)):
             rows.append(dict(option=opt.label(), window=opt.window, sinks=opt.sinks,
-                             key_pre_rope=opt.key_pre_rope, bytes=int(fr.cost[i]),
-                             effective_bits=bits_of(int(fr.cost[i]), n_layers, n_kv, head_dim, context, batch),
+                             key_pre_rope=opt.key_pre_rope, bytes=int(fr.cost[i]) + static_bytes,
+                             effective_bits=bits_of(int(fr.cost[i]) + static_bytes, n_layers, n_kv, head_dim,
+                                                    context, batch),
                              predicted=float(fr.damage[i]), index=i))
     allf = pd.DataFrame(rows).sort_values(["bytes", "predicted"], kind="stable").reset_index(drop=True)
     pareto = allf[allf["predicted"] < allf["predicted"].cummin().shift(fill_value=np.inf)]
@@ -1020,7 +1035,8 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
             if ov.k is not None or ov.v is not None:
                 heads[(layer, h)] = ov
     # the frontier counts a template at its own bytes; its fitted widths may take fewer
-    nbytes = int(choices["bytes"].sum())
+    km = search.key_moments
+    nbytes = int(choices["bytes"].sum()) + (0 if km is None else km.nbytes)
     bits = bits_of(nbytes, n_layers, n_kv, D, context, search.batch)
     prov = {
         "tool": "kverr calibrate",
@@ -1054,7 +1070,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope, salient=opt.salient,
         salient_sides=opt.salient_sides,
         page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
-        key_rounding="compensated" if sc.compensated_keys else "nearest",
+        key_rounding="compensated" if sc.compensated_keys else "nearest", key_moments=km,
         name=(name or "calibrated-{bits}b").replace("{bits}", f"{budget_bits:g}"), provenance=prov,
     )
     return cfg, choices

@@ -74,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(kverr evaluate --refit-widths): count the width tables each sequence then stores")
     p.add_argument("--compensated-keys", action="store_true",
                    help="the configs will round their keys with compensation (key_rounding compensated, "
-                   "kverr evaluate --compensated-keys): score the integer key formats rounded so")
+                   "under the capture's query moments, which the configs carry as key_moments, static "
+                   "bytes counted in the budget): score the integer key formats rounded so")
     p.add_argument("--sinks", type=_ints, metavar="S[,S...]",
                    help="full-precision sink tokens to try, crossed with --window (default: the pairs "
                    "S0/R0, S4/R16, S4/R32, S4/R64)")

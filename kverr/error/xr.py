@@ -19,7 +19,7 @@ captured queries choose (:func:`kverr.error.salient.positions`), read back as re
 its static scales on the other tokens; one that rounds its keys with compensation (``key_rounding``
 ``"compensated"``) rounds them under the second moment of the last
 :data:`~kverr.error.salient.OBSERVED_QUERIES` captured queries of each kv head
-(:func:`kverr.quant.compensated.query_moment`).
+(:func:`kverr.quant.compensated.query_moment`), or under its static ``key_moments``.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def _layer_block(q, q_all, k, v, k_pre, layer_vals, scales, windows, sinks, *, c
         moment = sal = None
         if config.compensates_keys or config.salient:
             qa = torch.from_numpy(np.ascontiguousarray(q_all[i], dtype=np.float32))
-            if config.compensates_keys:
+            if config.key_moments is not None:  # static: the config's own
+                moment = config.key_moments.layer(layer)
+            elif config.compensates_keys:
                 moment = query_moment(qa[None], ki.shape[0], OBSERVED_QUERIES)[0]
             if config.salient:
                 sal = salient_positions(config, layer, qa[None], ki[None], float(scales[i]),

@@ -316,6 +316,7 @@ class PagedKVCache:
         self.unset_static: set[tuple[int, str, int]] = set()
         dev = self.device
         self.key_pre_rope = bool(config.key_pre_rope)
+        self._static_moments: dict[int, torch.Tensor] = {}  # config.key_moments per layer, on the device
         # per layer, the (cos, sin) half tables the decode kernel reads; layers sharing a pair share it
         self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.key_pre_rope:
@@ -664,12 +665,18 @@ class PagedKVCache:
         token's position for keys stored before RoPE), bit for bit
         :func:`~kverr.quant.compensated.compensated_quantize`'s given the same factors; the cache
         does not keep it, so the keys later stores quantize round to nearest, as in
-        :class:`~kverr.hf.reference.KverrCache`.
+        :class:`~kverr.hf.reference.KverrCache`. A config with static ``key_moments`` takes none:
+        every store rounds its keys under the layer's static moments.
         """
         from kverr.gpu.launch import launch_store
 
         self._check_layer(layer)
-        moment = None if key_moment is None else self._key_moment(key_moment)
+        if self.config.key_moments is not None:
+            if key_moment is not None:
+                raise ConfigError("this config rounds keys under its static key_moments; give no key_moment")
+            moment = self._static_moment(layer)
+        else:
+            moment = None if key_moment is None else self._key_moment(key_moment)
         waiting = self.static_pending(layer)
         if waiting:
             raise KernelError(f"layer {layer}: static scales of {waiting} are not set yet (set_static_scales)")
@@ -725,12 +732,20 @@ class PagedKVCache:
             raise ConfigError("key_moment holds NaN/Inf")
         return m
 
+    def _static_moment(self, layer: int) -> torch.Tensor:
+        """The config's static moments of ``layer``, ``[1, H, D, D]`` float64 on the device (one for
+        every sequence), read once."""
+        cached = self._static_moments.get(layer)
+        if cached is None:
+            cached = self._static_moments[layer] = self.config.key_moments.layer(layer)[None].to(self.device)
+        return cached
+
     def _compensation(self, layer: int, pool: Pool, jobs: StoreJobs, moment: torch.Tensor):
         """``pool``'s store ``jobs`` as launches, each with the factors of its rows
         (:class:`~kverr.gpu.launch.CompensationArgs`; :func:`~kverr.quant.compensated.compensation_factor`
-        under ``moment``): post-RoPE keys one factor per sequence and head, one launch; pre-RoPE keys
-        one per row (the moment turned to the row's position), at most :data:`COMP_FACTOR_BYTES`
-        of them a launch."""
+        under ``moment`` ``[B or 1, H, D, D]``, 1: one for every sequence): post-RoPE keys one factor
+        per sequence (or one for all) and head, one launch; pre-RoPE keys one per row (the moment
+        turned to the row's position), at most :data:`COMP_FACTOR_BYTES` of them a launch."""
         from kverr.gpu.launch import CompensationArgs
         from kverr.quant.compensated import compensation_factor, turned_cost
 
@@ -739,8 +754,9 @@ class PagedKVCache:
         if not self.key_pre_rope:
             f = compensation_factor(m[:, :, None], fmt)  # order [B, h, 1, D], U [D, D, B, h, 1]
             order, U = _order_table(f.order), f.channel_major
-            yield jobs, CompensationArgs(U, (0, 0, U.stride(2), U.stride(3), U.stride(0), U.stride(1)),
-                                         order, (0, 0, order.stride(0), order.stride(1)))
+            shared = m.shape[0] == 1  # one moment for every sequence: the sequence stride is 0
+            yield jobs, CompensationArgs(U, (0, 0, 0 if shared else U.stride(2), U.stride(3), U.stride(0), U.stride(1)),
+                                         order, (0, 0, 0 if shared else order.stride(0), order.stride(1)))
             return
         R, h = jobs.block_r, len(pool.heads)
         per_launch = max(1, COMP_FACTOR_BYTES // (R * h * D * D * 8))
@@ -754,7 +770,7 @@ class PagedKVCache:
                 rows = np.flatnonzero(seq == b)
                 t = torch.from_numpy(np.maximum(tok[rows], 0)).to(self.device)  # no row: any position
                 cos, sin = (torch.cat([tab[t]] * 2, dim=-1) for tab in (cos_h, sin_h))
-                cost[:, torch.from_numpy(rows).to(self.device)] = turned_cost(m[int(b)], cos, sin)
+                cost[:, torch.from_numpy(rows).to(self.device)] = turned_cost(m[min(int(b), m.shape[0] - 1)], cos, sin)
             f = compensation_factor(cost, fmt)  # order [h, rows, D], U [D, D, h, rows]
             order, U = _order_table(f.order), f.channel_major
             yield part, CompensationArgs(U, (R * U.stride(3), U.stride(3), 0, U.stride(2), U.stride(0), U.stride(1)),

@@ -4,7 +4,8 @@ Keys and values go through the quantize-and-store kernel into :class:`kverr.gpu.
 decode steps attend with the fused-dequant decode kernel, installed as the model's attention
 function (:func:`register_kernel_attention`) while the cache is attached. Same token policy,
 static-scale rule, salient tokens (:mod:`kverr.error.salient`) and keys rounded with compensation
-(:mod:`kverr.quant.compensated`, under the second moment of the prefill's last queries) as the
+(:mod:`kverr.quant.compensated`, under the second moment of the prefill's last queries, or the
+config's static ``key_moments``) as the
 reference path (:class:`kverr.hf.reference.KverrCache`): the prefill is stored once the attention
 function has handed over its queries.
 """
@@ -220,7 +221,7 @@ class KernelKVCache(Cache):
         pos = moment = None
         if self.config.salient:
             pos = positions(self.config, layer, query.detach(), key.detach(), **attention_context(module, kwargs))
-        if self.config.compensates_keys:
+        if self.config.compensates_keys and self.config.key_moments is None:  # else the store's static ones
             moment = query_moment(query.detach(), k_in.shape[1], OBSERVED_QUERIES)
         self._write(layer, k_in, v, salient=pos, key_moment=moment)
 

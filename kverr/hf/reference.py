@@ -50,6 +50,9 @@ the prefill -- and by a :meth:`KverrCache.flush` before the next update -- by
 and kv head), turned to each token's position for keys stored before RoPE. The moment is dropped
 at the next update: keys quantized later (those that leave the window while the sequence decodes)
 round to nearest on the same grid, and the cache keeps no per-sequence state beyond its tokens.
+A config with ``key_moments`` (static moments from a calibration capture) needs no queries: every
+key it quantizes, prompt and decode, of every sequence, is rounded under its layer and head's
+moment.
 
 On a CUDA device the paged Triton path (:class:`kverr.hf.kernel.KernelKVCache`) runs the same
 config; this class is the CPU reference path that evaluation runs on.
@@ -226,6 +229,10 @@ class KverrLayer(CacheLayerMixin):
         self.groups: dict[str, list[_Group]] = {
             w: [_Group(fmt, heads) for fmt, heads in config.head_groups(layer_idx, n_kv_heads, w)] for w in WHICH
         }
+        if config.key_moments is not None:  # static: one cost for every sequence, never dropped
+            moment = config.key_moments.layer(layer_idx)
+            for g in (g for g in self.groups["k"] if compensable(g.fmt)):
+                g.key_cost = moment[None, g.heads]
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         # a left-padded batch: one layer per sequence, fed its real tokens; pads per sequence
@@ -339,7 +346,7 @@ class KverrLayer(CacheLayerMixin):
                 if g.salient is not None:
                     g.salient = g.salient.select(beam_idx)
                     g.salient_pos = g.salient_pos.index_select(0, beam_idx.to(g.salient_pos.device))
-                if g.key_cost is not None:
+                if g.key_cost is not None and self.config.key_moments is None:  # static ones are shared
                     g.key_cost = g.key_cost.index_select(0, beam_idx.to(g.key_cost.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -600,7 +607,7 @@ class KverrLayer(CacheLayerMixin):
                 for g in (g for w in WHICH for g in layer.groups[w] if self.config.keeps_salient(w, g.fmt)):
                     g.salient = g.pending.gather(pos[:, g.heads] - (g.n_sinks + g.n_quantized))
                     g.salient_pos = pos[:, g.heads].to(SALIENT_INDEX_DTYPE)
-            if self.config.compensates_keys:
+            if self.config.compensates_keys and self.config.key_moments is None:
                 moment = query_moment(q, self.n_kv_heads, OBSERVED_QUERIES)
                 for g in (g for g in layer.groups["k"] if compensable(g.fmt)):
                     g.key_cost = moment[:, g.heads]
@@ -609,7 +616,9 @@ class KverrLayer(CacheLayerMixin):
     def _forget_key_cost(self) -> None:
         """Drop the prefill's query moment (``key_rounding`` ``"compensated"``): it weighs the keys
         quantized with the prefill and by a flush before the next update, no later ones, so the
-        cache keeps nothing per sequence while it decodes."""
+        cache keeps nothing per sequence while it decodes. Static moments (``key_moments``) stay."""
+        if self.config.key_moments is not None:
+            return
         for layer in [self] if self.rows is None else self.rows:
             for g in layer.groups["k"]:
                 g.key_cost = None
@@ -632,8 +641,12 @@ class KverrLayer(CacheLayerMixin):
         return without_salient(x, g.salient_pos.long() - (g.n_sinks + g.n_quantized))
 
     def nbytes(self) -> int:
+        km = self.config.key_moments
+        return self._held_nbytes() + (0 if km is None else km.layer_nbytes())  # static moments, once
+
+    def _held_nbytes(self) -> int:
         if self.rows is not None:
-            return sum(row.nbytes() for row in self.rows)
+            return sum(row._held_nbytes() for row in self.rows)
         return sum(g.nbytes() for w in WHICH for g in self.groups[w])
 
 

@@ -30,11 +30,14 @@ Rules (:func:`compensated_quantize`):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kverr.exceptions import ConfigError, ShapeError
@@ -51,8 +54,8 @@ from kverr.quant.reference import (
 from kverr.rope import rotate
 
 __all__ = [
-    "DAMP", "CompensationFactor", "KeyCost", "compensable", "compensated_quantize", "compensation_factor", "query_moment",
-    "reads_in_groups", "turned_cost",
+    "DAMP", "CompensationFactor", "KeyCost", "KeyMoments", "compensable", "compensated_quantize", "compensation_factor",
+    "query_moment", "reads_in_groups", "stored_moment", "turned_cost",
 ]
 
 #: Damping of the cost, a fraction of its mean diagonal (GPTQ's default).
@@ -89,6 +92,135 @@ def query_moment(query: torch.Tensor, n_kv_heads: int, last: int) -> torch.Tenso
     m = q.shape[2]
     q = q.reshape(B, n_kv_heads, Hq // n_kv_heads * m, D)
     return torch.einsum("bgnd,bgne->bgde", q, q) / q.shape[2]
+
+
+#: The dtype a static query moment is stored in (:class:`KeyMoments`).
+MOMENT_DTYPE = "fp16"
+
+
+def stored_moment(moment: torch.Tensor) -> torch.Tensor:
+    """The second moment ``moment [..., D, D]`` as :class:`KeyMoments` stores it and every cache
+    reads it back, float64: divided by its mean diagonal (the rule's codes do not change with the
+    moment's scale, and the quotient's entries lie within ``±D``, inside fp16's range), each entry
+    of the upper triangle rounded to fp16, the lower triangle its mirror. A zero moment stays zero."""
+    M = torch.as_tensor(moment, dtype=torch.float64)
+    if M.ndim < 2 or M.shape[-1] != M.shape[-2]:
+        raise ShapeError(f"a moment must be [..., D, D], got shape {tuple(M.shape)}")
+    mean = M.diagonal(dim1=-2, dim2=-1).mean(-1)
+    M = M / torch.where(mean > 0, mean, torch.ones_like(mean))[..., None, None]
+    up = torch.triu(M.half().double())
+    return up + torch.triu(up, diagonal=1).transpose(-1, -2)
+
+
+@dataclass(frozen=True, eq=False)
+class KeyMoments:
+    """Static query moments: for every layer and kv head the second moment of a calibration
+    capture's queries, under which a config with ``key_rounding`` ``"compensated"`` rounds every
+    key it quantizes -- prompt and decode alike, the same moment for every sequence -- instead of
+    waiting for each prefill's queries.
+
+    ``packed`` ``[layer, kv_head, D·(D+1)/2]`` float16 holds the upper triangle, row by row, of
+    :func:`stored_moment`; it is a model's static bytes (``nbytes``, counted by
+    :func:`kverr.memory.account`). In a config's JSON: ``{"dtype": "fp16", "shape": [L, H, D],
+    "data": <base64 of the little-endian fp16 values>}``.
+    """
+
+    packed: np.ndarray
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        D = self.head_dim
+        a = self.packed
+        if not (isinstance(a, np.ndarray) and a.dtype == np.float16 and a.ndim == 3 and a.shape[-1] == D * (D + 1) // 2):
+            raise ShapeError(f"packed moments must be float16 [layer, kv_head, D(D+1)/2] for head dim {D}, got "
+                             f"{getattr(a, 'dtype', type(a).__name__)} of shape {tuple(getattr(a, 'shape', ()))}")
+        if not np.isfinite(a).all():
+            raise ConfigError("key_moments holds NaN/Inf")
+        rows, cols = np.triu_indices(D)
+        if (a[..., rows == cols] < 0).any():
+            raise ConfigError("key_moments has a negative diagonal entry: not a second moment")
+        a = a.copy()
+        a.setflags(write=False)
+        object.__setattr__(self, "packed", a)
+
+    @classmethod
+    def of(cls, moments: Any) -> KeyMoments:
+        """From second moments ``[layer, kv_head, D, D]`` (:func:`query_moment` of each layer)."""
+        M = stored_moment(moments)
+        if M.ndim != 4:
+            raise ShapeError(f"moments must be [layer, kv_head, D, D], got shape {tuple(M.shape)}")
+        D = M.shape[-1]
+        rows, cols = np.triu_indices(D)
+        return cls(M.numpy()[..., rows, cols].astype(np.float16), D)
+
+    @property
+    def n_layers(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.packed.shape[1]
+
+    @staticmethod
+    def bytes_for(n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+        """Bytes of the moments of a model of that shape: an fp16 upper triangle per layer and kv head."""
+        return n_layers * n_kv_heads * (head_dim * (head_dim + 1) // 2) * 2
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored, all layers (:meth:`bytes_for` of their shape)."""
+        return int(self.packed.nbytes)
+
+    def layer_nbytes(self) -> int:
+        """Bytes stored for one layer."""
+        return self.nbytes // self.n_layers
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """The moments of ``layer``, ``[kv_head, D, D]`` float64 (:func:`stored_moment`'s values)."""
+        D = self.head_dim
+        rows, cols = np.triu_indices(D)
+        M = torch.zeros((self.n_kv_heads, D, D), dtype=torch.float64)
+        M[:, rows, cols] = torch.from_numpy(self.packed[layer].astype(np.float64))
+        return M + torch.triu(M, diagonal=1).transpose(-1, -2)
+
+    def select_layers(self, layers: Sequence[int]) -> KeyMoments:
+        """The moments of ``layers``, in that order."""
+        return KeyMoments(self.packed[list(layers)], self.head_dim)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeyMoments):
+            return NotImplemented
+        return self.head_dim == other.head_dim and self.packed.shape == other.packed.shape and \
+            self.packed.tobytes() == other.packed.tobytes()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def to_dict(self) -> dict[str, Any]:
+        L, H, _ = self.packed.shape
+        data = base64.b64encode(self.packed.astype("<f2").tobytes()).decode("ascii")
+        return {"dtype": MOMENT_DTYPE, "shape": [L, H, self.head_dim], "data": data}
+
+    @classmethod
+    def from_dict(cls, obj: Any, where: str = "key_moments") -> KeyMoments:
+        if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+            raise ConfigError(f"{where} must be an object with exactly 'dtype', 'shape' and 'data', got "
+                              f"{sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+        if obj["dtype"] != MOMENT_DTYPE:
+            raise ConfigError(f"{where}.dtype={obj['dtype']!r} is not allowed; {MOMENT_DTYPE!r}")
+        shape = obj["shape"]
+        if not (isinstance(shape, list) and len(shape) == 3
+                and all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1 << 16 for n in shape)):
+            raise ConfigError(f"{where}.shape={shape!r} is not allowed; [layers, kv_heads, head_dim] of positive integers")
+        L, H, D = shape
+        try:
+            raw = base64.b64decode(obj["data"], validate=True) if isinstance(obj["data"], str) else None
+        except (ValueError, binascii.Error):
+            raw = None
+        want = L * H * (D * (D + 1) // 2) * 2
+        if raw is None or len(raw) != want:
+            raise ConfigError(f"{where}.data is not base64 of {want} bytes (fp16 upper triangles of "
+                              f"{L} x {H} moments of head dim {D})")
+        return cls(np.frombuffer(raw, dtype="<f2").astype(np.float16).reshape(L, H, -1), D)
 
 
 def turned_cost(moment: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -521,11 +521,13 @@ class ReferenceStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor the store allocated."""
-        return sum(g.nbytes for g in self.groups.values())
+        """Bytes of every tensor the store allocated (and the config's static key moments)."""
+        layers = {l for (l, _, _) in self.groups}
+        return sum(self.nbytes_of(layer) for layer in layers)
 
     def nbytes_of(self, layer: int) -> int:
-        return sum(g.nbytes for (l, _, _), g in self.groups.items() if l == layer)
+        km = self.config.key_moments
+        return sum(g.nbytes for (l, _, _), g in self.groups.items() if l == layer) + (0 if km is None else km.layer_nbytes())
 
     def read(self, layer: int, which: Which) -> torch.Tensor:
         """Read ``[B, kv_head, token, channel]`` float32 back from the pages (NaN at tokens a

@@ -39,9 +39,9 @@ def rope_tables(T: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_cos_sin(torch.arange(T), default_inv_freq(D, 10000.0))
 
 
-def run(cfg: CacheConfig, seed: int, *, static=None, every_step: bool = True):
+def run(cfg: CacheConfig, seed: int, *, static=None, every_step: bool = True, given: bool = True):
     """Fill a sentinel cache per :data:`SCHEDULE`, the moment given with every store (or only with
-    the first); returns the cache, the keys and the moment."""
+    the first, or never); returns the cache, the keys and the moment."""
     x, y = data(B, max(LENS), seed), data(B, max(LENS), seed + 1)
     M = moment(seed)
     kw = dict(rope=rope_tables(64)) if cfg.key_pre_rope else {}
@@ -53,7 +53,7 @@ def run(cfg: CacheConfig, seed: int, *, static=None, every_step: bool = True):
         step = cache.plan(counts)
         k = torch.cat([x[b, :, done[b]:done[b] + n].transpose(0, 1) for b, n in enumerate(counts)])
         v = torch.cat([y[b, :, done[b]:done[b] + n].transpose(0, 1) for b, n in enumerate(counts)])
-        cache.store(step, 0, k, v, key_moment=M if every_step or i == 0 else None)
+        cache.store(step, 0, k, v, key_moment=M if given and (every_step or i == 0) else None)
         done = [d + n for d, n in zip(done, counts)]
     assert done == LENS
     return cache, x, M
@@ -144,6 +144,29 @@ def test_keys_stored_without_the_moment_round_to_nearest():
         assert first > 0 and end - start > first
         assert torch.equal(qt.codes[:, :first], comp.codes) and torch.equal(qt.codes[:, first:], near.codes)
         assert not torch.equal(comp.codes, quantize(region[:, :first], kf, page_size=P).codes)
+
+
+@pytest.mark.float_order
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["post-rope", "pre-rope"])
+def test_static_moments_round_every_store_s_keys(pre_rope):
+    """A config with static ``key_moments`` takes no moment from the caller: every store, the
+    prefill's chunks and the single-token steps alike, rounds its keys under the layer's stored
+    moment (one for both sequences), bit for bit the oracle's; a moment given as well is refused."""
+    from kverr.quant.compensated import KeyMoments
+
+    kf = int_format(3, PerTokenGroup(16), rotate="hadamard")
+    km = KeyMoments.of(moment(8)[:1])  # one layer
+    cfg = CacheConfig(k=kf, v=int_format(4, PerToken()), page_size=P, window=5, sinks=2, key_rounding="compensated",
+                      key_pre_rope=pre_rope, key_moments=km)
+    cache, x, _ = run(cfg, 13, given=False)
+    M = km.layer(0)[None].expand(B, -1, -1, -1)
+    assert check(cache, cfg, x, M) == B
+    qt, _, start, end = cache.quantized(0, "k", 1)[0]
+    near = quantize(receive(x[1, :, :LENS[1]], cfg.window_dtype)[:, start:end], kf, page_size=P)
+    first = SCHEDULE[0][1] - cfg.window - start
+    assert (qt.codes[:, first:] != near.codes[:, first:]).any()  # the decode steps' keys too
+    with pytest.raises(ConfigError, match="static key_moments"):
+        cache.store(cache.plan([1, 0]), 0, x[:1, :, 0], x[:1, :, 0], key_moment=moment(8))
 
 
 def test_codebook_keys_keep_nearest_rounding():
