@@ -108,7 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "before it is quantized (as NAME+refit; the widths each sequence stores are counted)")
     p.add_argument("--compensated-keys", action="store_true", default=None,
                    help="evaluate every config with integer key formats with its keys rounded with error "
-                   "compensation under the prefill's queries instead (key_rounding 'compensated'; as NAME+ck; "
+                   "compensation under the prefill's queries (or the config's static key_moments) instead (key_rounding "
+                   "'compensated'; as NAME+ck; "
                    "same bytes, reference cache only)")
     p.add_argument("--out", required=True, type=Path, help="CSV to write (plot and per-segment CSV beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")

@@ -9,7 +9,6 @@ import base64
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
 
 from kverr.config import CacheConfig
 from kverr.exceptions import ConfigError, ShapeError
@@ -19,6 +18,7 @@ from kverr.quant import PerChannel, PerToken, int_format, quantize
 from kverr.quant.compensated import KeyMoments, compensated_quantize, query_moment, stored_moment, turned_cost
 from kverr.quant.store import receive
 from kverr.rope import unrotate
+from model_keys import prefill_keys
 
 P, SINKS, WINDOW, STEPS = 40, 2, 6, 12
 KEYS = int_format(2, granularity=PerChannel())
@@ -106,13 +106,6 @@ def test_the_bytes_are_counted_once_per_model(cfg, tiny):
             assert a.layer_total(layer).total - b.layer_total(layer).total == km.layer_nbytes()
 
 
-def _keys(tiny, ids):
-    cache = DynamicCache()
-    with torch.no_grad():
-        tiny.model(ids, use_cache=True, **{cache_kwarg(tiny.model): cache})
-    return [layer.keys for layer in cache.layers]
-
-
 @pytest.mark.parametrize("pre_rope", [False, True])
 def test_every_key_prompt_and_decode_is_rounded_under_the_static_moment(tiny, cfg, pre_rope):
     # No queries are needed: the cache quantizes the prefill at once. Each chunk of layer 0's keys
@@ -130,7 +123,7 @@ def test_every_key_prompt_and_decode_is_rounded_under_the_static_moment(tiny, cf
             for t in range(P, ids.shape[1]):
                 tiny.model(ids[:, t:t + 1], use_cache=True, **{cache_kwarg(tiny.model): c})
     comp, near = caches
-    k0 = _keys(tiny, ids)[0]
+    k0 = prefill_keys(tiny.model, ids)[0]
     layer = comp.layers[0]
     g = layer.groups["k"][0]
     M = cfg.key_moments.layer(0)[None, g.heads]  # [1, h, D, D]: the same for both sequences

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from kverr.config import CacheConfig
 from kverr.error.salient import OBSERVED_QUERIES
@@ -16,6 +15,7 @@ from kverr.quant import PerChannel, PerToken, int_format
 from kverr.quant.compensated import compensated_quantize, query_moment, turned_cost
 from kverr.quant.store import receive
 from kverr.rope import rotate, unrotate
+from model_keys import prefill_keys
 
 P, SINKS, WINDOW = 40, 2, 6
 KEYS = int_format(2, granularity=PerChannel())  # static per-channel scales, as the calibrated configs' keys
@@ -57,14 +57,6 @@ def _queries(tiny, ids):
     return qs
 
 
-def _keys(tiny, ids):
-    """The prefill's post-RoPE keys ``[layer][B, kv_head, n, D]`` as the model computes them."""
-    cache = DynamicCache()
-    with torch.no_grad():
-        tiny.model(ids, use_cache=True, **{cache_kwarg(tiny.model): cache})
-    return [layer.keys for layer in cache.layers]
-
-
 @pytest.mark.parametrize("pre_rope", [False, True])
 def test_the_prefill_keys_are_the_oracles_compensated_codes_on_the_nearest_grid(tiny, pre_rope):
     # Each layer's key cost is the second moment of its prefill's last queries; the quantized keys
@@ -73,7 +65,7 @@ def test_the_prefill_keys_are_the_oracles_compensated_codes_on_the_nearest_grid(
     cfg = CFG.with_(key_pre_rope=pre_rope)
     ids = _ids()
     comp, near = _prefill(tiny, cfg, ids), _prefill(tiny, cfg.with_(key_rounding="nearest"), ids)
-    qs, ks = _queries(tiny, ids), _keys(tiny, ids)
+    qs, ks = _queries(tiny, ids), prefill_keys(tiny.model, ids)
     assert P < OBSERVED_QUERIES
     for layer in range(tiny.shape.n_layers):
         g, g0 = comp.layers[layer].groups["k"][0], near.layers[layer].groups["k"][0]
@@ -106,7 +98,7 @@ def test_the_oracle_given_the_prefill_s_moment_holds_what_the_cache_holds(tiny, 
     cache = _prefill(tiny, cfg, ids)
     rotary = tiny.model.model.rotary_emb
     rope = {"inv_freq": rotary.inv_freq.tolist(), "attention_scaling": float(rotary.attention_scaling)}
-    for layer, k in enumerate(_keys(tiny, ids)):
+    for layer, k in enumerate(prefill_keys(tiny.model, ids)):
         moment = cache.layers[layer].groups["k"][0].key_cost
         if pre_rope:
             cos, sin = cache.layers[layer]._cos_sin(0, P)
