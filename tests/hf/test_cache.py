@@ -330,9 +330,19 @@ def _logprob_bound(model, T, ref):
     return c.num_hidden_layers * (gamma(D) + 2 * gamma(T)) * float(ref.abs().max())
 
 
+def _moments(tiny):
+    """Static key moments for the tiny model: those of random queries with channels of unequal size."""
+    from kverr.quant.compensated import KeyMoments, query_moment
+
+    s = tiny.shape
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(s.n_layers, s.n_kv_heads, 32, s.head_dim, generator=g) * torch.linspace(0.1, 3.0, s.head_dim)
+    return KeyMoments.of(torch.stack([query_moment(x[None], s.n_kv_heads, 32)[0] for x in q]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["kivi-2", "int8-token", "static-pre-rope", "int8-window-pre-rope", "salient",
-                                  "compensated", "compensated-pre-rope"])
+                                  "compensated", "compensated-pre-rope", "static-moments-pre-rope"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same cache contents and next-token distributions, through every layer of a real
@@ -341,7 +351,8 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     scales, which both caches set from the prefill, and salient prompt tokens, which both
     choose from the prefill's queries, K and V with different token blocks, and keys rounded with
     compensation under the prefill queries' moment, which both take from the same queries, before
-    and after RoPE). A prefill of 40 tokens, then three
+    and after RoPE, or under static moments the config carries, the decode keys too). A prefill of
+    40 tokens, then three
     single-token decode steps (the decode kernel; each moves a token out of the 8-token window
     into the quantized region, the path every later step repeats)."""
     from kverr.hf import cache_for
@@ -351,7 +362,9 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
              "salient": lambda: _static_pre_rope().with_(v=_rotated_pre_rope().k, window_dtype="int8", salient=5),
              "compensated": lambda: PRESETS["kivi-2"].with_(key_rounding="compensated"),
              "compensated-pre-rope": lambda: _static_pre_rope().with_(window_dtype="int8", salient=5,
-                                                                      key_rounding="compensated")}
+                                                                      key_rounding="compensated"),
+             "static-moments-pre-rope": lambda: _static_pre_rope().with_(key_rounding="compensated",
+                                                                         key_moments=_moments(tiny))}
     cfg = (named[name]() if name in named else PRESETS[name]).with_(window=8)
     ids = torch.randint(0, 256, (43,), generator=torch.Generator().manual_seed(3))
     chunks = [40] + [1] * 3
