@@ -147,9 +147,13 @@ class CalibrationConfig:
         ``"compensated"``, :mod:`kverr.quant.compensated`): the objective scores every integer key
         candidate so, under the second moment of the capture's queries
         (:func:`~kverr.calibration.objective.key_cost`), and the written configs say
-        ``key_rounding: compensated`` and carry that moment as ``key_moments`` (static bytes,
-        counted in the budget), under which caches round every key, prompt and decode (served by
-        the reference cache and the kernels). The provenance records ``compensated_keys``.
+        ``key_rounding: compensated`` (served by the reference cache and the kernels, under each
+        prefill's queries). The provenance records ``compensated_keys``.
+    static_moments : bool
+        With ``compensated_keys``: the configs also carry the moment they were scored under as
+        ``key_moments`` (static bytes, counted in the budget: ``L·H·D(D+1)`` bytes once for the
+        ``batch``), under which caches round every key, prompt and decode, without waiting for
+        queries. The provenance records ``static_moments``.
     step_tokens, step_batch, gpu
         Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
         GPU of :data:`kverr.cost.GPUS`.
@@ -183,6 +187,7 @@ class CalibrationConfig:
     batch: int = 1
     refit_widths: bool = False
     compensated_keys: bool = False
+    static_moments: bool = False
     step_tokens: int | None = None
     step_batch: int = 1
     gpu: str = "h200"
@@ -214,9 +219,12 @@ class CalibrationConfig:
             put("options", opts)
         if self.candidates not in CANDIDATE_SETS:
             raise _fail("candidates", self.candidates, f"one of {', '.join(CANDIDATE_SETS)}")
-        for name in ("codebooks", "refit_widths", "compensated_keys"):
+        for name in ("codebooks", "refit_widths", "compensated_keys", "static_moments"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "true or false")
+        if self.static_moments and not self.compensated_keys:
+            raise ConfigError("static_moments are the moments compensated keys are rounded under; "
+                              "set compensated_keys too")
         for name in ("cands_k", "cands_v"):
             value = getattr(self, name)
             if value is not None:

@@ -782,8 +782,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     # searches in a fixed order: int8 windows first, and within a window dtype the larger
     # candidate sets (NESTED_SETS) first, so that the later searches reuse their damage tables
     keys = {b: _search_key(cfg, b) for b in cfg.budgets}
-    # compensated keys: every config carries the capture's query moments (static bytes)
-    moment_bytes = KeyMoments.bytes_for(n_layers, n_kv, head_dim) if cfg.compensated_keys else 0
+    # static moments: every config carries the capture's query moments (static bytes)
+    moment_bytes = KeyMoments.bytes_for(n_layers, n_kv, head_dim) if cfg.static_moments else 0
     rank = {name: i for i, name in enumerate(NESTED_SETS)}
     order = sorted(set(keys.values()),
                    key=lambda g: (g[0] != "int8", g[0], rank.get(g[1].removesuffix(CODEBOOKS_SUFFIX), -1)))
@@ -870,7 +870,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
             max_groups_per_layer=max_groups, batch=cfg.batch, refit_widths=cfg.refit_widths,
             key_moments=moments)
 
-    moments = capture_key_moments(capture) if cfg.compensated_keys else None
+    moments = capture_key_moments(capture) if cfg.static_moments else None
     searches = [search(key, cfg.max_groups_per_layer) for key in order]
     configs, choices, index = {}, {}, {}
     for b in cfg.budgets:
@@ -1048,6 +1048,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         "batch": search.batch,
         **({"refit_widths": True} if search.refit_widths else {}),
         **({"compensated_keys": True} if sc.compensated_keys else {}),
+        **({"static_moments": True} if km is not None else {}),
         "objective": OBJECTIVES[search.objective],
         "objective_definition": OBJECTIVE_KL_DOC if search.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),

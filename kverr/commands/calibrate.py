@@ -74,8 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(kverr evaluate --refit-widths): count the width tables each sequence then stores")
     p.add_argument("--compensated-keys", action="store_true",
                    help="the configs will round their keys with compensation (key_rounding compensated, "
-                   "under the capture's query moments, which the configs carry as key_moments, static "
-                   "bytes counted in the budget): score the integer key formats rounded so")
+                   "kverr evaluate --compensated-keys): score the integer key formats rounded so")
+    p.add_argument("--static-moments", action="store_true",
+                   help="with --compensated-keys: the configs carry the capture's query moments (key_moments, "
+                   "static bytes counted in the budget) and round every key under them, decode steps included, "
+                   "without waiting for each prefill's queries")
     p.add_argument("--sinks", type=_ints, metavar="S[,S...]",
                    help="full-precision sink tokens to try, crossed with --window (default: the pairs "
                    "S0/R0, S4/R16, S4/R32, S4/R64)")
@@ -166,7 +169,8 @@ def settings_of(args: argparse.Namespace):
 
     return CalibrationConfig(
         budgets=tuple(args.budget_bits), context=args.context, batch=args.batch,
-        refit_widths=args.refit_widths, compensated_keys=args.compensated_keys, key_rope=args.key_rope,
+        refit_widths=args.refit_widths, compensated_keys=args.compensated_keys, static_moments=args.static_moments,
+        key_rope=args.key_rope,
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,
@@ -205,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
                   if v != "auto"]
         given += ["--salient"] if args.salient else []
         given += ["--compensated-keys"] if args.compensated_keys else []
+        given += ["--static-moments"] if args.static_moments else []
         given += ["--salient-sides"] if args.salient_sides != "kv" else []
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "

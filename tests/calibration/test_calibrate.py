@@ -397,8 +397,7 @@ def test_compensated_keys_are_scored_written_and_predicted_alike(tiny_capture, t
     opts = (OuterOption(sinks=4), OuterOption(sinks=4, key_pre_rope=True))
     common = dict(context=160, options=opts, cands_k=cands, cands_v=cands, queries=16, objective="rel")
     plain = cal_at(cap, 2.5, **common)
-    # the tiny model's moments are large beside 160 tokens of one sequence: count 8 sequences
-    ck = cal_at(cap, 2.5, compensated_keys=True, batch=8, **common)
+    ck = cal_at(cap, 2.5, compensated_keys=True, **common)
     a, b = plain.scores, ck.scores
     assert np.array_equal(a.v, b.v)
     for j, f in enumerate(cands):
@@ -406,27 +405,34 @@ def test_compensated_keys_are_scored_written_and_predicted_alike(tiny_capture, t
         assert same != compensable(f), f.label()
     cfg, pv = ck.config, ck.config.provenance
     assert cfg.key_rounding == "compensated" and pv["compensated_keys"] is True
-    # the config carries the moments it was scored under, and the budget counts their bytes
+    assert cfg.key_moments is None and "static_moments" not in pv
+    # static moments: the configs carry the moments they were scored under (the same scores), and
+    # the budget counts their bytes -- the tiny model's are large beside 160 tokens of one
+    # sequence, so they are counted for 8
     from kverr.calibration.objective import capture_key_moments
     from kverr.memory import ModelShape, account
 
-    assert cfg.key_moments == capture_key_moments(cap) and plain.config.key_moments is None
-    rep = account(cfg, ModelShape(loaded.n_layers, loaded.n_kv_heads, D), 160, batch=8)
-    assert rep.total_bytes == pv["bytes"] and rep.effective_bits <= 2.5
-    assert pv["bytes"] == int(ck.choices[2.5]["bytes"].sum()) + cfg.key_moments.nbytes
+    st = cal_at(cap, 2.5, compensated_keys=True, static_moments=True, batch=8, scores=b, **common)
+    scfg, spv = st.config, st.config.provenance
+    assert scfg.key_moments == capture_key_moments(cap) and spv["static_moments"] is True
+    rep = account(scfg, ModelShape(loaded.n_layers, loaded.n_kv_heads, D), 160, batch=8)
+    assert rep.total_bytes == spv["bytes"] and rep.effective_bits <= 2.5
+    assert spv["bytes"] == int(st.choices[2.5]["bytes"].sum()) + scfg.key_moments.nbytes
     with pytest.raises(ConfigError, match="infeasible"):  # one sequence cannot pay for them at 2.5 bits
-        cal_at(cap, 2.5, compensated_keys=True, **common)
+        cal_at(cap, 2.5, compensated_keys=True, static_moments=True, scores=b, **common)
+    with pytest.raises(ConfigError, match="set compensated_keys too"):
+        cal_at(cap, 2.5, static_moments=True, **common)
     assert plain.config.key_rounding == "nearest" and "compensated_keys" not in plain.config.provenance
     p = predict(cap, cfg, queries=16)
     assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
     with pytest.raises(ConfigError, match="compensated_keys"):
-        cal_at(cap, 2.5, scores=a, compensated_keys=True, batch=8, **common)
+        cal_at(cap, 2.5, scores=a, compensated_keys=True, **common)
     from kverr.cli import main
 
     out = tmp_path / "c.json"
     assert main(["calibrate", "--capture", str(path), "--budget-bits", "3", "--context", "160", "--compensated-keys",
-                 "--batch", "8", "--queries", "8", "--workers", "1", "--objective", "rel", "--out", str(out)]) == 0
-    assert CacheConfig.load(out).key_rounding == "compensated"
+                 "--static-moments", "--batch", "8", "--queries", "8", "--workers", "1", "--objective", "rel", "--out", str(out)]) == 0
+    assert CacheConfig.load(out).key_rounding == "compensated" and CacheConfig.load(out).key_moments is not None
     assert main(["calibrate", "--capture", str(path), "--budget-bits", "3", "--compensated-keys", "--target", "vllm",
                  "--out", str(tmp_path / "v.json")]) != 0
     assert "--compensated-keys does not apply" in capsys.readouterr().err
