@@ -145,6 +145,25 @@ def test_compensated_keys_are_rounded_under_the_capture_s_last_queries(pre_rope)
     np.testing.assert_array_equal(near.v_mse.values, ds.v_mse.values)
 
 
+def test_static_key_moments_weigh_the_keys_instead_of_the_capture_s_queries():
+    # A config carrying static moments (key_moments) rounds the keys under its own moment, not the
+    # capture's queries': the decomposition's key error is reconstruct's under that moment.
+    from kverr.quant.compensated import KeyMoments, query_moment
+
+    cap = synthetic_capture(n_layers=1, hq=4, hkv=2, T=96)
+    g = torch.Generator().manual_seed(5)
+    other = torch.randn(1, 4, 50, 64, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3.0, 64, dtype=torch.float64)
+    km = KeyMoments.of(query_moment(other, 2, 50))  # [1 layer, 2 kv heads, D, D]
+    cfg = CacheConfig(k=int_format(2, PerChannel()), v=int_format(4, PerToken()), sinks=2, window=8,
+                      key_rounding="compensated", key_moments=km)
+    ds = decompose_capture(cap, cfg, queries=16).compute(scheduler="synchronous")
+    k = torch.from_numpy(cap.k.values[0]).double()
+    k_hat = reconstruct(k.float(), cfg, layer=0, which="k", key_cost=KeyCost(km.layer(0)[:, None]))
+    np.testing.assert_allclose(ds.k_mse.values[0], ((k_hat.double() - k) ** 2).mean(dim=(-2, -1)).numpy(), rtol=1e-9)
+    prefill = decompose_capture(cap, cfg.with_(key_moments=None), queries=16).compute(scheduler="synchronous")
+    assert not np.allclose(prefill.k_mse.values, ds.k_mse.values, rtol=1e-6)
+
+
 def test_salient_tokens_are_those_the_capture_s_queries_choose_read_back_as_received():
     # As a cache that prefilled the capture: the positions kverr.error.salient.positions chooses
     # from the captured queries (each layer's window and sink logits in their softmax), given to
