@@ -31,9 +31,8 @@ saliency for the prompt that ends just before it (:func:`salient_tokens`), as a 
 chose them at that prompt's prefill reads them back from their rows.
 With ``compensated_keys`` (``kverr calibrate --compensated-keys``) the integer key formats
 reconstruct ``K̂`` with the codes a cache with ``key_rounding`` ``"compensated"`` chooses
-(:mod:`kverr.quant.compensated`), under the second moment of all the capture's queries as the
-calibrated config stores it, prompt and decode keys alike (:func:`capture_moment`,
-:func:`key_cost`).
+(:mod:`kverr.quant.compensated`), prompt and decode keys alike, under the second moment of all
+the capture's queries as static moments store it (:func:`capture_moment`, :func:`key_cost`).
 Then the terms as :mod:`kverr.error.terms` defines them (the definitions
 :func:`kverr.error.decompose` uses too):
 
@@ -325,9 +324,10 @@ def key_cost(prep: LayerPrep, pre: bool) -> KeyCost:
     ``Σ_q`` of all the layer's queries per kv head (:func:`~kverr.quant.compensated.query_moment`
     over every position of the capture), for post-RoPE keys one matrix per head, for pre-RoPE
     keys turned to each token's position (:func:`~kverr.quant.compensated.turned_cost`), as a
-    calibrated config stores it (:func:`capture_moment`): the static moments the config then
-    rounds every key under. (A config without them takes ``Σ_q`` from each prompt's last queries;
-    the objective, which reconstructs the capture once for every query, takes the capture's.)"""
+    calibrated config's static moments store it (:func:`capture_moment`), under which that config
+    rounds every key. (A config without them takes ``Σ_q`` from each prompt's last queries and
+    rounds only the prompt's keys so; the objective, which reconstructs the capture once for every
+    query, takes the capture's, for every key.)"""
     if prep.moment is None:
         raise ConfigError("this layer was prepared without compensated_keys: no query moment to round keys under")
     if pre not in prep.key_costs:
