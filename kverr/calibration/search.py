@@ -199,8 +199,9 @@ class Search:
     max_groups_per_layer: int | None = None
     batch: int = 1  # sequences the bytes are counted for (static bytes once)
     refit_widths: bool = False  # each sequence's width tables counted (CalibrationConfig.refit_widths)
-    #: compensated keys: the capture's static query moments the configs carry (counted in the budget)
-    key_moments: Any = None
+    #: static moments (CalibrationConfig.static_moments): the capture's query moments every config
+    #: carries, counted in the frontier's bytes
+    key_moments: KeyMoments | None = None
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""

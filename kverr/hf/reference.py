@@ -161,7 +161,8 @@ class _Group:
     salient: WindowRows | None = None
     salient_pos: torch.Tensor | None = None
     # config.key_rounding "compensated", keys: the prefill queries' second moment [B, h, D, D]
-    # float64 that weighs the rounding of every key of the group (a cost, not storage)
+    # float64 that weighs the rounding of the group's keys (a cost, not storage); with static
+    # config.key_moments, the layer's [1, h, D, D] for every sequence
     key_cost: torch.Tensor | None = None
 
     @property
