@@ -317,6 +317,8 @@ class PagedKVCache:
         dev = self.device
         self.key_pre_rope = bool(config.key_pre_rope)
         self._static_moments: dict[int, torch.Tensor] = {}  # config.key_moments per layer, on the device
+        # post-RoPE keys under static moments: each (layer, pool heads)' (order table, factor), made once
+        self._static_factors: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
         # per layer, the (cos, sin) half tables the decode kernel reads; layers sharing a pair share it
         self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.key_pre_rope:
@@ -751,10 +753,17 @@ class PagedKVCache:
 
         fmt, D = pool.spec.fmt, self.D
         m = moment[:, pool.heads_l]  # [B, h, D, D]
+        shared = m.shape[0] == 1  # one moment for every sequence (static moments, or a batch of one)
         if not self.key_pre_rope:
-            f = compensation_factor(m[:, :, None], fmt)  # order [B, h, 1, D], U [D, D, B, h, 1]
-            order, U = _order_table(f.order), f.channel_major
-            shared = m.shape[0] == 1  # one moment for every sequence: the sequence stride is 0
+            key, static = (layer, tuple(pool.heads)), self.config.key_moments is not None
+            if static and key in self._static_factors:  # a static moment's factor is computed once
+                order, U = self._static_factors[key]
+            else:
+                f = compensation_factor(m[:, :, None], fmt)  # order [B, h, 1, D], U [D, D, B, h, 1]
+                order, U = _order_table(f.order), f.channel_major
+                if static:
+                    self._static_factors[key] = order, U
+            # a shared moment: the sequence stride is 0
             yield jobs, CompensationArgs(U, (0, 0, 0 if shared else U.stride(2), U.stride(3), U.stride(0), U.stride(1)),
                                          order, (0, 0, 0 if shared else order.stride(0), order.stride(1)))
             return
@@ -766,11 +775,12 @@ class PagedKVCache:
             tok = part.tokens.reshape(-1)
             seq = np.repeat(part.seq_np, R)
             cost = torch.empty((h, tok.size, D, D), dtype=torch.float64, device=self.device)
-            for b in np.unique(seq):
-                rows = np.flatnonzero(seq == b)
+            # per sequence its moment turned to its rows' positions; a shared moment: all rows at once
+            for b in [0] if shared else np.unique(seq):
+                rows = np.arange(seq.size) if shared else np.flatnonzero(seq == b)
                 t = torch.from_numpy(np.maximum(tok[rows], 0)).to(self.device)  # no row: any position
                 cos, sin = (torch.cat([tab[t]] * 2, dim=-1) for tab in (cos_h, sin_h))
-                cost[:, torch.from_numpy(rows).to(self.device)] = turned_cost(m[min(int(b), m.shape[0] - 1)], cos, sin)
+                cost[:, torch.from_numpy(rows).to(self.device)] = turned_cost(m[int(b)], cos, sin)
             f = compensation_factor(cost, fmt)  # order [h, rows, D], U [D, D, h, rows]
             order, U = _order_table(f.order), f.channel_major
             yield part, CompensationArgs(U, (R * U.stride(3), U.stride(3), 0, U.stride(2), U.stride(0), U.stride(1)),
