@@ -36,7 +36,7 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
 
 @needs_capture
 @pytest.mark.parametrize("name,layers", [("fitted-3b", "0,29"), ("codebooks-4b", "15"), ("salient-2.5b", "15"),
-                                         ("salient-2.5b-b8-ck-q512", "0")])
+                                         ("compensated-2.5b", "0")])
 def test_validate_calibrated_configs_agree(capsys, name, layers):
     """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
     keys stored before RoPE, static per-channel scales with fitted widths per channel, codebook
@@ -49,8 +49,6 @@ def test_validate_calibrated_configs_agree(capsys, name, layers):
     path = CAPTURE.parent / "configs" / f"{name}.json"
     if name == "calibrated-prerope-3b":  # an earlier calibration's config, kept beside its experiment
         path = CAPTURE.parents[1] / "experiments" / "does-sensitivity-weighting-choose-better-configs" / "configs" / f"{name}.json"
-    if name == "salient-2.5b-b8-ck-q512":  # the 2.5-bit config calibrated for compensated keys, beside its experiment
-        path = CAPTURE.parents[1] / "experiments" / "does-sampling-more-queries-pay" / f"{name}.json"
     text = path.read_text()
     assert '"hadamard"' in text and '"mse"' in text  # the branches this test is for
     if name in ("calibrated-3b", "fitted-3b"):
@@ -59,9 +57,9 @@ def test_validate_calibrated_configs_agree(capsys, name, layers):
         assert '"channel_bits"' in text and '"key_pre_rope": true' in text
     if name == "codebooks-4b":
         assert '"dtype": "codebook"' in text
-    if name.startswith("salient-2.5b"):
+    if name in ("salient-2.5b", "compensated-2.5b"):
         assert '"salient": 8' in text
-    if name.endswith("-ck-q512"):
+    if name == "compensated-2.5b":
         assert '"key_rounding": "compensated"' in text
     if name in ("calibrated-3b", "calibrated-4b", "fitted-3b", "codebooks-4b", "salient-2.5b"):
         assert '"window_dtype": "int8"' in text
