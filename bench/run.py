@@ -38,6 +38,8 @@ REGISTRY: dict[str, Benchmark] = {
     "capture": Benchmark("bench.bench_capture", "capture hooks vs the plain forward; zarr write"),
     "cache": Benchmark("bench.bench_cache", "decode step of the quantized caches vs the unquantized cache (CPU)"),
     "calibrate": Benchmark("bench.bench_calibrate", "whole-model calibration at one budget"),
+    "compensation": Benchmark("bench.bench_compensation",
+                              "compensated key rounding's per-token factors vs the textbook formula"),
     "heldout": Benchmark("bench.heldout", "calibrated configs vs presets and peers held out (the README table)",
                          quick_skips="one to two hours on two cores"),
 }

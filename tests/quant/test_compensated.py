@@ -195,6 +195,40 @@ def test_a_factor_made_once_rounds_as_its_cost_does_for_any_heads_and_tokens(nam
     assert torch.equal(got.codes, compensated_quantize(sub, fmt, one[1:], page_size=64).codes)
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse_in_the_order(name, monkeypatch):
+    # U upper with a positive diagonal and U^T U = (C_o + lam I)^-1, C_o the cost in the format's
+    # coordinates with rows and columns in the factor's order, lam = DAMP * mean(diag C). The
+    # factor never forms the inverse; the reference does (torch.linalg.inv, then cholesky), so the
+    # two agree to float64 rounding scaled by the damped cost's condition number, at most
+    # 1 + trace(C) / lam = 1 + D / DAMP = 3201: with D-fold accumulation, about 3201 * 32 * eps
+    # = 2e-11 relative; 1e-9 leaves room.
+    from kverr.quant.compensated import DAMP
+
+    fmt = FORMATS[name]
+    C = _costs(21, heads=2)
+    fac = compensation_factor(C, fmt)
+    A = hadamard_rotate(torch.eye(D)).double() if fmt.rotate == "hadamard" else torch.eye(D, dtype=torch.float64)
+    Cr = A.T @ C @ A
+    o = fac.order
+    Co = Cr.gather(-2, o[..., :, None].expand(*o.shape, D)).gather(-1, o[..., None, :].expand(*o.shape, D))
+    lam = DAMP * Cr.diagonal(dim1=-2, dim2=-1).mean(-1)
+    want = torch.linalg.cholesky(torch.linalg.inv(Co + lam[..., None, None] * torch.eye(D, dtype=torch.float64)),
+                                 upper=True)
+    U = fac.U
+    assert torch.equal(U, U.triu()) and bool((U.diagonal(dim1=-2, dim2=-1) > 0).all())
+    torch.testing.assert_close(U, want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+    # channels without bits come first, the rest by falling diagonal
+    zeros = torch.tensor([b == 0 for b in fmt.channel_bits]) if fmt.channel_bits is not None else torch.zeros(D, dtype=torch.bool)
+    d = Cr.diagonal(dim1=-2, dim2=-1).gather(-1, o)
+    n0 = int(zeros.sum())
+    assert bool(zeros[o[..., :n0]].all()) and bool((d[..., n0 + 1:] <= d[..., n0:-1]).all())
+    # computed a few matrices at a time, it is the same, bit for bit
+    monkeypatch.setattr("kverr.quant.compensated.FACTOR_CHUNK", 4)
+    small = compensation_factor(C, fmt)
+    assert torch.equal(small.order, fac.order) and torch.equal(small.channel_major, fac.channel_major)
+
+
 def test_a_factor_refuses_a_format_it_was_not_made_for():
     C = _costs(8, heads=1)
     fac = compensation_factor(C, STATIC)
