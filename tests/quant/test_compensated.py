@@ -229,6 +229,19 @@ def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse_in_the_or
     assert torch.equal(small.order, fac.order) and torch.equal(small.channel_major, fac.channel_major)
 
 
+def test_the_factor_is_made_on_the_cost_s_device():
+    # the paged cache factors on its device (a GPU's); the meta device checks, without one, that no
+    # tensor of the computation (rotation, channel mask, damping) is made on the host instead
+    # (past compensation_factor's finiteness check, which reads a value a meta tensor has not)
+    from kverr.quant.compensated import DAMP, _factor
+
+    fmt = FORMATS["widths 0/2/3/4 per channel, MSE clip"]
+    for f in (fmt, dataclasses.replace(fmt, rotate="hadamard")):
+        fac = _factor(_costs(5, heads=2).to("meta"), f, DAMP)
+        assert fac.order.device.type == "meta" and fac.channel_major.device.type == "meta"
+        assert fac.order.shape == (2, 5, D) and fac.channel_major.shape == (D, D, 2, 5)
+
+
 def test_a_factor_refuses_a_format_it_was_not_made_for():
     C = _costs(8, heads=1)
     fac = compensation_factor(C, STATIC)
