@@ -14,7 +14,7 @@ bits:
 
 - both times, measured in the same run, and their ratio;
 - the largest difference between the two ``U``, relative to the largest element;
-- how many codes of random keys differ between the two.
+- how many bytes of packed codes of random keys differ between the two.
 
 Usage::
 
@@ -90,8 +90,8 @@ def measure(quick: bool) -> list:
         case = f"{name}, {H}x{T} tokens"
         rows += [Row(case, "textbook_s", textbook, "s"), Row(case, "library_s", library, "s"),
                  Row(case, "speedup", textbook / library, "x"), Row(case, "max_rel_diff_U", rel, "ratio"),
-                 Row(case, "codes_differing", int((old.codes != new.codes).sum()), "count"),
-                 Row(case, "codes", old.codes.numel(), "count")]
+                 Row(case, "code_bytes_differing", int((old.codes != new.codes).sum()), "count"),
+                 Row(case, "code_bytes", old.codes.numel(), "count")]
         print(f"{case}: textbook {textbook:.2f} s, library {library:.2f} s ({textbook / library:.2f}x); "
               f"max |dU| / max |U| {rel:.1e}; {rows[-2].value} of {rows[-1].value} code bytes differ", flush=True)
     return rows
