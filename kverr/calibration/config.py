@@ -148,7 +148,9 @@ class CalibrationConfig:
         candidate so, under the second moment of the capture's queries
         (:func:`~kverr.calibration.objective.key_cost`), and the written configs say
         ``key_rounding: compensated`` (served by the reference cache and the kernels, under each
-        prefill's queries). The provenance records ``compensated_keys``.
+        prefill's queries). Such a cache rounds the keys generated after the prompt to nearest,
+        and with ``decode`` the objective scores them so. The provenance records
+        ``compensated_keys``.
     static_moments : bool
         With ``compensated_keys``: the configs also carry the moment they were scored under as
         ``key_moments`` (static bytes, counted in the budget: ``L·H·D(D+1)`` bytes once for the

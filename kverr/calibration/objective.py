@@ -31,8 +31,11 @@ saliency for the prompt that ends just before it (:func:`salient_tokens`), as a 
 chose them at that prompt's prefill reads them back from their rows.
 With ``compensated_keys`` (``kverr calibrate --compensated-keys``) the integer key formats
 reconstruct ``K̂`` with the codes a cache with ``key_rounding`` ``"compensated"`` chooses
-(:mod:`kverr.quant.compensated`), prompt and decode keys alike, under the second moment of all
-the capture's queries as static moments store it (:func:`capture_moment`, :func:`key_cost`).
+(:mod:`kverr.quant.compensated`) under the second moment of all the capture's queries as static
+moments store it (:func:`capture_moment`, :func:`key_cost`). A cache without static moments
+rounds only the prompt's keys so and the keys generated after it to nearest; with decode steps,
+each query then sees the nearest-rounded error on its sequence's generated tokens
+(:func:`generated_tokens`, ``E_K`` there taken from the format rounded to nearest).
 Then the terms as :mod:`kverr.error.terms` defines them (the definitions
 :func:`kverr.error.decompose` uses too):
 
@@ -274,6 +277,26 @@ def _prompt_ends(pos: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
     return torch.clamp(pos - 1 - (0 if steps is None else steps), min=0)
 
 
+def generated_tokens(prep: LayerPrep) -> torch.Tensor:
+    """``[n, T]`` bool: for each decode-step query, the tokens its sequence generated after its
+    prompt (past :func:`_prompt_ends`), which a cache quantizes one by one as they leave the
+    window, after the prefill's queries are gone."""
+    if prep.steps is None:
+        raise ConfigError("generated tokens are those of decode steps: prepare the layer with decode")
+    if "generated" not in prep.masks:
+        T = prep.k.shape[1]
+        prep.masks["generated"] = torch.arange(T)[None, :] > _prompt_ends(prep.pos, prep.steps)[:, None]
+    return prep.masks["generated"]
+
+
+def rounds_generated_apart(prep: LayerPrep, cfg: CacheConfig) -> bool:
+    """Whether a cache with ``cfg`` rounds the keys a decode-step query's sequence generated after
+    its prompt otherwise than the prompt's: with compensation but no static ``key_moments`` it
+    rounds the prompt's keys under the prefill's queries and the later ones to nearest
+    (:class:`kverr.hf.reference.KverrCache`), which needs no query kept per sequence."""
+    return prep.steps is not None and cfg.compensates_keys and cfg.key_moments is None
+
+
 def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int) -> torch.Tensor:
     """``mask [n, T]`` (1 where a query sees a token quantized) with kv head ``h``'s salient
     tokens taken out: per query, the ``count`` quantized tokens of highest saliency for the
@@ -406,8 +429,13 @@ def _grouped(prep: LayerPrep, qi: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return x[qi].reshape(-1, *x.shape[2:])
 
 
-def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
+def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption],
+                     e_generated: torch.Tensor | None = None) -> np.ndarray:
     """Relative key-term damage ``[cand, option, kv_head]`` of key errors ``e_k [cand, kv_head, T, D]``.
+
+    ``e_generated`` (same shape; decode steps only): the errors of the keys a query's sequence
+    generated after its prompt (:func:`generated_tokens`), where the cache rounds them otherwise
+    than the prompt's; each query sees ``e_k`` on its prompt's keys and ``e_generated`` on those.
 
     With the growth ``u = a·expm1(δs)`` over the quantized keys (mask ``M``) and
     ``Z = 1 + Σ M·u``, the changed weights are ``a′ = (a + M·u)/Z``, so the key term is
@@ -429,6 +457,9 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
         causal = prep.causal.repeat(g, 1)
         vh = prep.v[h]
         ds = torch.matmul(qh, e_k[:, h].transpose(-1, -2))  # [C, g*n, T]
+        if e_generated is not None:
+            ds = torch.where(generated_tokens(prep).repeat(g, 1),
+                             torch.matmul(qh, e_generated[:, h].transpose(-1, -2)), ds)
         ds.mul_(causal)
         u = _terms.growth(ah, ds)
         # a finite sum has no inf or NaN term (one pass, no mask); else every element is checked
@@ -475,10 +506,11 @@ def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[Out
     return out.numpy()
 
 
-def key_damage(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
+def key_damage(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption],
+               e_generated: torch.Tensor | None = None) -> np.ndarray:
     """Relative key-term damage ``[option, kv_head]`` of one key error ``e_k [kv_head, T, D]``
-    (see :func:`key_damage_batch`)."""
-    return key_damage_batch(prep, e_k[None], options)[0]
+    (and ``e_generated`` on the generated keys; see :func:`key_damage_batch`)."""
+    return key_damage_batch(prep, e_k[None], options, None if e_generated is None else e_generated[None])[0]
 
 
 def value_damage(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[OuterOption]) -> np.ndarray:
@@ -502,10 +534,12 @@ def width_weights(prep: LayerPrep, h: int, qi: torch.Tensor, which: str, *, pre_
 
 
 def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, page_size: int,
-                     window_dtype: str, dk: np.ndarray, dv: np.ndarray, compensated_keys: bool = False) -> dict:
+                     window_dtype: str, dk: np.ndarray, dv: np.ndarray, compensated_keys: bool = False,
+                     generated_apart: bool = False) -> dict:
     """Fit and score the template candidates (``channel_bits``) of :func:`score_layer` in place;
     returns the fitted widths. With ``compensated_keys`` the key templates' widths are fitted as
-    for nearest rounding and scored with the keys rounded with compensation."""
+    for nearest rounding and scored with the keys rounded with compensation (and, with
+    ``generated_apart``, the generated keys to nearest, as in :func:`score_layer`)."""
     from kverr.quant import CHANNEL_BITS, channel_reconstructions
     from kverr.quant.store import receive, token_regions
     from kverr.rope import apply_rope
@@ -528,6 +562,7 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
         got = receive(clean[None], window_dtype)[0]
         T = clean.shape[1]
         errs = torch.zeros((len(js), n_kv, *clean.shape[1:]))
+        errs_gen = errs.clone() if generated_apart and which == "k" else None
         recon: dict = {}  # per template's plain format: every channel at every width [W, kv_head, T, D]
         for h, qi in heads:
             shared: dict = {}  # per (plain format, floor): the templates' error curves
@@ -543,22 +578,27 @@ def _score_templates(prep: LayerPrep, cands_k, cands_v, options, pres, groups, p
                 fmt = cb.fit(tmpl, shared[probe, floor])
                 out[(which, pre, j, h)] = fmt.channel_bits
                 ck = compensated_keys and which == "k" and compensable(fmt)
-                cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype,
-                                  key_rounding="compensated" if ck else "nearest")
-                if ck:
-                    hat = _key_reconstruct(prep, clean[h:h + 1], cfg, bool(pre), [h])[0]
-                elif token_regions(T, cfg, fmt) == (0, T):
-                    # every token quantized: the widths' reconstructions are the oracle's, bit for bit
-                    pick = torch.as_tensor([CHANNEL_BITS.index(b) for b in fmt.channel_bits])
-                    hat = recon[probe][:, h].gather(0, pick[None, None, :].expand(1, T, D))[0]
-                else:
-                    hat = reconstruct(clean[h:h + 1], cfg, layer=prep.layer, which=which)[0]
-                if pre:
-                    hat = apply_rope(hat[None], prep.positions, prep.rope)[0].to(torch.float32)
-                errs[c, h] = hat - (prep.k[h] if which == "k" else clean[h])
+                cfg = CacheConfig(k=fmt, v=fmt, page_size=page_size, window_dtype=window_dtype)
+                near = None
+                if not ck or errs_gen is not None:
+                    if token_regions(T, cfg, fmt) == (0, T):
+                        # every token quantized: the widths' reconstructions are the oracle's, bit for bit
+                        pick = torch.as_tensor([CHANNEL_BITS.index(b) for b in fmt.channel_bits])
+                        near = recon[probe][:, h].gather(0, pick[None, None, :].expand(1, T, D))[0]
+                    else:
+                        near = reconstruct(clean[h:h + 1], cfg, layer=prep.layer, which=which)[0]
+                hat = (_key_reconstruct(prep, clean[h:h + 1], cfg.with_(key_rounding="compensated"), bool(pre), [h])[0]
+                       if ck else near)
+                ref = prep.k[h] if which == "k" else clean[h]
+                for out_errs, x in ((errs, hat), (errs_gen, near)):
+                    if out_errs is not None:
+                        if pre:
+                            x = apply_rope(x[None], prep.positions, prep.rope)[0].to(torch.float32)
+                        out_errs[c, h] = x - ref
         if which == "k":
             idx = groups[pre]
-            dk[np.ix_(idx, js)] = key_damage_batch(prep, errs, [options[i] for i in idx]).transpose(1, 0, 2)
+            dk[np.ix_(idx, js)] = key_damage_batch(prep, errs, [options[i] for i in idx],
+                                                   errs_gen).transpose(1, 0, 2)
         else:
             dv[:, js] = value_damage_batch(prep, errs, options).transpose(1, 0, 2)
     return out
@@ -571,7 +611,8 @@ BATCH = 8
 def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
                 options: Sequence[OuterOption], *, page_size: int = 64,
                 window_dtype: str = "fp16", batch: int = BATCH,
-                widths: dict | None = None, compensated_keys: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                widths: dict | None = None, compensated_keys: bool = False,
+                static_moments: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Damage tables of one layer: ``K [option, cand_k, kv_head]``, ``V [option, cand_v, kv_head]``.
 
     The keys of every RoPE side and the values are stacked on the head axis and reconstructed
@@ -586,7 +627,10 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
 
     With ``compensated_keys`` (``prep`` prepared with it) the key candidates that can be rounded
     with compensation (:func:`~kverr.quant.compensated.compensable`) are scored so, under
-    :func:`key_cost`: as a cache with ``key_rounding`` ``"compensated"`` would store them.
+    :func:`key_cost`: as a cache with ``key_rounding`` ``"compensated"`` would store them. With
+    decode steps, each query sees its sequence's generated keys rounded to nearest, as such a
+    cache rounds them (:func:`rounds_generated_apart`), unless ``static_moments``: a config that
+    carries its moments rounds every key with compensation.
     """
     from .fastrecon import SharedReconstruct
 
@@ -595,8 +639,9 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     dv = np.empty((len(options), len(cands_v), n_kv))
     pres = sorted({o.key_pre_rope for o in options})
     groups = {pre: [i for i, o in enumerate(options) if o.key_pre_rope == pre] for pre in pres}
+    generated_apart = compensated_keys and prep.steps is not None and not static_moments
     fitted = _score_templates(prep, cands_k, cands_v, options, pres, groups, page_size, window_dtype, dk, dv,
-                              compensated_keys)
+                              compensated_keys, generated_apart)
     if widths is not None:
         widths.update(fitted)
     k_index = {f: j for j, f in enumerate(cands_k) if f.channel_bits is None}
@@ -615,21 +660,25 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
               for f in k_index if compensated_keys and compensable(f)}
 
     def errors(f: QuantFormat) -> dict:
-        both = shared(f) if f in v_index or f not in ck_cfg else None
+        """``{side: error}``, and ``{(side, "generated"): error}`` of the generated keys where they
+        are rounded apart (to nearest)."""
+        both = shared(f) if f in v_index or f not in ck_cfg or generated_apart else None
         out: dict = {}
         for i, (name, clean) in enumerate(parts):
             if (name == "v" and f not in v_index) or (name != "v" and f not in k_index):
                 continue
+            near = both[i * n_kv:(i + 1) * n_kv] if both is not None else None
+            hats = {name: near}
             if name != "v" and f in ck_cfg:
-                hat = _key_reconstruct(prep, clean, ck_cfg[f], bool(name))
-            else:
-                hat = both[i * n_kv:(i + 1) * n_kv]
+                hats = {name: _key_reconstruct(prep, clean, ck_cfg[f], bool(name))}
+                if generated_apart:
+                    hats[(name, "generated")] = near
             if name is True:
                 from kverr.rope import apply_rope
 
-                hat = apply_rope(hat, prep.positions, prep.rope).to(torch.float32)
+                hats = {key: apply_rope(x, prep.positions, prep.rope).to(torch.float32) for key, x in hats.items()}
                 clean = prep.k
-            out[name] = hat - clean
+            out.update({key: x - clean for key, x in hats.items()})
         return out
 
     for b0 in range(0, len(fmts), batch):
@@ -639,8 +688,10 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
             js = [k_index[f] for f in chunk if f in k_index]
             if js:
                 e = torch.stack([er[pre] for er in errs if pre in er])
+                eg = (torch.stack([er.get((pre, "generated"), er[pre]) for er in errs if pre in er])
+                      if any((pre, "generated") in er for er in errs) else None)
                 idx = groups[pre]
-                dk[np.ix_(idx, js)] = key_damage_batch(prep, e, [options[i] for i in idx]).transpose(1, 0, 2)
+                dk[np.ix_(idx, js)] = key_damage_batch(prep, e, [options[i] for i in idx], eg).transpose(1, 0, 2)
         js = [v_index[f] for f in chunk if f in v_index]
         if js:
             e = torch.stack([er["v"] for er in errs if "v" in er])
@@ -694,7 +745,9 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
                 opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope,
                                   salient=config.salient, salient_sides=config.salient_sides)
                 base = config.with_(window=0, sinks=0, provenance={})
-                out[ci, li, 0] = float(key_damage(prep, key_error(prep, base), [opt]).sum())
+                e_gen = (key_error(prep, base.with_(key_rounding="nearest")) if rounds_generated_apart(prep, base)
+                         else None)
+                out[ci, li, 0] = float(key_damage(prep, key_error(prep, base), [opt], e_gen).sum())
                 out[ci, li, 1] = float(value_damage(prep, value_error(prep, base), [opt]).sum())
             bar.update()
     return out

@@ -116,6 +116,9 @@ class Scores:
     widths_v: np.ndarray | None = None
     #: key candidates scored rounded with compensation (:attr:`CalibrationConfig.compensated_keys`)
     compensated_keys: bool = False
+    #: ... and with decode steps, the generated keys too (:attr:`CalibrationConfig.static_moments`);
+    #: else those to nearest (:func:`~.objective.rounds_generated_apart`)
+    static_moments: bool = False
 
     def format_of(self, which: str, option: OuterOption, layer: int, cand: int, kv_head: int) -> QuantFormat:
         """The format candidate ``cand`` stands for at (``layer``, ``kv_head``, ``which``) under
@@ -138,7 +141,8 @@ class Scores:
         return Scores(self.k[:, :, ik], self.v[:, :, iv], self.layers, tuple(cands_k), tuple(cands_v),
                       self.options, self.queries, self.window_dtype, self.cpu_seconds, self.decode,
                       None if self.widths_k is None else self.widths_k[:, :, ik],
-                      None if self.widths_v is None else self.widths_v[:, iv], self.compensated_keys)
+                      None if self.widths_v is None else self.widths_v[:, iv], self.compensated_keys,
+                      self.static_moments)
 
 
 @dataclass(frozen=True)
@@ -321,7 +325,7 @@ class Calibration:
 
 
 def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, positions, rope, cands_k, cands_v,
-                 options, queries, page_size, window_dtype, decode, compensated_keys=False):
+                 options, queries, page_size, window_dtype, decode, compensated_keys=False, static_moments=False):
     """Score the layers of one chunk; called by dask with numpy arrays.
 
     Parameters
@@ -370,7 +374,7 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
                              salient=any(o.salient for o in options), compensated_keys=compensated_keys)
         fitted: dict = {}
         dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype,
-                                   widths=fitted, compensated_keys=compensated_keys)
+                                   widths=fitted, compensated_keys=compensated_keys, static_moments=static_moments)
         for (which, pre, j, h), bits in fitted.items():
             if which == "k":
                 wk[i, int(pre), j, h] = bits
@@ -383,7 +387,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
 
 def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
                 options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
-                decode: int | None = DEFAULT_DECODE, compensated_keys: bool = False) -> Any:
+                decode: int | None = DEFAULT_DECODE, compensated_keys: bool = False,
+                static_moments: bool = False) -> Any:
     """The damage tables of :func:`score` as a lazy dask-backed dataset (one task per layer).
 
     Returns
@@ -426,7 +431,7 @@ def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequen
         kwargs=dict(kv_map=capture.kv.kv_head_of_q, positions=capture.kv.positions, rope=capture.kv.rope,
                     cands_k=tuple(cands_k), cands_v=tuple(cands_v), options=tuple(options), queries=int(queries),
                     page_size=int(page_size), window_dtype=window_dtype, decode=decode,
-                    compensated_keys=bool(compensated_keys)),
+                    compensated_keys=bool(compensated_keys), static_moments=bool(static_moments)),
     )
     keep = (LAYER, KV_HEAD)
     return xr.Dataset({"k": dk, "v": dv, "cpu_seconds": cpu, "widths_k": wk, "widths_v": wv}).drop_vars(
@@ -460,7 +465,8 @@ def _with_meanwhile(work, meanwhile):
 def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
           options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
           decode: int | None = DEFAULT_DECODE, scheduler: Any = None, workers: int | None = None,
-          progress: bool = False, meanwhile=None, compensated_keys: bool = False) -> Scores:
+          progress: bool = False, meanwhile=None, compensated_keys: bool = False,
+          static_moments: bool = False) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
 
     Layers are scored by dask, one task per layer (:func:`lazy_scores`), on the local threads
@@ -473,7 +479,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     capture : xarray.Dataset
         A capture (:func:`kverr.io.open_capture`; on a cluster its store must be readable by
         the workers).
-    cands_k, cands_v, options, window_dtype, queries, page_size, decode, compensated_keys
+    cands_k, cands_v, options, window_dtype, queries, page_size, decode, compensated_keys, static_moments
         As in :class:`~.config.CalibrationConfig` (``window_dtype`` resolved: not ``auto``).
     scheduler : None, str or distributed.Client
         None or ``"threads"``: local threads; ``"synchronous"``; an address
@@ -498,7 +504,8 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
 
     t0 = time.perf_counter()
     lazy = lazy_scores(capture, cands_k=cands_k, cands_v=cands_v, options=options, window_dtype=window_dtype,
-                       queries=queries, page_size=page_size, decode=decode, compensated_keys=compensated_keys)
+                       queries=queries, page_size=page_size, decode=decode, compensated_keys=compensated_keys,
+                       static_moments=static_moments)
     where = scheduler if scheduler not in (None, "threads") else f"{workers or 'one per core'} local threads"
     log.info("scoring %d layers on %s", lazy.sizes["layer"], where)
     threads = torch.get_num_threads()
@@ -522,7 +529,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     log.info("scored %d layers in %.1f s: %.1f s CPU in the scoring tasks", done.sizes["layer"],
              time.perf_counter() - t0, cpu)
     return Scores(dk, dv, capture.kv.layers, tuple(cands_k), tuple(cands_v), tuple(options), int(queries),
-                  window_dtype, cpu, decode, wk, wv, bool(compensated_keys))
+                  window_dtype, cpu, decode, wk, wv, bool(compensated_keys), bool(static_moments))
 
 
 # --------------------------------------------------------------------------------------------
@@ -799,7 +806,10 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                          sliding_windows=kv.shape.sliding_windows, batch=cfg.batch,
                          width_tables=cfg.refit_widths, static_bytes=moment_bytes)
     if scores is not None:
-        for name, want in (("decode", cfg.decode), ("options", options), ("compensated_keys", cfg.compensated_keys)):
+        checked = [("decode", cfg.decode), ("options", options), ("compensated_keys", cfg.compensated_keys)]
+        if cfg.decode is not None and cfg.compensated_keys:  # the generated keys' rounding follows it
+            checked.append(("static_moments", cfg.static_moments))
+        for name, want in checked:
             if getattr(scores, name) != want:
                 raise ConfigError(f"the scores were computed with {name}={getattr(scores, name)}, not {want}")
         for key in order:
@@ -841,7 +851,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         else:
             tables[key] = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=cfg.queries,
                                 page_size=cfg.page_size, window_dtype=wdt, decode=cfg.decode, scheduler=scheduler,
-                                compensated_keys=cfg.compensated_keys,
+                                compensated_keys=cfg.compensated_keys, static_moments=cfg.static_moments,
                                 workers=workers, progress=progress,
                                 meanwhile=measure if need_sens and sens_box["s"] is None else None)
         score_s[key] = time.perf_counter() - ts

@@ -438,6 +438,58 @@ def test_compensated_keys_are_scored_written_and_predicted_alike(tiny_capture, t
     assert "--compensated-keys does not apply" in capsys.readouterr().err
 
 
+def test_decode_scores_generated_keys_as_the_cache_rounds_them(tiny_capture):
+    """With decode steps a cache without static moments rounds the keys generated after the
+    prompt to nearest: the search scores them so (templates too) and predicting the written config
+    from scratch gives what it chose it for; with static moments every key is compensated, and
+    scores made one way are refused for the other."""
+    from kverr.catalog import template
+    from kverr.quant.compensated import compensable
+
+    cap, _, loaded = tiny_capture
+    cands = (int_format(2, PerChannel(None)), template(1.5, loaded.head_dim), fp8_format(PerToken()))
+    opts = (OuterOption(sinks=4), OuterOption(sinks=4, window=8, key_pre_rope=True))
+    common = dict(context=160, options=opts, cands_k=cands, cands_v=cands, queries=16, objective="rel", decode=48,
+                  compensated_keys=True)
+    near = cal_at(cap, 2.5, **common)
+    comp = cal_at(cap, 2.5, static_moments=True, batch=8, **common)
+    a, b = near.scores, comp.scores
+    assert np.array_equal(a.v, b.v)
+    for j, f in enumerate(cands):  # the generated keys' rounding moves every compensable candidate
+        assert np.array_equal(a.k[:, :, j], b.k[:, :, j]) != compensable(f), f.label()
+    pv = near.config.provenance
+    p = predict(cap, near.config, queries=16, decode=48)
+    assert p["relative"] == pytest.approx(pv["predicted_relative"], rel=1e-4)
+    with pytest.raises(ConfigError, match="static_moments"):
+        cal_at(cap, 2.5, static_moments=True, batch=8, scores=a, **common)
+
+
+def test_scoring_splices_the_generated_keys_error_as_the_definition_does():
+    """score_layer with decode and compensated keys: each (candidate, option) is key_damage of the
+    compensated error with the nearest-rounded one on the generated keys."""
+    from kverr.calibration.objective import key_error, score_layer
+    from kverr.rope import apply_rope, default_inv_freq
+
+    q, k, v, kv_map = _layer(seed=6)
+    rope = {"inv_freq": default_inv_freq(k.shape[-1], 10000.0).tolist()}
+    T = k.shape[1]
+    k_post = apply_rope(k, np.arange(T), rope).to(torch.float32)
+    prep = prepare_layer(q, k_post, v, k, layer=0, kv_map=kv_map, scale=0.2, queries=10, positions=np.arange(T),
+                         rope=rope, decode=40, compensated_keys=True)
+    cands = (int_format(2, PerChannel(None)), int_format(3, PerToken(), rotate="hadamard"), fp8_format(PerToken()))
+    opts = [OuterOption(sinks=2), OuterOption(sinks=2, window=5, key_pre_rope=True)]
+    dk, _ = score_layer(prep, cands, cands, opts, compensated_keys=True)
+    dk_static, _ = score_layer(prep, cands, cands, opts, compensated_keys=True, static_moments=True)
+    for j, f in enumerate(cands):
+        for i, o in enumerate(opts):
+            cfg = CacheConfig(k=f, v=f, key_pre_rope=o.key_pre_rope, key_rounding="compensated")
+            ek, en = key_error(prep, cfg), key_error(prep, cfg.with_(key_rounding="nearest"))
+            np.testing.assert_allclose(dk[i, j], key_damage(prep, ek, [o], en)[0], rtol=1e-5)
+            np.testing.assert_allclose(dk_static[i, j], key_damage(prep, ek, [o])[0], rtol=1e-5)
+    assert np.all(np.abs(dk[:, :2] / dk_static[:, :2] - 1) > 1e-3)  # the splice is seen (int formats)
+    np.testing.assert_array_equal(dk[:, 2], dk_static[:, 2])  # fp8 is never compensated
+
+
 def test_codebook_candidates_join_the_named_set(tiny_capture):
     """``codebooks=True`` searches the named set and the nine codebook candidates: the search is
     named for both, it counts them, and a superset of candidates predicts no more damage."""

@@ -21,7 +21,7 @@ from kverr.calibration.candidates import OuterOption
 from kverr.calibration.objective import key_damage_batch, prepare_layer, value_damage_batch
 from kverr.error import decompose, decompose_stream, terms
 from kverr.error.naive import decompose_query
-from kverr.exceptions import ShapeError
+from kverr.exceptions import ConfigError, ShapeError
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -188,9 +188,11 @@ def _prep64(seed: int, decode: int | None):
     return prep, (q.double().numpy(), k.double().numpy(), v.double().numpy(), kv_map, c)
 
 
-def _naive_damage(prep, arrays, e_k, e_v, opt: OuterOption):
+def _naive_damage(prep, arrays, e_k, e_v, opt: OuterOption, e_gen=None):
     """Relative key and value damage ``[kv_head]`` by the objective's definition, one query at a
     time through decompose_query, and a float64 rounding bound on the difference to the objective.
+    With ``e_gen`` each decode-step query's key error is ``e_gen`` on the tokens generated after
+    its prompt (``t > p − 1 − step``) and ``e_k`` on the others.
 
     Per entry of a query's key term (worst case, Higham ch. 3; every sum has at most T + D
     terms, γ = γ(2(T + D))):
@@ -218,7 +220,10 @@ def _naive_damage(prep, arrays, e_k, e_v, opt: OuterOption):
         m[opt.sinks: max(opt.sinks, p - w + 1)] = 1.0
         for h in range(q.shape[0]):
             j = kv_map[h]
-            ek, ev = m * e_k[j], m * e_v[j]
+            src = e_k[j]
+            if e_gen is not None:
+                src = np.where((np.arange(T) > p - 1 - int(prep.steps[i]))[:, None], e_gen[j], e_k[j])
+            ek, ev = m * src, m * e_v[j]
             rk = decompose_query(q[h, p], k[j], v[j], k[j] + ek, v[j], c, n_visible=p + 1)
             rv = decompose_query(q[h, p], k[j], v[j], k[j], v[j] + ev, c, n_visible=p + 1)
             tk, tv = np.sum(rk.key_term ** 2), np.sum(rv.value_term ** 2)
@@ -257,6 +262,25 @@ def test_objective_damage_equals_the_naive_reference(decode, big):
             dk, dv, bk, bv = _naive_damage(prep, arrays, e[ci].numpy(), e[ci].numpy(), opt)
             assert np.all(np.abs(got_k[ci, oi] - dk) <= bk), (ci, opt, got_k[ci, oi], dk, bk)
             assert np.all(np.abs(got_v[ci, oi] - dv) <= bv), (ci, opt, got_v[ci, oi], dv, bv)
+
+
+def test_generated_keys_take_their_own_error():
+    """With decode steps, ``e_generated`` is what each query sees on the keys its sequence
+    generated after its prompt, ``e_k`` on its prompt's: against decompose_query per query with
+    that error spliced in; and the splice matters (some query sees generated keys quantized)."""
+    prep, arrays = _prep64(3, 16)
+    H, T, D = prep.k.shape
+    g = torch.Generator().manual_seed(11)
+    e, e_gen = (torch.randn((1, H, T, D), generator=g, dtype=torch.float64) * 0.3 for _ in range(2))
+    opts = [OuterOption(), OuterOption(sinks=2, window=3)]
+    got = key_damage_batch(prep, e, opts, e_gen)
+    plain = key_damage_batch(prep, e, opts)
+    for oi, opt in enumerate(opts):
+        dk, _, bk, _ = _naive_damage(prep, arrays, e[0].numpy(), e[0].numpy(), opt, e_gen=e_gen[0].numpy())
+        assert np.all(np.abs(got[0, oi] - dk) <= bk), (opt, got[0, oi], dk, bk)
+        assert np.all(np.abs(plain[0, oi] - dk) > bk), (opt, plain[0, oi], dk)
+    with pytest.raises(ConfigError, match="decode"):
+        key_damage_batch(_prep64(3, None)[0], e, opts, e_gen)
 
 
 # ---------------------------------------------------------------------------------------------
