@@ -289,12 +289,12 @@ def generated_tokens(prep: LayerPrep) -> torch.Tensor:
     return prep.masks["generated"]
 
 
-def rounds_generated_apart(prep: LayerPrep, cfg: CacheConfig) -> bool:
-    """Whether a cache with ``cfg`` rounds the keys a decode-step query's sequence generated after
-    its prompt otherwise than the prompt's: with compensation but no static ``key_moments`` it
-    rounds the prompt's keys under the prefill's queries and the later ones to nearest
-    (:class:`kverr.hf.reference.KverrCache`), which needs no query kept per sequence."""
-    return prep.steps is not None and cfg.compensates_keys and cfg.key_moments is None
+def rounds_generated_apart(prep: LayerPrep, compensated: bool, static_moments: bool) -> bool:
+    """Whether a cache rounds the keys a decode-step query's sequence generated after its prompt
+    otherwise than the prompt's: with ``compensated`` keys but no ``static_moments`` (a config's
+    ``key_moments``) it rounds the prompt's keys under the prefill's queries and the later ones to
+    nearest (:class:`kverr.hf.reference.KverrCache`), which needs no query kept per sequence."""
+    return prep.steps is not None and compensated and not static_moments
 
 
 def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -639,7 +639,7 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     dv = np.empty((len(options), len(cands_v), n_kv))
     pres = sorted({o.key_pre_rope for o in options})
     groups = {pre: [i for i, o in enumerate(options) if o.key_pre_rope == pre] for pre in pres}
-    generated_apart = compensated_keys and prep.steps is not None and not static_moments
+    generated_apart = rounds_generated_apart(prep, compensated_keys, static_moments)
     fitted = _score_templates(prep, cands_k, cands_v, options, pres, groups, page_size, window_dtype, dk, dv,
                               compensated_keys, generated_apart)
     if widths is not None:
@@ -745,8 +745,8 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
                 opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope,
                                   salient=config.salient, salient_sides=config.salient_sides)
                 base = config.with_(window=0, sinks=0, provenance={})
-                e_gen = (key_error(prep, base.with_(key_rounding="nearest")) if rounds_generated_apart(prep, base)
-                         else None)
+                e_gen = (key_error(prep, base.with_(key_rounding="nearest"))
+                         if rounds_generated_apart(prep, base.compensates_keys, base.key_moments is not None) else None)
                 out[ci, li, 0] = float(key_damage(prep, key_error(prep, base), [opt], e_gen).sum())
                 out[ci, li, 1] = float(value_damage(prep, value_error(prep, base), [opt]).sum())
             bar.update()
