@@ -668,11 +668,12 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
             if (name == "v" and f not in v_index) or (name != "v" and f not in k_index):
                 continue
             near = both[i * n_kv:(i + 1) * n_kv] if both is not None else None
-            hats = {name: near}
             if name != "v" and f in ck_cfg:
                 hats = {name: _key_reconstruct(prep, clean, ck_cfg[f], bool(name))}
                 if generated_apart:
                     hats[(name, "generated")] = near
+            else:
+                hats = {name: near}
             if name is True:
                 from kverr.rope import apply_rope
 
