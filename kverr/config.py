@@ -5,7 +5,8 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 ``sinks`` tokens and the ``window`` most recent tokens stay in full precision
 (``window_dtype``: a plain float, or ``int8`` rows with a scale each, see
 :func:`kverr.quant.formats.window_format`); keys are quantized before RoPE when
-``key_pre_rope``; the quantized tokens live in pages of ``page_size`` tokens whose sections are
+``key_pre_rope``; a layer or head override may give a side its own window length
+(:meth:`CacheConfig.window_for`); the quantized tokens live in pages of ``page_size`` tokens whose sections are
 aligned to ``align`` bytes. With ``salient`` = N > 0, each (layer, kv head) also keeps the N prompt
 tokens its prompt's last queries attend to most as ``window_dtype`` rows with their positions,
 beside their codes (:mod:`kverr.error.salient`), for the sides ``salient_sides`` names (``"kv"``,
@@ -36,6 +37,7 @@ JSON layout::
       "page_size": 64, "window_dtype": "fp16", "align": 16,
       "layers": {"3": {"k": {...}}},          # optional overrides for a whole layer
       "heads": {"3:1": {"v": {...}}},         # optional overrides for (layer, kv_head)
+      "heads": {"3:2": {"window": {"k": 16}}},  # ... formats and/or window lengths per side
       "provenance": {...}                     # optional, free-form (calibration records)
     }
 """
@@ -85,20 +87,45 @@ KEY_ROUNDINGS = ("nearest", "compensated")
 
 @dataclass(frozen=True)
 class Override:
-    """Formats replacing the default for keys and/or values (``None`` keeps the default)."""
+    """Formats and window lengths replacing the default for keys and/or values (``None`` keeps
+    the default): ``k_window``/``v_window`` recent tokens of the side stay unquantized instead
+    of the config's ``window``. JSON: ``{"k": {...}, "v": {...}, "window": {"k": 16, "v": 64}}``,
+    each part optional."""
 
     k: QuantFormat | None = None
     v: QuantFormat | None = None
+    k_window: int | None = None
+    v_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for w in WHICH:
+            if getattr(self, f"{w}_window") is not None:
+                _positive_int(getattr(self, f"{w}_window"), f"{w}_window", minimum=0)
+
+    def window(self, which: Which) -> int | None:
+        """The window length this override gives side ``which`` (None: not overridden)."""
+        return getattr(self, f"{which}_window")
 
     def to_dict(self) -> dict[str, Any]:
-        return {w: getattr(self, w).to_dict() for w in WHICH if getattr(self, w) is not None}
+        out: dict[str, Any] = {w: getattr(self, w).to_dict() for w in WHICH if getattr(self, w) is not None}
+        windows = {w: self.window(w) for w in WHICH if self.window(w) is not None}
+        if windows:
+            out["window"] = windows
+        return out
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> Override:
-        _check_keys(obj, where, set(), set(WHICH))
+        _check_keys(obj, where, set(), {*WHICH, "window"})
         if not obj:
-            raise ConfigError(f"{where} is empty; give 'k' and/or 'v'")
-        return cls(**{w: QuantFormat.from_dict(obj[w], f"{where}.{w}") for w in WHICH if w in obj})
+            raise ConfigError(f"{where} is empty; give 'k', 'v' and/or 'window'")
+        windows = obj.get("window", {})
+        _check_keys(windows, f"{where}.window", set(), set(WHICH))
+        if "window" in obj and not windows:
+            raise ConfigError(f"{where}.window is empty; give 'k' and/or 'v' window lengths")
+        for w, n in windows.items():
+            _positive_int(n, f"{where}.window.{w}", minimum=0)
+        return cls(**{w: QuantFormat.from_dict(obj[w], f"{where}.{w}") for w in WHICH if w in obj},
+                   **{f"{w}_window": n for w, n in windows.items()})
 
 
 def _positive_int(value: Any, name: str, *, minimum: int = 1, maximum: int = 1 << 20) -> int:
@@ -218,6 +245,41 @@ class CacheConfig:
                 return getattr(ov, which)
         return getattr(self, which)
 
+    def window_for(self, layer: int, kv_head: int, which: Which) -> int:
+        """How many of the most recent tokens of ``which`` of ``(layer, kv_head)`` stay
+        unquantized: the head's override, else the layer's, else the config's ``window``."""
+        if which not in WHICH:
+            raise ConfigError(f"which={which!r} is not allowed; 'k' or 'v'")
+        for ov in (self.heads.get((layer, kv_head)), self.layers.get(layer)):
+            if ov is not None and ov.window(which) is not None:
+                return ov.window(which)
+        return self.window
+
+    @property
+    def windows_vary(self) -> bool:
+        """Whether an override gives some layer or head a window other than ``window``."""
+        return any(ov.window(w) not in (None, self.window) for ov in (*self.layers.values(), *self.heads.values())
+                   for w in WHICH)
+
+    def require_one_window(self, where: str) -> None:
+        """Raise :class:`ConfigError` if the layers or heads keep windows of different lengths:
+        ``where`` (the paged kernel path, its cost model) holds one window per model."""
+        if self.windows_vary:
+            raise ConfigError(f"config {self.name or '(unnamed)'} gives some layers or heads their own window length; "
+                              f"{where} keeps one window for the whole model (the reference cache, "
+                              "kverr.hf.KverrCache, and kverr memory keep one per head)")
+
+    def without_windows(self) -> CacheConfig:
+        """This config with no window: ``window`` 0 and no override giving one."""
+        strip = lambda ovs: {key: replace(ov, k_window=None, v_window=None)  # noqa: E731
+                             for key, ov in ovs.items() if ov.k is not None or ov.v is not None}
+        return self.with_(window=0, layers=strip(self.layers), heads=strip(self.heads))
+
+    def max_window(self) -> int:
+        """The longest window any layer or head keeps."""
+        return max([self.window, *(ov.window(w) for ov in (*self.layers.values(), *self.heads.values())
+                                   for w in WHICH if ov.window(w) is not None)])
+
     def keeps_salient(self, which: Which, fmt: QuantFormat) -> bool:
         """Whether the heads of side ``which`` stored with ``fmt`` keep salient rows: the config
         keeps salient tokens on that side and ``fmt`` quantizes."""
@@ -237,15 +299,16 @@ class CacheConfig:
         return bool(self.salient) or (self.compensates_keys and self.key_moments is None)
 
     def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
-        """kv heads of ``layer`` grouped by format, in order of first appearance.
+        """kv heads of ``layer`` grouped by format and window length, in order of first
+        appearance (a group's window: :meth:`window_for` of any of its heads).
 
-        Heads that share a format are quantized together, so a ``tensor`` granularity spans
-        exactly the heads that use it.
+        Heads that share a format and a window are quantized together, so a ``tensor``
+        granularity spans exactly the heads that use it.
         """
-        groups: dict[QuantFormat, list[int]] = {}
+        groups: dict[tuple[QuantFormat, int], list[int]] = {}
         for h in range(n_kv_heads):
-            groups.setdefault(self.format_for(layer, h, which), []).append(h)
-        return list(groups.items())
+            groups.setdefault((self.format_for(layer, h, which), self.window_for(layer, h, which)), []).append(h)
+        return [(fmt, heads) for (fmt, _), heads in groups.items()]
 
     def launch_groups(self, layer: int, n_kv_heads: int) -> list[tuple[QuantFormat, QuantFormat, list[int]]]:
         """kv heads of ``layer`` grouped by their (K format, V format) pair, in order of first
@@ -284,9 +347,9 @@ class CacheConfig:
                 f"key_moments are for {km.n_layers} layers x {km.n_kv_heads} kv heads x head dim {km.head_dim}; "
                 f"the model has {n_layers} x {n_kv_heads} x {head_dim}"
             )
-        if max_context is not None and self.sinks + self.window > max_context:
+        if max_context is not None and self.sinks + self.max_window() > max_context:
             raise ConfigError(
-                f"sinks + window = {self.sinks + self.window} tokens exceeds the model's context "
+                f"sinks + window = {self.sinks + self.max_window()} tokens exceeds the model's context "
                 f"of {max_context}; nothing would ever be quantized"
             )
 

@@ -348,6 +348,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
     g = _gpu(gpu)
     Hq, H, D = _q_heads(shape), shape.n_kv_heads, shape.head_dim
     config.check_model(shape.n_layers, H, D)
+    config.require_one_window("the kernels' cost model")
     rep = Hq // H
     block_h = max(16, 1 << max(0, rep - 1).bit_length())
     T, B = tokens, batch

@@ -270,6 +270,7 @@ def group_bytes(
     sliding_window: int = 0,
     *,
     which: str,
+    window: int | None = None,
 ) -> tuple[Bytes, int]:
     """Bytes of one (layer, K|V) head group of ``h`` heads (side ``which``), and its seed-formula bytes.
 
@@ -279,7 +280,7 @@ def group_bytes(
     """
     P, A = config.page_size, config.align
     b = Bytes()
-    start, end = token_regions(T, config, fmt, prefill_quantized)
+    start, end = token_regions(T, config, fmt, prefill_quantized, window=window)
     live = live_start(T, sliding_window)
     n_q = end - start
     first_page = max(0, live - start) // P if live < end else -(-n_q // P)
@@ -369,7 +370,7 @@ def account(
             total = Bytes()
             for fmt, heads in config.head_groups(layer, shape.n_kv_heads, w):
                 b, seed = group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized,
-                                      shape.sliding_window(layer), which=w)
+                                      shape.sliding_window(layer), which=w, window=config.window_for(layer, heads[0], w))
                 total.add(b)
                 report.seed_bytes += seed
             entry[w] = total

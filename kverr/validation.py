@@ -233,7 +233,7 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             if not static_moments:
                 near = reconstruct(x, nearest, layer=l, which=which)
                 for fmt, heads in config.head_groups(l, H, "k"):
-                    end = token_regions(T - steps, config, fmt)[1]  # of the prefill's quantized keys
+                    end = token_regions(T - steps, config, fmt, window=config.window_for(l, heads[0], "k"))[1]  # of the prefill's quantized keys
                     hat[:, heads, end:] = near[:, heads, end:]
         else:
             hat = reconstruct(x, config, layer=l, which=which)

@@ -124,16 +124,19 @@ def data(draw, *, heads=(1, 3), tokens=(1, 70), head_dim=None, batch=(1, 2)) -> 
 
 @st.composite
 def configs(draw, n_layers: int = 2, n_kv_heads: int = 3, head_dim: int = 16) -> CacheConfig:
-    """A valid cache config with optional per-layer and per-head overrides."""
+    """A valid cache config with optional per-layer and per-head overrides (formats and window
+    lengths)."""
     page = draw(st.sampled_from([4, 16, 32, 64]))
     fmt = formats(head_dim, page, floats=True, channel_bits=True)
+    win = st.none() | st.sampled_from([0, 3, 16, 40])
     layers = draw(
-        st.dictionaries(st.integers(0, n_layers - 1), st.builds(Override, k=st.none() | fmt, v=fmt), max_size=2)
+        st.dictionaries(st.integers(0, n_layers - 1),
+                        st.builds(Override, k=st.none() | fmt, v=fmt, k_window=win, v_window=win), max_size=2)
     )
     heads = draw(
         st.dictionaries(
             st.tuples(st.integers(0, n_layers - 1), st.integers(0, n_kv_heads - 1)),
-            st.builds(Override, k=fmt, v=st.none() | fmt),
+            st.builds(Override, k=fmt, v=st.none() | fmt, k_window=win, v_window=win),
             max_size=3,
         )
     )

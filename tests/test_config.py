@@ -185,3 +185,40 @@ def test_select_layers_maps_a_layer_subset_to_positions():
     sub.check_model(3, 3, 64)
     with pytest.raises(ConfigError, match="repeats a layer"):
         cfg.select_layers([1, 1])
+
+
+def test_a_window_per_head_resolves_groups_heads_and_is_refused_where_one_window_is_kept():
+    """A head's window override beats its layer's, which beats the config's; heads of one format
+    but other windows are stored apart; the paged kernels, their cost model and the engines,
+    which keep one window per model, refuse such a config by name."""
+    from kverr.cost import step_cost
+    from kverr.engines.vllm import serving
+    from kverr.gpu.cache import PagedKVCache
+    from kverr.memory import ModelShape
+
+    f = int_format(2, PerToken())
+    cfg = CacheConfig(k=f, v=f, window=32, sinks=4, layers={1: Override(v_window=64)},
+                      heads={(1, 2): Override(v_window=16, k_window=0), (0, 1): Override(k=int_format(4, PerToken()))})
+    assert [cfg.window_for(1, h, "v") for h in range(3)] == [64, 64, 16]
+    assert [cfg.window_for(1, h, "k") for h in range(3)] == [32, 32, 0]
+    assert cfg.window_for(0, 1, "k") == 32 and cfg.windows_vary and cfg.max_window() == 64
+    assert [heads for _, heads in cfg.head_groups(1, 3, "v")] == [[0, 1], [2]]
+    assert [heads for _, heads in cfg.head_groups(0, 3, "k")] == [[0, 2], [1]]
+    bare = cfg.without_windows()
+    assert not bare.windows_vary and bare.window == 0 and bare.layers == {} and list(bare.heads) == [(0, 1)]
+    same = cfg.with_(layers={1: Override(v_window=32)}, heads={})
+    assert not same.windows_vary  # an override equal to the config's window varies nothing
+    with pytest.raises(ConfigError, match="exceeds the model's context"):
+        cfg.check_model(2, 3, 16, max_context=60)
+    with pytest.raises(ConfigError, match="one window"):
+        PagedKVCache(cfg, n_layers=2, n_kv_heads=3, n_q_heads=3, head_dim=16, max_batch=1, max_tokens=64, device="cpu")
+    with pytest.raises(ConfigError, match="one window"):
+        step_cost(cfg, ModelShape(2, 3, 16, n_q_heads=3), 128)
+    with pytest.raises(ConfigError, match="window length per layer or kv head"):
+        serving(cfg, 2, 3)
+    for bad, match in [({"window": {}}, "is empty"), ({"window": {"q": 3}}, "unknown field"),
+                       ({"window": {"k": -1}}, "window.k=-1"), ({"window": 3}, "must be a JSON object"), ({}, "is empty")]:
+        obj = json.loads(cfg.to_json())
+        obj["heads"]["1:2"] = bad
+        with pytest.raises(ConfigError, match=match):
+            CacheConfig.from_dict(obj)

@@ -140,8 +140,8 @@ def filled(cfg, shape: ModelShape, T: int, B: int, dev, k, v) -> tuple[PagedKVCa
     step = cache.plan([T - 1] * B)
     salient = None
     if cfg.salient:  # evenly spread over the tokens the prefill quantizes (no queries here)
-        fmts = [f for w in ("k", "v") for layer in range(L) for f, _ in cfg.head_groups(layer, H, w)]
-        lo, hi = salient_candidates(T - 1, cfg, fmts)
+        spans = [salient_candidates(T - 1, cfg, layer, h) for layer in range(L) for h in range(H)]
+        lo, hi = max(s[0] for s in spans), min(s[1] for s in spans)
         pos = torch.linspace(lo, hi - 1, min(cfg.salient, hi - lo)).long().unique()
         salient = pos.expand(B, H, pos.numel())
     for layer in range(shape.n_layers):

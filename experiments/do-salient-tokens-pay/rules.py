@@ -84,7 +84,7 @@ def rule_positions(config, layer, query, key, scaling, *, sliding_window=0, sink
     H, n = key.shape[1], key.shape[2]
     sal = torch.stack([rule_saliency(RULE["name"], config, layer, query[b], key[b], value[b], scaling)
                        for b in range(query.shape[0])])
-    spans = [salient_candidates(n, config, [config.format_for(layer, h, w) for w in ("k", "v")]) for h in range(H)]
+    spans = [salient_candidates(n, config, layer, h) for h in range(H)]
     m = min([config.salient] + [hi - lo for lo, hi in spans])
     return torch.stack([salient_mod.choose(sal[:, h], lo, hi, m) for h, (lo, hi) in enumerate(spans)], 1)
 

@@ -18,11 +18,11 @@ from .knapsack import Frontier, brute_force, solve
 from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVE_KL_NAME, OBJECTIVE_NAME, OBJECTIVES, predict
 from .sensitivity import Sensitivity, measure_sensitivity, sensitivity_for_capture
 from .config import CalibrationConfig
-from .search import DEFAULT_OPTIONS, Calibration, Scores, Search, calibrate, check_model_matches, score
+from .search import DEFAULT_OPTIONS, Calibration, Scores, Search, WindowsPerHead, calibrate, check_model_matches, score
 
 __all__ = [
     "Calibration", "CalibrationConfig", "DEFAULT_OPTIONS", "Frontier", "OBJECTIVES", "OBJECTIVE_DOC", "OBJECTIVE_KL_DOC",
-    "OBJECTIVE_KL_NAME", "OBJECTIVE_NAME", "OuterOption", "Scores", "Search", "Sensitivity", "measure_sensitivity",
+    "OBJECTIVE_KL_NAME", "OBJECTIVE_NAME", "OuterOption", "Scores", "Search", "Sensitivity", "WindowsPerHead", "measure_sensitivity",
     "sensitivity_for_capture", "brute_force", "calibrate", "candidate_set", "candidates_for_budget",
     "check_model_matches", "default_candidates",
     "head_bytes", "predict", "score", "solve",

@@ -156,6 +156,13 @@ class CalibrationConfig:
         ``key_moments`` (static bytes, counted in the budget: ``L·H·D(D+1)`` bytes once for the
         ``batch``), under which caches round every key, prompt and decode, without waiting for
         queries. The provenance records ``static_moments``.
+    window_per_head : bool
+        Outer options that differ only in their window are searched as one: each (layer, kv
+        head, K|V) picks its format and its window length among theirs, priced at its own bytes
+        (window rows included), and the configs give the heads whose window differs from the
+        most common one an override (:meth:`kverr.config.CacheConfig.window_for`). Needs two or
+        more window lengths; such configs run on the reference cache (the paged kernels keep one
+        window per model), so neither ``max_step_time`` nor ``max_groups_per_layer`` applies.
     step_tokens, step_batch, gpu
         Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
         GPU of :data:`kverr.cost.GPUS`.
@@ -190,6 +197,7 @@ class CalibrationConfig:
     refit_widths: bool = False
     compensated_keys: bool = False
     static_moments: bool = False
+    window_per_head: bool = False
     step_tokens: int | None = None
     step_batch: int = 1
     gpu: str = "h200"
@@ -221,7 +229,7 @@ class CalibrationConfig:
             put("options", opts)
         if self.candidates not in CANDIDATE_SETS:
             raise _fail("candidates", self.candidates, f"one of {', '.join(CANDIDATE_SETS)}")
-        for name in ("codebooks", "refit_widths", "compensated_keys", "static_moments"):
+        for name in ("codebooks", "refit_widths", "compensated_keys", "static_moments", "window_per_head"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "true or false")
         if self.static_moments and not self.compensated_keys:
@@ -272,6 +280,16 @@ class CalibrationConfig:
 
         if self.gpu not in GPUS:
             raise _fail("gpu", self.gpu, f"one of {', '.join(GPUS)}")
+        if self.window_per_head:
+            lengths = ({o.window for o in self.options} if self.options is not None
+                       else None if self.windows is None else set(self.windows))
+            if lengths is not None and len(lengths) < 2:
+                raise ConfigError(f"window_per_head picks a window per head among the options' lengths; give two or "
+                                  f"more (windows: {sorted(lengths)})")
+            for name in ("max_step_time", "max_groups_per_layer"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"window_per_head and {name} do not go together: the kernels (and their cost "
+                                      "model) keep one window per model")
         if self.max_step_time is None and (self.step_tokens is not None or self.step_batch != 1 or self.gpu != "h200"):
             raise ConfigError("step_tokens, step_batch and gpu say where max_step_time is predicted; give max_step_time")
         for name in ("model", "name"):

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kverr.config import CacheConfig
+from kverr.config import WHICH, CacheConfig
 from kverr.error import terms as _terms
 from kverr.error.salient import OBSERVED_QUERIES, choose, prompt_saliency
 from kverr.exceptions import CaptureError, ConfigError
@@ -743,13 +743,21 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
                                  salient=any(c.salient for c in configs),
                                  compensated_keys=any(c.compensates_keys for c in configs))
             for ci, config in enumerate(configs):
-                opt = OuterOption(window=config.window, sinks=config.sinks, key_pre_rope=config.key_pre_rope,
-                                  salient=config.salient, salient_sides=config.salient_sides)
-                base = config.with_(window=0, sinks=0, provenance={})
+                # one outer option per window length a head of the layer keeps; each head's
+                # damage under its own
+                H = prep.k.shape[0]
+                windows = {w: [config.window_for(layer, h, w) for h in range(H)] for w in WHICH}
+                lengths = {w: sorted(set(windows[w])) for w in WHICH}
+                opts = {w: [OuterOption(window=n, sinks=config.sinks, key_pre_rope=config.key_pre_rope,
+                                        salient=config.salient, salient_sides=config.salient_sides) for n in lengths[w]]
+                        for w in WHICH}
+                base = config.without_windows().with_(sinks=0, provenance={})
                 e_gen = (key_error(prep, base.with_(key_rounding="nearest"))
                          if rounds_generated_apart(prep, base.compensates_keys, base.key_moments is not None) else None)
-                out[ci, li, 0] = float(key_damage(prep, key_error(prep, base), [opt], e_gen).sum())
-                out[ci, li, 1] = float(value_damage(prep, value_error(prep, base), [opt]).sum())
+                dmg = {"k": key_damage(prep, key_error(prep, base), opts["k"], e_gen),
+                       "v": value_damage(prep, value_error(prep, base), opts["v"])}
+                for side, w in enumerate(WHICH):
+                    out[ci, li, side] = float(sum(dmg[w][lengths[w].index(n), h] for h, n in enumerate(windows[w])))
             bar.update()
     return out
 

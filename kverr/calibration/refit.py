@@ -16,6 +16,7 @@ different widths would need the kernels' layout tables per sequence, which they 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kverr.config import WHICH, CacheConfig, Override
@@ -128,7 +129,9 @@ def refit_widths(config: CacheConfig, prompt: Any, *, queries: int = QUERIES) ->
                 curves = cb.curves(recon[probe][:, h], clean[h], wts, min(fmt.channel_bits))
                 new[(h, which)] = cb.fit(fmt, curves)
         for h in sorted({h for h, _ in new}):
-            heads[(layer, h)] = Override(**{w: new.get((h, w), config.format_for(layer, h, w)) for w in WHICH})
+            # the head's formats, its window lengths (if it overrides them) as they were
+            heads[(layer, h)] = replace(config.heads.get((layer, h), Override()),
+                                        **{w: new.get((h, w), config.format_for(layer, h, w)) for w in WHICH})
     prov = dict(config.provenance)
     prov["refit_widths"] = {"prompt_tokens": T, "queries_per_layer": n_q, "refit": len(sides)}
     return config.with_(heads=heads, provenance=prov)

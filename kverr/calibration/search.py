@@ -95,6 +95,33 @@ def outer_options(capture, key_rope: str | None = None, sinks=None, windows=None
     return [OuterOption(window=r, sinks=s_, key_pre_rope=p) for p in pres for s_, r in pairs]
 
 
+@dataclass(frozen=True)
+class WindowsPerHead:
+    """Outer options that differ only in their window, searched as one
+    (:attr:`CalibrationConfig.window_per_head`): each (layer, kv head, K|V) picks one of them
+    with its format. A frontier choice ``j`` of a group whose side has ``n`` candidates is
+    candidate ``j % n`` under ``options[j // n]``."""
+
+    options: tuple[OuterOption, ...]
+
+    def label(self) -> str:
+        first = self.options[0].label()
+        return first.replace(f"/R{self.options[0].window}/", f"/R{'|'.join(str(o.window) for o in self.options)}/", 1)
+
+    def member(self, choice: int, n_candidates: int) -> tuple[OuterOption, int]:
+        """The option and candidate index a frontier choice stands for."""
+        return self.options[choice // n_candidates], choice % n_candidates
+
+
+def window_families(options: Sequence[OuterOption]) -> list[WindowsPerHead]:
+    """The options that differ only in their window, grouped (two or more lengths each), by
+    increasing window within a group."""
+    by: dict[OuterOption, list[OuterOption]] = {}
+    for o in options:
+        by.setdefault(dataclasses.replace(o, window=0), []).append(o)
+    return [WindowsPerHead(tuple(sorted(g, key=lambda o: o.window))) for g in by.values() if len(g) > 1]
+
+
 @dataclass
 class Scores:
     """Damage tables: ``k [option, layer, cand, kv_head]`` and ``v`` likewise (float64)."""
@@ -164,9 +191,11 @@ class Search:
     frontier : pandas.DataFrame
         The Pareto frontier over all outer options: ``option, window, sinks, key_pre_rope,
         bytes, effective_bits, predicted, index``, by increasing bytes; ``predicted`` is in the
-        objective's units (nats of next-token KL for ``objective="kl"``).
-    frontiers : dict of OuterOption to Frontier
-        The knapsack frontier of each outer option.
+        objective's units (nats of next-token KL for ``objective="kl"``). A
+        :class:`WindowsPerHead` point's ``window`` is the longest its heads may keep.
+    frontiers : dict of OuterOption or WindowsPerHead to Frontier
+        The knapsack frontier of each outer option (and with ``window_per_head``, of each
+        :func:`window_families` group).
     weights : tuple of numpy.ndarray or None
         ``(w_k [layer], w_v [layer])`` the damage was weighted by (None: ``objective="rel"``).
     sensitivity : Sensitivity or None
@@ -190,7 +219,7 @@ class Search:
     budgets: tuple[float, ...]
     scores: Scores
     frontier: Any
-    frontiers: dict[OuterOption, Frontier]
+    frontiers: dict[OuterOption | WindowsPerHead, Frontier]
     weights: tuple[np.ndarray, np.ndarray] | None
     sensitivity: Any
     shape: Any
@@ -871,7 +900,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                                         head_dim=head_dim, context=context, page_size=cfg.page_size,
                                         window_dtype=key[0], align=cfg.align, max_bytes=max_bytes,
                                         max_groups=max_groups, sliding_windows=kv.shape.sliding_windows,
-                                        batch=cfg.batch, width_tables=cfg.refit_widths, static_bytes=moment_bytes)
+                                        batch=cfg.batch, width_tables=cfg.refit_widths, static_bytes=moment_bytes,
+                                        window_per_head=cfg.window_per_head)
         return Search(
             window_dtype=key[0], candidates=key[1], budgets=tuple(b for b in cfg.budgets if keys[b] == key),
             scores=tables[key], frontier=frontier, frontiers=frontiers, weights=weights,
@@ -954,15 +984,27 @@ def _grouped_solve(dmg: list[np.ndarray], ck: list[np.ndarray], cv: list[np.ndar
 def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, head_dim: int, context: int,
               page_size: int, window_dtype: str, align: int, max_bytes: int, max_groups: int | None = None,
               sliding_windows: Sequence[int] | None = None, batch: int = 1, width_tables: bool = False,
-              static_bytes: int = 0):
+              static_bytes: int = 0, window_per_head: bool = False):
     """The knapsack frontier of every outer option, and their common Pareto frontier (with at
     most ``max_groups`` (K, V) format pairs per layer when given). A candidate's bytes depend on
     its layer's sliding window (a sliding layer holds only its window). ``static_bytes`` every
-    config holds whatever its formats (static key moments) are in each point's bytes."""
+    config holds whatever its formats (static key moments) are in each point's bytes. With
+    ``window_per_head`` each :func:`window_families` group of the options is searched as one too
+    (:class:`WindowsPerHead`: every group's candidates under each of its options)."""
     import pandas as pd
 
-    frontiers: dict[OuterOption, Frontier] = {}
+    frontiers: dict[OuterOption | WindowsPerHead, Frontier] = {}
+    tables: dict[OuterOption, tuple[list, list]] = {}  # per option: (costs, damages) per group
     rows = []
+
+    def add_rows(key, fr, opt, window):
+        for i in range(len(fr.cost)):
+            rows.append(dict(option=key.label(), window=window, sinks=opt.sinks,
+                             key_pre_rope=opt.key_pre_rope, bytes=int(fr.cost[i]) + static_bytes,
+                             effective_bits=bits_of(int(fr.cost[i]) + static_bytes, n_layers, n_kv, head_dim,
+                                                    context, batch),
+                             predicted=float(fr.damage[i]), index=i))
+
     for oi, opt in enumerate(options):
         keys, dmg = _groups(scores, oi, n_kv, weights)
         windows = _layer_windows(sliding_windows, n_layers)
@@ -977,13 +1019,24 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
         else:
             costs = [by_w[windows[layer]][0 if w == "k" else 1] for (layer, _, w) in keys]
             fr = solve(costs, dmg, max_cost=max_bytes - static_bytes)
+            tables[opt] = (costs, dmg)
         frontiers[opt] = fr
-        for i in range(len(fr.cost)):
-            rows.append(dict(option=opt.label(), window=opt.window, sinks=opt.sinks,
-                             key_pre_rope=opt.key_pre_rope, bytes=int(fr.cost[i]) + static_bytes,
-                             effective_bits=bits_of(int(fr.cost[i]) + static_bytes, n_layers, n_kv, head_dim,
-                                                    context, batch),
-                             predicted=float(fr.damage[i]), index=i))
+        add_rows(opt, fr, opt, opt.window)
+    if window_per_head:
+        if max_groups is not None and max_groups < n_kv:
+            raise ConfigError("window_per_head and max_groups_per_layer do not go together: the kernels keep one "
+                              "window per model")
+        families = window_families(options)
+        if not families:
+            raise ConfigError(f"window_per_head needs outer options that differ only in their window; the options "
+                              f"are {', '.join(o.label() for o in options)}")
+        for fam in families:
+            n_groups = len(tables[fam.options[0]][0])
+            costs = [np.concatenate([tables[o][0][g] for o in fam.options]) for g in range(n_groups)]
+            dmg = [np.concatenate([tables[o][1][g] for o in fam.options]) for g in range(n_groups)]
+            fr = solve(costs, dmg, max_cost=max_bytes - static_bytes)
+            frontiers[fam] = fr
+            add_rows(fam, fr, fam.options[0], fam.options[-1].window)
     allf = pd.DataFrame(rows).sort_values(["bytes", "predicted"], kind="stable").reset_index(drop=True)
     pareto = allf[allf["predicted"] < allf["predicted"].cummin().shift(fill_value=np.inf)]
     return pareto.reset_index(drop=True), frontiers
@@ -1012,28 +1065,35 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
 
     n_layers, n_kv, D = search.shape.n_layers, search.shape.n_kv_heads, search.shape.head_dim
     context = search.context
-    opt = next(o for o in search.frontiers if o.label() == row["option"])
-    oi = list(search.frontiers).index(opt)
-    fr = search.frontiers[opt]
+    key = next(o for o in search.frontiers if o.label() == row["option"])
+    fr = search.frontiers[key]
     pick = fr.choices[int(row["index"])]
     weights = search.weights
     sc = search.scores
-    keys, _ = _groups(sc, oi, n_kv)
+    keys, _ = _groups(sc, 0, n_kv)
     chosen: dict[tuple[int, int, str], QuantFormat] = {}
+    window: dict[tuple[int, int, str], int] = {}
     recs = []
     for (layer, h, w), j in zip(keys, pick):
-        f = sc.format_of(w, opt, layer, int(j), h)
+        opt, j = (key.member(int(j), len(sc.cands_k if w == "k" else sc.cands_v)) if isinstance(key, WindowsPerHead)
+                  else (key, int(j)))
+        oi = sc.options.index(opt)
+        f = sc.format_of(w, opt, layer, j, h)
         chosen[(layer, h, w)] = f
+        window[(layer, h, w)] = opt.window
         li = sc.layers.index(layer)
-        rel = float((sc.k if w == "k" else sc.v)[oi, li, int(j), h])
+        rel = float((sc.k if w == "k" else sc.v)[oi, li, j, h])
         d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
         b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
                        search.shape.sliding_window(layer), which=w, batch=search.batch,
                        width_tables=search.refit_widths)
         recs.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), dtype=f.dtype, bits=f.element_bits,
-                         granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind,
+                         granularity=f.granularity.kind, rotate=f.rotate, clip=f.clip.kind, window=opt.window,
                          bytes=b, predicted=float(d), relative=rel))
     choices = pd.DataFrame(recs)
+    opt = key.options[0] if isinstance(key, WindowsPerHead) else key
+    # the most common window is the config's; the heads keeping another say so
+    default_window = Counter(window[g] for g in sorted(window)).most_common(1)[0][0]
     default = {w: Counter(f for (_, _, ww), f in sorted(chosen.items(), key=lambda kv: kv[0]) if ww == w)
                for w in ("k", "v")}
     dk = max(default["k"].items(), key=lambda kv: kv[1])[0]
@@ -1042,8 +1102,10 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
     for layer in range(n_layers):
         for h in range(n_kv):
             fk, fv = chosen[(layer, h, "k")], chosen[(layer, h, "v")]
-            ov = Override(k=None if fk == dk else fk, v=None if fv == dv else fv)
-            if ov.k is not None or ov.v is not None:
+            wk, wv = window[(layer, h, "k")], window[(layer, h, "v")]
+            ov = Override(k=None if fk == dk else fk, v=None if fv == dv else fv,
+                          k_window=None if wk == default_window else wk, v_window=None if wv == default_window else wv)
+            if ov != Override():
                 heads[(layer, h)] = ov
     # the frontier counts a template at its own bytes; its fitted widths may take fewer
     km = search.key_moments
@@ -1068,7 +1130,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         "predicted_v": float(choices.loc[choices.which == "v", "predicted"].sum()),
         "queries_per_layer": sc.queries,
         "decode_steps": sc.decode,
-        "outer_option": opt.label(),
+        "outer_option": key.label(),
         "outer_options_tried": [o.label() for o in sc.options],
         "candidates_k": len(sc.cands_k),
         "candidates_v": len(sc.cands_v),
@@ -1079,7 +1141,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
     if search.objective == "kl":
         prov["sensitivity"] = search.sensitivity.to_dict()
     cfg = CacheConfig(
-        k=dk, v=dv, window=opt.window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope, salient=opt.salient,
+        k=dk, v=dv, window=default_window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope, salient=opt.salient,
         salient_sides=opt.salient_sides,
         page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
         key_rounding="compensated" if sc.compensated_keys else "nearest", key_moments=km,

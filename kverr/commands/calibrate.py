@@ -84,6 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "S0/R0, S4/R16, S4/R32, S4/R64)")
     p.add_argument("--window", type=_ints, metavar="R[,R...]",
                    help="full-precision recent-token windows to try, crossed with --sinks (default: see --sinks)")
+    p.add_argument("--window-per-head", action="store_true",
+                   help="let each layer, kv head and K|V pick its window among the --window lengths (with its "
+                   "format, at its own bytes); such configs run on the reference cache (kverr evaluate) -- "
+                   "the paged kernels keep one window per model")
     p.add_argument("--salient", type=non_negative_int, default=0, metavar="N",
                    help="keep the N prompt tokens each (layer, kv head) attends to most as window-dtype rows "
                         "with their positions, besides their codes (counted against the budget; the objective "
@@ -170,7 +174,7 @@ def settings_of(args: argparse.Namespace):
     return CalibrationConfig(
         budgets=tuple(args.budget_bits), context=args.context, batch=args.batch,
         refit_widths=args.refit_widths, compensated_keys=args.compensated_keys, static_moments=args.static_moments,
-        key_rope=args.key_rope,
+        window_per_head=args.window_per_head, key_rope=args.key_rope,
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,
@@ -210,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         given += ["--salient"] if args.salient else []
         given += ["--compensated-keys"] if args.compensated_keys else []
         given += ["--static-moments"] if args.static_moments else []
+        given += ["--window-per-head"] if args.window_per_head else []
         given += ["--salient-sides"] if args.salient_sides != "kv" else []
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "

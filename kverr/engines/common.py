@@ -43,6 +43,9 @@ def common_refusals(config: CacheConfig, target: str) -> list[str]:
         p.append(f"salient={config.salient} salient prompt tokens per head ({target} keeps none)")
     if config.compensates_keys:
         p.append(f"key_rounding={config.key_rounding} ({target} rounds keys to nearest)")
+    if config.windows_vary:
+        p.append(f"a window length per layer or kv head, up to {config.max_window()} tokens ({target} keeps one "
+                 "for the whole model, if any)")
     if config.window_dtype == "int8":
         p.append(f"window_dtype=int8 ({target} keeps the tokens it does not quantize in the model's dtype)")
     return p

@@ -103,13 +103,13 @@ def positions(config: Any, layer: int, query: torch.Tensor, key: torch.Tensor, s
     """Salient positions ``[B, kv_head, m]`` (int64, ascending) of ``layer`` for a batch of
     equal-length prefills, ``query [B, q_head, n, D]`` and ``key [B, kv_head, n, D]`` (post-RoPE):
     per sequence and kv head, the ``m`` candidates (:func:`kverr.quant.store.salient_candidates`
-    of the head's K and V formats) of highest :func:`token_saliency`, ``m`` = ``config.salient``
+    of the head's K and V formats and windows) of highest :func:`token_saliency`, ``m`` = ``config.salient``
     or the fewest candidates a kv head of the layer has."""
     from kverr.quant.store import salient_candidates
 
     H, n = key.shape[1], key.shape[2]
     sal = torch.stack([token_saliency(query[b], key[b], scaling, sliding_window=sliding_window, sink=sink)
                        for b in range(query.shape[0])])
-    spans = [salient_candidates(n, config, [config.format_for(layer, h, w) for w in ("k", "v")]) for h in range(H)]
+    spans = [salient_candidates(n, config, layer, h) for h in range(H)]
     m = min([config.salient] + [hi - lo for lo, hi in spans])
     return torch.stack([choose(sal[:, h], lo, hi, m) for h, (lo, hi) in enumerate(spans)], 1)

@@ -211,7 +211,7 @@ def layer_static_scales(config, layer: int, k, v, salient: torch.Tensor | None =
         for fmt, heads in config.head_groups(layer, H, which):
             if not fmt.takes_static_scales:
                 continue  # a fixed scale is the format's own, set by the cache
-            start, end = token_regions(T, config, fmt)
+            start, end = token_regions(T, config, fmt, window=config.window_for(layer, heads[0], which))
             if end > start:
                 keeps = salient is not None and config.keeps_salient(which, fmt)
                 rel = salient[:, heads].long() - start if keeps else None
@@ -299,6 +299,7 @@ class PagedKVCache:
         self.rep = n_q_heads // n_kv_heads
         self.B = max_batch
         self.P = config.page_size
+        config.require_one_window("the paged kernel cache")
         self.S = config.sinks
         self.W = config.window
         self.max_pages = -(-max_tokens // self.P)
@@ -800,8 +801,6 @@ class PagedKVCache:
                              f"[{self.B}, {self.H}, m] with m <= config.salient = {N}")
         pos = pos.long()
         pools = [p for which in ("k", "v") for p in self.pools[layer][which] if p.nsal]
-        # a kv head's candidates: quantized in both its K and V formats
-        fmts = [[self.config.format_for(layer, h, w) for w in ("k", "v")] for h in range(self.H)]
         T1 = step.lengths
         T0 = T1 - step.new_tokens
         cu = np.concatenate([[0], np.cumsum(step.new_tokens)])
@@ -809,7 +808,7 @@ class PagedKVCache:
             if any(bool((pl.sal_pos[b] >= 0).any()) for pl in pools):
                 raise KernelError(f"layer {layer} sequence {b} already holds salient tokens (reset the slot first)")
             for h, p in enumerate(pos[b]):
-                lo, hi = salient_candidates(int(T1[b]), self.config, fmts[h])
+                lo, hi = salient_candidates(int(T1[b]), self.config, layer, h)
                 lo = max(lo, int(T0[b]))
                 n = int((p >= 0).sum())
                 if (p[n:] != -1).any() or (n and (int(p[0]) < lo or int(p[n - 1]) >= hi or (p[:n].diff() <= 0).any())):

@@ -6,7 +6,7 @@ between as packed codes + scales (:class:`kverr.quant.QTensor` chunks). Memory i
 codes are packed bytes; the cache reports the bytes it holds (:meth:`KverrCache.nbytes`).
 
 Token policy (the same as :func:`kverr.quant.reconstruct`): after every update, pending tokens
-beyond the ``window`` most recent are quantized in whole token blocks of the format (one token
+beyond the ``window`` most recent (the group's own, :meth:`~kverr.config.CacheConfig.window_for`) are quantized in whole token blocks of the format (one token
 for per-token scales; ``G`` tokens for KIVI-style per-channel key groups; a page for per-page
 scales), so a token moves into quantized storage when its block fills. :meth:`KverrCache.flush`
 quantizes every whole block regardless of the window (the "quantize the prefill" protocol of
@@ -148,6 +148,7 @@ class _Group:
 
     fmt: QuantFormat
     heads: list[int]
+    window: int  # recent tokens kept unquantized (config.window_for the heads)
     sinks: WindowRows | None = None  # [B, h, s, D] window_dtype
     chunks: list[QTensor] = field(default_factory=list)  # quantized, in token order
     # dequantize(chunk) of chunks[i], kept because a stored chunk never changes: a decode step
@@ -228,7 +229,8 @@ class KverrLayer(CacheLayerMixin):
         self.static_scales = static_scales or {}
         self.cumulative_length = 0
         self.groups: dict[str, list[_Group]] = {
-            w: [_Group(fmt, heads) for fmt, heads in config.head_groups(layer_idx, n_kv_heads, w)] for w in WHICH
+            w: [_Group(fmt, heads, config.window_for(layer_idx, heads[0], w))
+                for fmt, heads in config.head_groups(layer_idx, n_kv_heads, w)] for w in WHICH
         }
         if config.key_moments is not None:  # static: one cost for every sequence, never dropped
             moment = config.key_moments.layer(layer_idx)
@@ -494,7 +496,7 @@ class KverrLayer(CacheLayerMixin):
 
     def _flushable(self, g: _Group, respect_window: bool) -> int:
         """How many pending tokens of ``g`` the token policy quantizes now (whole token blocks)."""
-        avail = g.n_pending - (self.config.window if respect_window else 0)
+        avail = g.n_pending - (g.window if respect_window else 0)
         tb = token_block(g.fmt.granularity, self.config.page_size)
         return max(0, avail) // tb * tb
 

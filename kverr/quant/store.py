@@ -149,10 +149,13 @@ class WindowRows:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
 
 
-def token_regions(T: int, config: CacheConfig, fmt: QuantFormat, prefill_quantized: int = 0) -> tuple[int, int]:
+def token_regions(T: int, config: CacheConfig, fmt: QuantFormat, prefill_quantized: int = 0, *,
+                  window: int | None = None) -> tuple[int, int]:
     """Quantized token range ``[start, end)`` of a ``T``-token sequence stored with ``fmt``.
 
-    Tokens ``[0, start)`` are sinks, ``[end, T)`` the full-precision window.
+    Tokens ``[0, start)`` are sinks, ``[end, T)`` the full-precision window: the ``window`` most
+    recent tokens (default ``config.window``; a head group's own is
+    :meth:`~kverr.config.CacheConfig.window_for`) and those of an unfilled token block.
     ``prefill_quantized``: the first that many tokens arrived as a prefill that was quantized
     whole, window ignored (whole token blocks after the sinks, as ``KverrCache.flush`` does);
     the tokens after it fill the window again.
@@ -162,16 +165,18 @@ def token_regions(T: int, config: CacheConfig, fmt: QuantFormat, prefill_quantiz
     start = min(config.sinks, T)
     tb = token_block(fmt.granularity, config.page_size)
     flushed = max(0, min(prefill_quantized, T) - start) // tb * tb
-    avail = max(0, T - start - flushed - config.window)
+    avail = max(0, T - start - flushed - (config.window if window is None else window))
     return start, start + flushed + avail - avail % tb
 
 
-def salient_candidates(T: int, config: CacheConfig, formats) -> tuple[int, int]:
-    """Tokens ``[lo, hi)`` of a ``T``-token prefill that may be salient (``config.salient``): those
-    it quantizes (:func:`token_regions`) in every one of ``formats`` that quantizes (a kv head's K
-    and V formats: one list of positions per kv head serves both)."""
+def salient_candidates(T: int, config: CacheConfig, layer: int, kv_head: int) -> tuple[int, int]:
+    """Tokens ``[lo, hi)`` of a ``T``-token prefill that may be salient (``config.salient``) in
+    ``(layer, kv_head)``: those it quantizes (:func:`token_regions`) on both sides whose format
+    quantizes (one list of positions per kv head serves K and V)."""
     lo = min(config.sinks, T)
-    return lo, min((token_regions(T, config, f)[1] for f in formats if not f.is_float), default=lo)
+    ends = [token_regions(T, config, f, window=config.window_for(layer, kv_head, w))[1]
+            for w in ("k", "v") if not (f := config.format_for(layer, kv_head, w)).is_float]
+    return lo, min(ends, default=lo)
 
 
 def without_salient(x: torch.Tensor, rel: torch.Tensor | None) -> torch.Tensor:
@@ -309,7 +314,7 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
     kept = None if sal is None else torch.zeros((N, H, T), dtype=torch.bool, device=x4.device)
     for fmt, heads in config.head_groups(layer, H, which):
         fmt.check_head_dim(D, which)
-        start, end = token_regions(T, config, fmt)
+        start, end = token_regions(T, config, fmt, window=config.window_for(layer, heads[0], which))
         if end > start:
             region = x4[:, heads, start:end, :]
             fit = None
@@ -471,14 +476,16 @@ class ReferenceStore:
                     raise ShapeError(f"layer {layer} {which} has shape {tuple(x32.shape)}, expected {self.shape}")
                 for fmt, heads in config.head_groups(layer, x32.shape[1], which):
                     live = live_start(x32.shape[2], self.sliding_windows[layer])
-                    self.groups[(layer, which, heads[0])] = self._store(x32[:, heads], fmt, heads, live)
+                    self.groups[(layer, which, heads[0])] = self._store(
+                        x32[:, heads], fmt, heads, live, config.window_for(layer, heads[0], which))
 
-    def _store(self, x: torch.Tensor, fmt: QuantFormat, heads: list[int], live: int = 0) -> HeadGroupStore:
+    def _store(self, x: torch.Tensor, fmt: QuantFormat, heads: list[int], live: int = 0,
+               window: int | None = None) -> HeadGroupStore:
         cfg = self.config
         B, h, T, D = x.shape
         P, A = cfg.page_size, cfg.align
         fmt.check_head_dim(D)
-        start, end = token_regions(T, cfg, fmt)
+        start, end = token_regions(T, cfg, fmt, window=window)
         n_q = end - start
         first_page = max(0, live - start) // P if live < end else -(-n_q // P)
         pages = -(-n_q // P) - first_page

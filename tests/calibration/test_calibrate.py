@@ -645,6 +645,40 @@ def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):
         CalibrationConfig(budgets=4, max_groups_per_layer=0)
 
 
+def test_window_per_head_picks_a_window_per_group_counted_and_predicted_alike(tiny_capture):
+    """With ``window_per_head`` each (layer, kv head, K|V) picks its window among the options'
+    with its format: the config gives the heads whose window differs an override, its bytes are
+    what memory counts, predicting it from scratch gives the search's damage, and it never
+    predicts more damage than the best single window within the same budget."""
+    cap, _, loaded = tiny_capture
+    shape = ModelShape(loaded.n_layers, loaded.n_kv_heads, loaded.head_dim)
+    opts = tuple(OuterOption(sinks=4, window=w) for w in (0, 16, 48))
+    one = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, objective="rel")
+    per = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, objective="rel",
+                 scores=one.scores, window_per_head=True)
+    varied = 0
+    for b in (3.5, 4.0, 5.0, 6.0):
+        cfg, single = per.config_at(b), one.config_at(b)
+        pv = cfg.provenance
+        assert pv["outer_option"] == "S4/R0|16|48/post"
+        assert pv["predicted_damage"] <= single.provenance["predicted_damage"] * (1 + 1e-12)
+        assert pv["bytes"] == account(cfg, shape, 160).total_bytes and pv["effective_bits"] <= b
+        assert predict(cap, cfg, queries=16)["total"] == pytest.approx(pv["predicted_damage"], rel=1e-4)
+        assert CacheConfig.from_json(cfg.to_json()) == cfg
+        ch = per.searches[0].choices_at(b)
+        for r in ch.itertuples():
+            assert cfg.window_for(r.layer, r.kv_head, r.which) == r.window
+        varied += cfg.windows_vary
+    assert varied  # the freedom is taken somewhere
+    with pytest.raises(ConfigError, match="two or more"):
+        CalibrationConfig(budgets=3, windows=(16,), window_per_head=True)
+    with pytest.raises(ConfigError, match="max_groups_per_layer"):
+        CalibrationConfig(budgets=3, windows=(16, 32), window_per_head=True, max_groups_per_layer=1)
+    with pytest.raises(ConfigError, match="differ only in their window"):
+        cal_at(cap, 3.0, context=160, options=(OuterOption(), OuterOption(sinks=4, window=16)), cands_k=SMALL,
+               cands_v=SMALL, queries=16, objective="rel", window_per_head=True)
+
+
 def test_max_step_time_takes_the_most_groups_that_fit(tiny_capture):
     """A bound on the predicted step time picks, per budget, the most format pairs per layer
     whose prediction fits; a bound nothing meets is refused with the fastest prediction."""
