@@ -261,14 +261,6 @@ class CacheConfig:
         return any(ov.window(w) not in (None, self.window) for ov in (*self.layers.values(), *self.heads.values())
                    for w in WHICH)
 
-    def require_one_window(self, where: str) -> None:
-        """Raise :class:`ConfigError` if the layers or heads keep windows of different lengths:
-        ``where`` (the paged kernel path, its cost model) holds one window per model."""
-        if self.windows_vary:
-            raise ConfigError(f"config {self.name or '(unnamed)'} gives some layers or heads their own window length; "
-                              f"{where} keeps one window for the whole model (the reference cache, "
-                              "kverr.hf.KverrCache, and kverr memory keep one per head)")
-
     def without_windows(self) -> CacheConfig:
         """This config with no window: ``window`` 0 and no override giving one."""
         strip = lambda ovs: {key: replace(ov, k_window=None, v_window=None)  # noqa: E731
@@ -311,19 +303,23 @@ class CacheConfig:
         return [(fmt, heads) for (fmt, _), heads in groups.items()]
 
     def launch_groups(self, layer: int, n_kv_heads: int) -> list[tuple[QuantFormat, QuantFormat, list[int]]]:
-        """kv heads of ``layer`` grouped by their (K format, V format) pair, in order of first
-        appearance: ``[(k_format, v_format, heads)]``.
+        """kv heads of ``layer`` grouped by their (K format, V format) pair and their K and V
+        window lengths (:meth:`window_for`), in order of first appearance:
+        ``[(k_format, v_format, heads)]``; a group's windows are :meth:`window_for` of any of its
+        heads.
 
         The kernels' decode attention launches once per such group (main and tail launches, then
-        one merge per layer), so the number of groups is what a config's per-layer heterogeneity
+        one merge per layer): its heads share one K head group and one V head group
+        (:meth:`head_groups`). So the number of groups is what a config's per-layer heterogeneity
         costs in launches (:mod:`kverr.cost`); calibration can bound it
         (``max_groups_per_layer``).
         """
-        groups: dict[tuple[QuantFormat, QuantFormat], list[int]] = {}
+        groups: dict[tuple[QuantFormat, QuantFormat, int, int], list[int]] = {}
         for h in range(n_kv_heads):
-            pair = (self.format_for(layer, h, "k"), self.format_for(layer, h, "v"))
-            groups.setdefault(pair, []).append(h)
-        return [(k, v, heads) for (k, v), heads in groups.items()]
+            key = (self.format_for(layer, h, "k"), self.format_for(layer, h, "v"),
+                   self.window_for(layer, h, "k"), self.window_for(layer, h, "v"))
+            groups.setdefault(key, []).append(h)
+        return [(k, v, heads) for (k, v, _, _), heads in groups.items()]
 
     def check_model(self, n_layers: int, n_kv_heads: int, head_dim: int, max_context: int | None = None) -> None:
         """Raise :class:`ConfigError` unless this config fits a model of the given shape."""

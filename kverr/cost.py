@@ -7,7 +7,8 @@ sequence, ``tokens`` cached per sequence, ``batch`` sequences) and the launch st
 :class:`kverr.gpu.PagedKVCache`, per layer:
 
 * **launches** -- decode attention once per launch group (the kv heads sharing a (K format,
-  V format) pair, :meth:`kverr.config.CacheConfig.launch_groups`): a *main* launch over the
+  V format) pair and their K and V window lengths, :meth:`kverr.config.CacheConfig.launch_groups`;
+  every count below uses each head group's own window, :meth:`~kverr.config.CacheConfig.window_for`): a *main* launch over the
   quantized tokens, split in ``splits`` chunks, and a *tail* over the full-precision tokens,
   then one *merge* per layer; the store kernel once per (K|V, head group) when a token block
   fills (every ``tb``-th step: counted as ``1 / tb`` per step), with an int8 window once per K|V
@@ -114,8 +115,8 @@ SOFTMAX_OPS = 5
 #: store-kernel launch per K|V and step (no host operation, no synchronisation). Counted on the
 #: real cache by ``tests/gpu/test_cost_counts.py``.
 HOST_OPS = {"fp_rows": 2, "fp_rows_int8": 4}
-#: Host-to-device copies of one step's plan (sequence lengths; per token block, the store jobs'
-#: nine index arrays), counted from ``PagedKVCache.plan`` (on a CPU they are no copies at all);
+#: Host-to-device copies of one step's plan (sequence lengths; per (token block, window) pair of
+#: the pools, the store jobs' nine index arrays), counted from ``PagedKVCache.plan`` (on a CPU they are no copies at all);
 #: with an int8 window, the five index arrays of the receiving launch's jobs.
 PLAN_COPIES = {"step": 1, "token_block": 9, "int8_window": 5}
 #: Bytes of a query, output or new key/value element (the model's fp16/bf16 activations).
@@ -348,7 +349,6 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
     g = _gpu(gpu)
     Hq, H, D = _q_heads(shape), shape.n_kv_heads, shape.head_dim
     config.check_model(shape.n_layers, H, D)
-    config.require_one_window("the kernels' cost model")
     rep = Hq // H
     block_h = max(16, 1 << max(0, rep - 1).bit_length())
     T, B = tokens, batch
@@ -357,7 +357,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
     fp_row = sum(window_row_sections(config.window_dtype, D))
     win_ops = DEQUANT_OPS["float"] if wf.is_float else DEQUANT_OPS["int8_row"]
     layers = []
-    blocks: set[int] = set()
+    blocks: set[tuple[int, int]] = set()  # (token block, window): the plan's store jobs, copied per pair
     for layer in range(shape.n_layers):
         launches: list[Launch] = []
         # a sliding-window layer reads the tokens of its window only (the kernel starts each split
@@ -368,10 +368,11 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
             h = len(heads)
             main = Launch("main", 1.0 if splits else 0.0, tuple(heads), dict.fromkeys(BYTE_KINDS, 0.0))
             tail = Launch("tail", 1.0, tuple(heads), dict.fromkeys(BYTE_KINDS, 0.0))
+            wins = {w: config.window_for(layer, heads[0], w) for w in WHICH}  # the launch's K and V windows
             for fmt, is_key in ((kf, True), (vf, False)):
                 which = "k" if is_key else "v"
-                b, _ = group_bytes(config, fmt, h, T, D, B, sliding_window=W, which=which)
-                n_sink, n_q, n_win = held_tokens(T, *token_regions(T, config, fmt), live)
+                b, _ = group_bytes(config, fmt, h, T, D, B, sliding_window=W, which=which, window=wins[which])
+                n_sink, n_q, n_win = held_tokens(T, *token_regions(T, config, fmt, window=wins[which]), live)
                 n_fp = n_sink + n_win
                 main.bytes["codes"] += b.payload
                 main.bytes["scales"] += b.scales
@@ -395,7 +396,7 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
                     main.alu += B * h * n_q * D * ROPE_OPS
                     tail.alu += B * h * n_fp * D * ROPE_OPS
             # the main launch holds the tokens quantized for both K and V; the tail the rest
-            e0 = min(token_regions(T, config, f)[1] for f in (kf, vf))
+            e0 = min(token_regions(T, config, f, window=wins[w])[1] for f, w in ((kf, "k"), (vf, "v")))
             n_sink, n_main, n_win = held_tokens(T, min(config.sinks, T), e0, live)
             # salient tokens: each main program loads the head's N positions and masks them out
             # (a compare per token and position); the tail attends to N more entries, their rows
@@ -418,15 +419,16 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
             for fmt, heads in config.head_groups(layer, H, w):
                 h = len(heads)
                 tb = token_block(fmt.granularity, config.page_size)
-                blocks.add(tb)
-                b1, _ = group_bytes(config, fmt, h, T, D, B, which=w)
-                start, end = token_regions(T, config, fmt)
+                win = config.window_for(layer, heads[0], w)
+                blocks.add((tb, win))
+                b1, _ = group_bytes(config, fmt, h, T, D, B, which=w, window=win)
+                start, end = token_regions(T, config, fmt, window=win)
                 per_tok = (b1.payload + b1.scales + b1.zeros) / max(end - start, 1)
-                # steady state: past the sinks and window, a token block is quantized every tb-th
-                # step; the new row stays full precision unless it is quantized at once (no
-                # window: in tb - 1 of tb steps it waits for its block)
-                quantizes = T - min(config.sinks, T) > config.window
-                kept = 1.0 if (config.window or T <= config.sinks or not quantizes) else (tb - 1) / tb
+                # steady state: past the sinks and the group's window, a token block is quantized
+                # every tb-th step; the new row stays full precision unless it is quantized at once
+                # (no window: in tb - 1 of tb steps it waits for its block)
+                quantizes = T - min(config.sinks, T) > win
+                kept = 1.0 if (win or T <= config.sinks or not quantizes) else (tb - 1) / tb
                 if quantizes:
                     launches.append(Launch("store", 1.0 / tb, tuple(heads), {"store": B * h * (fp_row + per_tok)}))
                 if kept:

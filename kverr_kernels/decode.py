@@ -7,8 +7,10 @@ Flash-decoding: the quantized tokens of each sequence are split into ``NS`` chun
 ``kv_head`` (grouped-query attention: the ``REP`` query heads of one kv head form the rows of one
 tile, so K/V bytes are read once per kv head) and writes a partial ``(max, sum, acc)``. A second
 launch (``TAIL``) covers the tokens held in full precision -- sinks and the window -- plus the
-tokens that are quantized for one of K/V but not yet for the other (their token blocks differ),
-choosing per row between the paged codes and the full-precision buffer. :func:`merge_kernel`
+tokens that are quantized for one of K/V but not yet for the other (their token blocks or their
+windows, ``WIN_K``/``WIN_V``, differ: each side's quantized region ends at its own ``end_k``/``end_v``),
+choosing per row between the paged codes and the full-precision buffer (a side's ring of
+``CAP = window + token block`` slots holds every token past its region's end). :func:`merge_kernel`
 combines the ``NS + 1`` partials of each query head, and a learned sink logit per query head
 (gpt-oss) where the model has them: one more softmax term without a value.
 
@@ -215,7 +217,7 @@ def paged_decode_kernel(
     PO, PM, PL,  # partials [B, Hq, NSP, D], [B, Hq, NSP], [B, Hq, NSP] fp32
     COS, SIN,  # [max_tokens, D/2] fp32 RoPE tables of the positions (used when K_PRE)
     qk_scale,  # softmax scale * log2(e)
-    SINKS, WINDOW, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0, LWIN, NSAL,
+    SINKS, WIN_K, WIN_V, TB_K, TB_V, CAP_K, CAP_V, CHUNK, NSP, SPLIT0, LWIN, NSAL,
     HQ: tl.constexpr, D: tl.constexpr, REP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, P: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_BD: tl.constexpr, K_BTS: tl.constexpr,
@@ -245,9 +247,11 @@ def paged_decode_kernel(
     hk = tl.load(KMAP + hi).to(tl.int64)
     hv = tl.load(VMAP + hi).to(tl.int64)
     start = tl.minimum(SINKS, T)
-    avail = tl.maximum(T - start - WINDOW, 0)
-    end_k = start + avail - avail % TB_K
-    end_v = start + avail - avail % TB_V
+    # each side's quantized region: past its own window (WIN_K, WIN_V), in whole token blocks
+    avail_k = tl.maximum(T - start - WIN_K, 0)
+    avail_v = tl.maximum(T - start - WIN_V, 0)
+    end_k = start + avail_k - avail_k % TB_K
+    end_v = start + avail_v - avail_v % TB_V
     e0 = tl.minimum(end_k, end_v)
 
     c = tl.arange(0, D)

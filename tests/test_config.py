@@ -187,14 +187,15 @@ def test_select_layers_maps_a_layer_subset_to_positions():
         cfg.select_layers([1, 1])
 
 
-def test_a_window_per_head_resolves_groups_heads_and_is_refused_where_one_window_is_kept():
+def test_a_window_per_head_resolves_groups_heads_and_runs_on_the_kernel_path():
     """A head's window override beats its layer's, which beats the config's; heads of one format
-    but other windows are stored apart; the paged kernels, their cost model and the engines,
-    which keep one window per model, refuse such a config by name."""
+    but other windows are stored apart, and launched apart; the paged kernel cache sizes each
+    group's ring by its window, and the kernels' cost model counts each group's bytes as
+    kverr.memory does; the engines, which keep one window per model, refuse such a config by name."""
     from kverr.cost import step_cost
     from kverr.engines.vllm import serving
     from kverr.gpu.cache import PagedKVCache
-    from kverr.memory import ModelShape
+    from kverr.memory import ModelShape, account
 
     f = int_format(2, PerToken())
     cfg = CacheConfig(k=f, v=f, window=32, sinks=4, layers={1: Override(v_window=64)},
@@ -210,10 +211,24 @@ def test_a_window_per_head_resolves_groups_heads_and_is_refused_where_one_window
     assert not same.windows_vary  # an override equal to the config's window varies nothing
     with pytest.raises(ConfigError, match="exceeds the model's context"):
         cfg.check_model(2, 3, 16, max_context=60)
-    with pytest.raises(ConfigError, match="one window"):
-        PagedKVCache(cfg, n_layers=2, n_kv_heads=3, n_q_heads=3, head_dim=16, max_batch=1, max_tokens=64, device="cpu")
-    with pytest.raises(ConfigError, match="one window"):
-        step_cost(cfg, ModelShape(2, 3, 16, n_q_heads=3), 128)
+    # layer 1: K (32, 32, 0) and V (64, 64, 16): heads 0 and 1 share a launch, head 2 has its own
+    assert [heads for *_, heads in cfg.launch_groups(1, 3)] == [[0, 1], [2]]
+    assert [heads for *_, heads in cfg.launch_groups(0, 3)] == [[0, 2], [1]]
+    cache = PagedKVCache(cfg, n_layers=2, n_kv_heads=3, n_q_heads=3, head_dim=16, max_batch=1, max_tokens=64,
+                         device="cpu")
+    assert [(p.heads, p.window, p.cap) for p in cache.pools[1]["v"]] == [([0, 1], 64, 65), ([2], 16, 17)]
+    assert [(p.heads, p.window, p.cap) for p in cache.pools[1]["k"]] == [([0, 1], 32, 33), ([2], 0, 1)]
+    assert [ln.heads for ln in cache.launches[1]] == [[0, 1], [2]] and cache.job_keys == [(1, 0), (1, 16), (1, 32), (1, 64)]
+    shape = ModelShape(2, 3, 16, n_q_heads=3)
+    for tokens, batch in ((1, 1), (40, 2), (128, 3)):
+        by = step_cost(cfg, shape, tokens, batch).bytes_by_kind()
+        mem = account(cfg, shape, tokens, batch=batch).totals
+        assert (by["codes"], by["scales"], by["zeros"]) == (mem.payload, mem.scales, mem.zeros)
+        assert by["window"] == mem.sinks + mem.window
+    # the windows count: the same formats with one window read other bytes, and plan fewer job lists
+    one = cfg.with_(layers={}, heads={(0, 1): Override(k=int_format(4, PerToken()))})
+    assert step_cost(cfg, shape, 128).bytes_by_kind()["window"] != step_cost(one, shape, 128).bytes_by_kind()["window"]
+    assert step_cost(cfg, shape, 128).plan_copies > step_cost(one, shape, 128).plan_copies
     with pytest.raises(ConfigError, match="window length per layer or kv head"):
         serving(cfg, 2, 3)
     for bad, match in [({"window": {}}, "is empty"), ({"window": {"q": 3}}, "unknown field"),

@@ -161,8 +161,9 @@ class CalibrationConfig:
         head, K|V) picks its format and its window length among theirs, priced at its own bytes
         (window rows included), and the configs give the heads whose window differs from the
         most common one an override (:meth:`kverr.config.CacheConfig.window_for`). Needs two or
-        more window lengths; such configs run on the reference cache (the paged kernels keep one
-        window per model), so neither ``max_step_time`` nor ``max_groups_per_layer`` applies.
+        more window lengths. Heads of one layer with other windows launch apart in the kernels,
+        which the grouped search behind ``max_groups_per_layer`` and ``max_step_time`` does not
+        count, so neither goes with it.
     step_tokens, step_batch, gpu
         Where ``max_step_time`` is predicted: cached tokens (None: ``context``), batch, and a
         GPU of :data:`kverr.cost.GPUS`.
@@ -288,8 +289,8 @@ class CalibrationConfig:
                                   f"more (windows: {sorted(lengths)})")
             for name in ("max_step_time", "max_groups_per_layer"):
                 if getattr(self, name) is not None:
-                    raise ConfigError(f"window_per_head and {name} do not go together: the kernels (and their cost "
-                                      "model) keep one window per model")
+                    raise ConfigError(f"window_per_head and {name} do not go together: the grouped search counts "
+                                      "(K, V) format pairs per layer, and heads with other windows launch apart")
         if self.max_step_time is None and (self.step_tokens is not None or self.step_batch != 1 or self.gpu != "h200"):
             raise ConfigError("step_tokens, step_batch and gpu say where max_step_time is predicted; give max_step_time")
         for name in ("model", "name"):

@@ -1024,8 +1024,8 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
         add_rows(opt, fr, opt, opt.window)
     if window_per_head:
         if max_groups is not None and max_groups < n_kv:
-            raise ConfigError("window_per_head and max_groups_per_layer do not go together: the kernels keep one "
-                              "window per model")
+            raise ConfigError("window_per_head and max_groups_per_layer do not go together: the grouped search "
+                              "counts (K, V) format pairs per layer, and heads with other windows launch apart")
         families = window_families(options)
         if not families:
             raise ConfigError(f"window_per_head needs outer options that differ only in their window; the options "

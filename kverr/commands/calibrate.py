@@ -86,8 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="full-precision recent-token windows to try, crossed with --sinks (default: see --sinks)")
     p.add_argument("--window-per-head", action="store_true",
                    help="let each layer, kv head and K|V pick its window among the --window lengths (with its "
-                   "format, at its own bytes); such configs run on the reference cache (kverr evaluate) -- "
-                   "the paged kernels keep one window per model")
+                   "format, at its own bytes); not with --max-groups-per-layer or --max-step-time")
     p.add_argument("--salient", type=non_negative_int, default=0, metavar="N",
                    help="keep the N prompt tokens each (layer, kv head) attends to most as window-dtype rows "
                         "with their positions, besides their codes (counted against the budget; the objective "

@@ -193,7 +193,7 @@ def decode_signature(ks: KernelSpec, vs: KernelSpec, fp_q: bool = False) -> dict
         low = p.lower()
         sig.update({f"{p}SP": "*i32", f"s{low}sp_b": "i32", f"s{low}sp_h": "i32"})
     sig.update({"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "COS": "*fp32", "SIN": "*fp32", "qk_scale": "fp32"})
-    for n in ("SINKS", "WINDOW", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0", "LWIN", "NSAL"):
+    for n in ("SINKS", "WIN_K", "WIN_V", "TB_K", "TB_V", "CAP_K", "CAP_V", "CHUNK", "NSP", "SPLIT0", "LWIN", "NSAL"):
         sig[n] = "i32"
     return sig
 

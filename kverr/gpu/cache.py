@@ -4,7 +4,8 @@ Layout
 ------
 One block table ``[max_batch, max_pages]`` (int32) is shared by every layer, K/V and head group:
 logical page ``p`` of sequence ``b`` is physical page ``block_table[b, p]`` of *every* pool, as in
-vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the cache holds
+vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format and one window -- the
+cache holds
 
 * ``codes``  ``[num_pages, h, page_size, cb]`` uint8 (planar packed codes, fp8 bit patterns) or
   the plain float dtype (``cb = D``);
@@ -13,7 +14,9 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
   granularities hold ``[h, D // bd]`` once;
 * ``fp`` ``[max_batch, h, sinks + window + tb, D]`` in ``window_dtype``: the sink tokens in slots
   ``[0, sinks)`` and the full-precision window as a ring (token ``t`` in slot
-  ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data. An
+  ``sinks + (t - sinks) % (window + tb)``), so flushing a token block never moves data. ``window``
+  is the group's own (:meth:`~kverr.config.CacheConfig.window_for`: a layer or head override may
+  give a side its own length; heads of one format but other windows are other groups). An
   ``int8`` window holds the oracle's uint8 codes there and a scale per slot in ``fp_scale``
   ``[max_batch, h, sinks + window + tb]`` fp16.
 * with ``config.salient`` = N, a pool that keeps salient rows (``config.keeps_salient``: its side
@@ -23,8 +26,11 @@ vLLM. Per ``(layer, K|V, head group)`` -- the kv heads sharing one format -- the
   (-1: none); :meth:`PagedKVCache.store` takes them with the prefill. Their codes stay in the
   pages, unread: the decode kernel reads the rows.
 
-Token policy is exactly :func:`kverr.quant.token_regions`: page ``p`` holds quantized tokens
-``sinks + p*P .. sinks + (p+1)*P``. As in the oracle, the cache receives K/V in its own dtype
+Token policy is exactly :func:`kverr.quant.token_regions` with each group's window: page ``p``
+holds quantized tokens ``sinks + p*P .. sinks + (p+1)*P``. A step's store jobs are planned once
+per distinct (token block, window) pair of the pools; a decode launch serves the kv heads whose
+K pool and V pool are the same (:meth:`~kverr.config.CacheConfig.launch_groups`), each side with
+its own window. As in the oracle, the cache receives K/V in its own dtype
 (``window_dtype``, :func:`kverr.quant.store.receive`): inputs are rounded to it first (for an
 ``int8`` window, quantized on the device by the store kernel in the window's int8 format, bit
 for bit the oracle's, and decoded inside the store kernels that read them), so a token
@@ -111,6 +117,13 @@ class Pool:
     # salient rows (config.salient, quantized formats): how many per sequence and head, positions
     nsal: int = 0
     sal_pos: torch.Tensor | None = None
+    # recent tokens the group keeps unquantized (config.window_for its heads); cap = window + tb
+    window: int = 0
+
+    @property
+    def job_key(self) -> tuple[int, int]:
+        """``(token block, window)``: the key of this pool's store jobs in :attr:`StepPlan.store`."""
+        return self.spec.tb, self.window
 
     @property
     def nbytes(self) -> int:
@@ -120,9 +133,11 @@ class Pool:
 
 @dataclass(eq=False)
 class StoreJobs:
-    """Work of one step for the pools whose token block is ``tb`` (device tensors)."""
+    """Work of one step for the pools whose token block is ``tb`` and window ``window`` (device
+    tensors)."""
 
     tb: int
+    window: int
     n_jobs: int
     block_r: int
     page: torch.Tensor
@@ -154,7 +169,7 @@ class StepPlan:
     new_tokens: np.ndarray
     lengths: np.ndarray
     n_rows: int
-    store: dict[int, StoreJobs]
+    store: dict[tuple[int, int], StoreJobs]  # by (token block, window): Pool.job_key
     seq_lens: torch.Tensor
     num_splits: int
     chunk: int
@@ -166,7 +181,8 @@ class StepPlan:
 
 @dataclass(eq=False)
 class _Launch:
-    """One decode launch: the kv heads of a layer whose (K format, V format) pair is the same."""
+    """One decode launch: the kv heads of a layer whose K pool and V pool are the same (one K
+    format and window, one V format and window)."""
 
     kpool: Pool
     vpool: Pool
@@ -299,9 +315,7 @@ class PagedKVCache:
         self.rep = n_q_heads // n_kv_heads
         self.B = max_batch
         self.P = config.page_size
-        config.require_one_window("the paged kernel cache")
         self.S = config.sinks
-        self.W = config.window
         self.max_pages = -(-max_tokens // self.P)
         self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages
         self.dot_fp16 = bool(dot_fp16)
@@ -366,7 +380,8 @@ class PagedKVCache:
                             scale = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
                             if spec.kind == 1:
                                 zero = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
-                    cap = self.W + spec.tb
+                    window = config.window_for(layer, heads[0], which)
+                    cap = window + spec.tb
                     nsal = config.salient if config.keeps_salient(which, fmt) else 0
                     fp = torch.zeros((max_batch, h, self.S + cap + nsal, head_dim), dtype=wdt, device=dev)
                     fp_scale = (torch.zeros((max_batch, h, self.S + cap + nsal), dtype=torch.float16, device=dev)
@@ -382,7 +397,7 @@ class PagedKVCache:
                     per[which].append(Pool(spec, list(heads), torch.tensor(heads, dtype=torch.int32, device=dev),
                                            torch.tensor(heads, dtype=torch.int64, device=dev),
                                            codes, scale, zero, fp, fp_scale, cap, ratios, layout, packing,
-                                           nsal, sal_pos))
+                                           nsal, sal_pos, window))
             self.pools.append(per)
             self.launches.append(self._make_launches(layer, per))
         if self.fp_q:  # the int8 window's format, for receiving new rows on the device
@@ -397,7 +412,8 @@ class PagedKVCache:
         self.lengths = np.zeros(max_batch, dtype=np.int64)
         self.pages_held = np.zeros(max_batch, dtype=np.int64)
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
-        self.token_blocks = sorted({p.spec.tb for per in self.pools for ps in per.values() for p in ps})
+        # the (token block, window) pairs of the pools: a step plans store jobs once per pair
+        self.job_keys = sorted({p.job_key for per in self.pools for ps in per.values() for p in ps})
 
     # ---- construction helpers ----------------------------------------------------------------
 
@@ -468,6 +484,9 @@ class PagedKVCache:
         out = []
         for _, _, heads in self.config.launch_groups(layer, self.H):
             kp, vp = owner[("k", heads[0])][0], owner[("v", heads[0])][0]
+            if any(owner[("k", h)][0] is not kp or owner[("v", h)][0] is not vp for h in heads):
+                raise KernelError(f"layer {layer}: the kv heads {heads} of one decode launch are stored in more "
+                                  "than one K or V pool")
             out.append(_Launch(kp, vp, heads, mk(heads), mk([owner[("k", h)][1] for h in heads]),
                                mk([owner[("v", h)][1] for h in heads])))
         return out
@@ -479,11 +498,12 @@ class PagedKVCache:
 
     # ---- token policy ------------------------------------------------------------------------
 
-    def region_end(self, T: np.ndarray | int, tb: int):
-        """End of the quantized region of ``T`` tokens for token block ``tb`` (cf. token_regions)."""
+    def region_end(self, T: np.ndarray | int, tb: int, window: int):
+        """End of the quantized region of ``T`` tokens for token block ``tb`` and a window of
+        ``window`` tokens (cf. token_regions)."""
         T = np.asarray(T, dtype=np.int64)
         start = np.minimum(self.S, T)
-        avail = np.maximum(0, T - start - self.W)
+        avail = np.maximum(0, T - start - window)
         return start + avail - avail % tb
 
     def reset(self, seq: int) -> None:
@@ -513,8 +533,8 @@ class PagedKVCache:
         T1 = T0 + n
         if (T1 > self.max_pages * self.P).any():
             raise ShapeError(f"a sequence would exceed max_tokens={self.max_pages * self.P}: lengths {T1.tolist()}")
-        # pages: enough for the longest quantized region among the token blocks
-        need_end = np.max([self.region_end(T1, tb) for tb in self.token_blocks], axis=0)
+        # pages: enough for the longest quantized region among the (token block, window) pairs
+        need_end = np.max([self.region_end(T1, tb, w) for tb, w in self.job_keys], axis=0)
         need = -(-(np.maximum(need_end - np.minimum(self.S, T1), 0)) // self.P)
         changed = False
         for b in range(self.B):
@@ -527,7 +547,7 @@ class PagedKVCache:
         if changed:
             self.block_table_t.copy_(torch.from_numpy(self.block_table))
         cu = np.concatenate([[0], np.cumsum(n)])
-        store = {tb: self._jobs(tb, T0, T1, cu) for tb in self.token_blocks}
+        store = {(tb, w): self._jobs(tb, w, T0, T1, cu) for tb, w in self.job_keys}
         self.lengths = T1
 
         max_q = int(max(0, (T1 - np.minimum(self.S, T1)).max()))
@@ -567,14 +587,16 @@ class PagedKVCache:
         i32 = self._i32
         zeros = i32(np.zeros(n_jobs))
         nrows = np.minimum(br, rows - br * np.arange(n_jobs))
-        return StoreJobs(tb=1, n_jobs=n_jobs, block_r=br, page=i32(np.arange(n_jobs)), row0=zeros, nrows=i32(nrows),
+        return StoreJobs(tb=1, window=0, n_jobs=n_jobs, block_r=br, page=i32(np.arange(n_jobs)), row0=zeros, nrows=i32(nrows),
                          seq=zeros, src_new=i32(src), src_slot=i32(np.full_like(src, -1)), n_fp=0, fp_row=zeros,
                          fp_seq=zeros, fp_slot=zeros)
 
-    def _jobs(self, tb: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
-        S, P, cap = self.S, self.P, self.W + tb
+    def _jobs(self, tb: int, window: int, T0: np.ndarray, T1: np.ndarray, cu: np.ndarray) -> StoreJobs:
+        """The step's store jobs of the pools of token block ``tb`` and window ``window`` (ring of
+        ``window + tb`` slots): the tokens it quantizes, and the new tokens its ring keeps."""
+        S, P, cap = self.S, self.P, window + tb
         # quantized tokens start at the sinks; below that region_end() is the length itself
-        e0, e1 = np.maximum(self.region_end(T0, tb), S), self.region_end(T1, tb)
+        e0, e1 = np.maximum(self.region_end(T0, tb, window), S), self.region_end(T1, tb, window)
         q_t, q_b, fp_t, fp_b = [], [], [], []
         for b in range(self.B):
             if e1[b] > e0[b]:
@@ -623,7 +645,7 @@ class PagedKVCache:
         slot = np.where(ft < S, ft, S + (ft - S) % cap)
         row_new = cu[fb] + ft - T0[fb]
         to_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)  # noqa: E731
-        return StoreJobs(tb=tb, **jobs, n_fp=int(ft.size), fp_row=to_long(row_new), fp_seq=to_long(fb),
+        return StoreJobs(tb=tb, window=window, **jobs, n_fp=int(ft.size), fp_row=to_long(row_new), fp_seq=to_long(fb),
                          fp_slot=to_long(slot))
 
     # ---- run (per layer) ---------------------------------------------------------------------
@@ -693,7 +715,7 @@ class PagedKVCache:
                 # its codes and scale go to the window, and the store kernels decode them
                 codes, scale = self._receive(step, x)
             for pool in self.pools[layer][which]:
-                jobs = step.store[pool.spec.tb]
+                jobs = step.store[pool.job_key]
                 # quantize first: a job may read a window slot this step's new tokens overwrite
                 if jobs.n_jobs and which == "k" and moment is not None and compensable(pool.spec.fmt):
                     for part, comp in self._compensation(layer, pool, jobs, moment):
@@ -970,7 +992,7 @@ class PagedKVCache:
         for pool in self.pools[layer][which]:
             spec = pool.spec
             start = min(self.S, T)
-            end = int(self.region_end(T, spec.tb))
+            end = int(self.region_end(T, spec.tb, pool.window))
             n = end - start
             i = np.arange(n)
             pages = torch.from_numpy(self.block_table[seq, i // self.P].astype(np.int64)).to(self.device)

@@ -34,13 +34,17 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("window_dtype", ["fp16", "int8"])
-def test_counts_of_one_decode_step_match_the_real_cache(monkeypatch, window_dtype):
+@pytest.mark.parametrize("window_dtype, windows", [("fp16", False), ("int8", False), ("fp16", True)],
+                         ids=["fp16", "int8", "fp16-window-per-head"])
+def test_counts_of_one_decode_step_match_the_real_cache(monkeypatch, window_dtype, windows):
     L, H, Hq, D, B = 2, 3, 6, 32, 2
     i8, i4 = int_format(8, PerToken()), int_format(4, PerTokenGroup(16))
     # layer 0: keys in two formats (two key head groups), three (K, V) launch groups
-    cfg = CacheConfig(k=i4, v=i8, window=8, sinks=2, window_dtype=window_dtype,
-                      heads={(0, 0): Override(k=i8), (0, 1): Override(v=i4)})
+    heads = {(0, 0): Override(k=i8), (0, 1): Override(v=i4)}
+    if windows:  # head 2's keys in layer 0 and head 1's values in layer 1 keep no window: the new
+        # row is quantized at once (a store, no host write); layer 1 then has two launch groups
+        heads |= {(0, 2): Override(k_window=0), (1, 1): Override(v_window=0)}
+    cfg = CacheConfig(k=i4, v=i8, window=8, sinks=2, window_dtype=window_dtype, heads=heads)
     shape = ModelShape(L, H, D, n_q_heads=Hq)
     cache = PagedKVCache(cfg, n_layers=L, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=32,
                          device="cpu")
@@ -80,7 +84,7 @@ def test_counts_of_one_decode_step_match_the_real_cache(monkeypatch, window_dtyp
         by = Counter()
         for ln in lc.launches:
             by[ln.kind] += ln.count
-        assert lc.groups == len(cache.launches[layer]) == (3 if layer == 0 else 1)
+        assert lc.groups == len(cache.launches[layer]) == (3 if layer == 0 else 2 if windows else 1)
         assert triton["launch_decode"] == by["main"] + by["tail"] and triton["launch_merge"] == by["merge"] == 1
         # per-token formats: a store every step; an int8 window receives the new rows in one more
         assert triton["launch_store"] == by["store"] + by["receive"]

@@ -408,3 +408,55 @@ def test_salient_rows_are_read_in_place_of_their_codes(kf, sides):
     counted = account(cfg, ModelShape(1, H, D), T).totals.salient
     assert counted == (1 if kf.is_float or sides == "k" else 2) * H * cfg.salient * (D + 2 + 4)
     assert cache.nbytes - plain.nbytes == B * counted
+
+
+def _per_head_windows(window_dtype):
+    """Three kv heads: keys int2 in 16-token channel groups (head 2: int4 per token), values int4 per
+    token; a 16-token window, except the keys of heads 0 and 1 (none) and the values of head 1
+    (40 tokens). K head groups [0, 1] and [2], V head groups [0, 2] and [1]: three launches,
+    each side of each with its own window."""
+    return CacheConfig(k=int_format(2, PerChannel(16)), v=int_format(4, PerToken()), page_size=P, window=16, sinks=2,
+                       window_dtype=window_dtype,
+                       heads={(0, 0): Override(k_window=0), (0, 1): Override(k_window=0, v_window=40),
+                              (0, 2): Override(k=int_format(4, PerToken()))})
+
+
+@pytest.mark.parametrize("window_dtype", ["fp16", pytest.param("int8", marks=pytest.mark.float_order)])
+def test_decode_a_window_per_head_through_decode_steps(window_dtype):
+    """A window length per (kv head, K|V): a prefill, then four single-token steps, decoding after
+    each. Every head group's quantized region ends at its own window (head 1's keys, with none,
+    end 27 to 39 tokens after its values, with 40: the tail reads more than a key block of codes
+    there), tokens leave the windows at different steps, a key block fills in the middle; what
+    the cache holds is the oracle's reconstruction bit for bit, and decode matches reference
+    attention over it."""
+    cfg = _per_head_windows(window_dtype)
+    H, Hq, lens, steps = 3, 6, [67, 30, 9], 4
+    B, T = len(lens), max(lens)
+    q, k, v = _data(1, B, Hq, H, T, 21)
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                         device="cpu", block_n=16)
+    assert [ln.heads for ln in cache.launches[0]] == [[0], [1], [2]]
+    assert [(p.heads, p.window) for w in "kv" for p in cache.pools[0][w]] == [([0, 1], 0), ([2], 16), ([0, 2], 16), ([1], 40)]
+    kv_map = [h // (Hq // H) for h in range(Hq)]
+    first = [n - steps for n in lens]
+    worst, ends = 0.0, []
+    for i in range(steps + 1):
+        counts, off = (first, [0] * B) if i == 0 else ([1] * B, [f + i - 1 for f in first])
+        step = cache.plan(counts, num_splits=2)
+        cache.store(step, 0, torch.cat([k[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]),
+                    torch.cat([v[0, b, :, o:o + n].transpose(0, 1) for b, (n, o) in enumerate(zip(counts, off))]))
+        now = [f + i for f in first]
+        qd = torch.stack([q[0, b, :, n - 1] for b, n in enumerate(now)])
+        out = torch.full((B, Hq, D), float("nan"))
+        cache.decode(step, 0, qd, out=out)
+        assert not torch.isnan(out).any()
+        for b, n in enumerate(now):
+            kk, vv = k[0, b, :, :n], v[0, b, :, :n]
+            kh, vh = reconstruct(kk, cfg, layer=0, which="k"), reconstruct(vv, cfg, layer=0, which="v")
+            assert torch.equal(cache.read(0, "k", b), kh) and torch.equal(cache.read(0, "v", b), vh), (i, b)
+            ref, _, _ = reference_decode(qd[b], kk, vv, kh, vh, kv_map)
+            worst = max(worst, rel_rms(out[b], ref))
+        ends.append([end for w in "kv" for *_, end in cache.quantized(0, w, 0)])
+    assert worst <= 1e-3
+    # sequence 0 (63 .. 67 tokens): keys of heads 0, 1 | head 2 | values of heads 0, 2 | head 1
+    assert ends == [[50, 47, 47, 23], [50, 48, 48, 24], [50, 49, 49, 25], [66, 50, 50, 26], [66, 51, 51, 27]]

@@ -489,3 +489,32 @@ def test_plan_and_store_input_checks():
         cache.plan([15, 15])
     with pytest.raises(ShapeError, match="q must be"):
         cache.decode(step, 0, torch.zeros(2, H, D))
+
+
+@pytest.mark.parametrize("window_dtype", ["fp16", pytest.param("int8", marks=pytest.mark.float_order)])
+def test_store_a_window_per_head_bit_exact(window_dtype):
+    """Three kv heads whose windows differ per side (keys: none for heads 0 and 1; values: 40
+    tokens for head 1; the rest 16), with formats of other token blocks (16-token channel groups,
+    pages, per token): each head group's ring holds its own window (plus a token block), its
+    tokens leave it when its own window says, and the codes, scales and what the cache reads back
+    are the oracle's, through the prefill chunks and single-token steps of the unequal batch."""
+    from kverr.config import Override
+
+    cfg = CacheConfig(k=int_format(2, PerChannel(16)), v=int_format(4, PerTokenGroup(8), symmetric=True), page_size=P,
+                      window=16, sinks=2, window_dtype=window_dtype,
+                      heads={(0, 0): Override(k_window=0, v=int_format(8, PerPage())),
+                             (0, 1): Override(k_window=0, v_window=40), (0, 2): Override(k=fp8_format(PerToken()))})
+    lens = UNEQUAL_LENS
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=3, n_q_heads=3, head_dim=D, max_batch=3, max_tokens=64, device="cpu")
+    assert [(p.heads, p.window, p.cap) for w in "kv" for p in cache.pools[0][w]] == [
+        ([0, 1], 0, 16), ([2], 16, 17), ([0], 16, 32), ([1], 40, 41), ([2], 16, 17)]
+    assert cache.job_keys == [(1, 16), (1, 40), (16, 0), (16, 16)]
+    sentinel(cache)
+    x = torch.cat([data(3, 63, 31), data(3, 63, 32)[:, :1]], dim=1)
+    y = torch.cat([data(3, 63, 33), data(3, 63, 34)[:, :1]], dim=1)
+    ks = [[x[b, :, :n] for b, n in enumerate(lens)]]
+    vs = [[y[b, :, :n] for b, n in enumerate(lens)]]
+    fill(cache, ks, vs, UNEQUAL_SCHEDULE)
+    assert check_exact(cache, cfg, ks, vs) == 9  # head groups x sequences with a quantized token
+    # sequence 0, 63 tokens: keys of heads 0, 1 | head 2; values of head 0 | head 1 | head 2
+    assert [end for w in "kv" for *_, end in cache.quantized(0, w, 0)] == [50, 47, 34, 23, 47]

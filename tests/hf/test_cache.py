@@ -342,7 +342,8 @@ def _moments(tiny):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["kivi-2", "int8-token", "static-pre-rope", "int8-window-pre-rope", "salient",
-                                  "compensated", "compensated-pre-rope", "static-moments-pre-rope"])
+                                  "compensated", "compensated-pre-rope", "static-moments-pre-rope",
+                                  "window-per-head"])
 def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     """The same config through the Triton kernels (interpreter here) and through KverrCache:
     the same cache contents and next-token distributions, through every layer of a real
@@ -351,7 +352,8 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     scales, which both caches set from the prefill, and salient prompt tokens, which both
     choose from the prefill's queries, K and V with different token blocks, and keys rounded with
     compensation under the prefill queries' moment, which both take from the same queries, before
-    and after RoPE, or under static moments the config carries, the decode keys too). A prefill of
+    and after RoPE, or under static moments the config carries, the decode keys too, and a window
+    length per layer and (layer, kv head, K|V), from none to 20 tokens). A prefill of
     40 tokens, then three
     single-token decode steps (the decode kernel; each moves a token out of the 8-token window
     into the quantized region, the path every later step repeats)."""
@@ -364,7 +366,11 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
              "compensated-pre-rope": lambda: _static_pre_rope().with_(window_dtype="int8", salient=5,
                                                                       key_rounding="compensated"),
              "static-moments-pre-rope": lambda: _static_pre_rope().with_(key_rounding="compensated",
-                                                                         key_moments=_moments(tiny))}
+                                                                         key_moments=_moments(tiny)),
+             "window-per-head": lambda: PRESETS["kivi-2"].with_(
+                 layers={1: Override(v_window=20)},
+                 heads={(0, 0): Override(k_window=0, v_window=0), (1, 1): Override(k_window=12),
+                        (2, 1): Override(v_window=3)})}
     cfg = (named[name]() if name in named else PRESETS[name]).with_(window=8)
     ids = torch.randint(0, 256, (43,), generator=torch.Generator().manual_seed(3))
     chunks = [40] + [1] * 3
