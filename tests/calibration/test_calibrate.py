@@ -645,7 +645,7 @@ def test_max_groups_per_layer_bounds_the_launch_groups(tiny_capture):
         CalibrationConfig(budgets=4, max_groups_per_layer=0)
 
 
-def test_window_per_head_picks_a_window_per_group_counted_and_predicted_alike(tiny_capture):
+def test_window_per_head_picks_a_window_per_group_counted_and_predicted_alike(tiny_capture, tmp_path, capsys):
     """With ``window_per_head`` each (layer, kv head, K|V) picks its window among the options'
     with its format: the config gives the heads whose window differs an override, its bytes are
     what memory counts, predicting it from scratch gives the search's damage, and it never
@@ -677,6 +677,15 @@ def test_window_per_head_picks_a_window_per_group_counted_and_predicted_alike(ti
     with pytest.raises(ConfigError, match="differ only in their window"):
         cal_at(cap, 3.0, context=160, options=(OuterOption(), OuterOption(sinks=4, window=16)), cands_k=SMALL,
                cands_v=SMALL, queries=16, objective="rel", window_per_head=True)
+    # the command line: --window-per-head over the --window lengths
+    from kverr.cli import main
+
+    code = main(["calibrate", "--capture", str(tiny_capture[1]), "--budget-bits", "3.5,4,5,6", "--out",
+                 str(tmp_path / "w{bits}.json"), "--queries", "16", "--workers", "1", "--objective", "rel",
+                 "--sinks", "4", "--window", "0,16,48", "--window-per-head"])
+    capsys.readouterr()
+    written = [CacheConfig.load(tmp_path / f"w{b}.json") for b in ("3.5", "4", "5", "6")]
+    assert code == 0 and any(c.windows_vary and "/R0|16|48/" in c.provenance["outer_option"] for c in written)
 
 
 def test_max_step_time_takes_the_most_groups_that_fit(tiny_capture):
