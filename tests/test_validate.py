@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kverr.cli import main
+from kverr.config import CacheConfig
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "smollm2-pydoc-512.zarr"
 needs_capture = pytest.mark.skipif(not CAPTURE.exists(), reason="the data/ capture is not present")
@@ -36,14 +37,14 @@ def test_validate_json_and_disagreement(capsys, tmp_path):
 
 @needs_capture
 @pytest.mark.parametrize("name,layers", [("fitted-3b", "0,29"), ("codebooks-4b", "15"), ("salient-2.5b", "15"),
-                                         ("compensated-2.5b", "0")])
+                                         ("compensated-2.5b", "0"), ("windows-2b", "15")])
 def test_validate_calibrated_configs_agree(capsys, name, layers):
     """Configs the calibrator emitted -- per-head formats with Hadamard rotations and MSE clips,
     keys stored before RoPE, static per-channel scales with fitted widths per channel, codebook
     formats (layer 15 of codebooks-4b has three), an int8 window, salient prompt tokens (chosen
     by the capture's queries: their rows read in place of their codes), keys rounded with
-    compensation under the prefill queries' moment -- run on the kernel path and agree with the
-    reference. (notebooks/04_kernel_validation.ipynb, run by the tests,
+    compensation under the prefill queries' moment, a window length per (kv head, K|V) -- run on
+    the kernel path and agree with the reference. (notebooks/04_kernel_validation.ipynb, run by the tests,
     asserts the same of calibrated-4b and calibrated-prerope-3b on every captured layer.)"""
     pytest.importorskip("zarr")
     path = CAPTURE.parent / "configs" / f"{name}.json"
@@ -59,8 +60,11 @@ def test_validate_calibrated_configs_agree(capsys, name, layers):
         assert '"dtype": "codebook"' in text
     if name in ("salient-2.5b", "compensated-2.5b"):
         assert '"salient": 8' in text
-    if name == "compensated-2.5b":
+    if name in ("compensated-2.5b", "windows-2b"):
         assert '"key_rounding": "compensated"' in text
+    if name == "windows-2b":
+        cfg = CacheConfig.load(path)
+        assert len({cfg.window_for(15, h, w) for h in range(3) for w in "kv"}) > 1  # layer 15's windows differ
     if name in ("calibrated-3b", "calibrated-4b", "fitted-3b", "codebooks-4b", "salient-2.5b"):
         assert '"window_dtype": "int8"' in text
     code = main(["validate", str(path), "--capture", str(CAPTURE), "--tokens", "120", "--batch", "2",

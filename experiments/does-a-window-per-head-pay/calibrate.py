@@ -30,13 +30,15 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=512)
     ap.add_argument("--context", type=int, default=1280)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--decode", type=int, default=None, help="decode steps the objective models (kverr calibrate --decode)")
+    ap.add_argument("--tag", default="", help="appended to the config names")
     a = ap.parse_args()
     a.outdir.mkdir(parents=True, exist_ok=True)
     budgets = tuple(float(b) for b in a.budgets.split(","))
     cfg = CalibrationConfig(budgets=budgets, context=a.context, batch=a.batch, refit_widths=True,
                             compensated_keys=True, candidates="fitted", codebooks=True, salient=8,
                             queries=a.queries, sinks=(a.sinks,), windows=tuple(int(w) for w in a.windows.split(",")),
-                            window_per_head=True)
+                            window_per_head=True, decode=a.decode)
     t0 = time.perf_counter()
     cal = calibrate(cap := open_capture(a.capture), cfg, workers=2, progress=True)
     print(f"calibrated in {time.perf_counter() - t0:.0f} s ({cal.seconds})", flush=True)
@@ -45,7 +47,7 @@ def main() -> None:
     for b in budgets:
         q = a.queries
         for tag, c in (("perhead", cal.config_at(b)), ("single", one.config_at(b))):
-            c = c.with_(name=f"{tag}-{b:g}b-b8-ck-q{q}")
+            c = c.with_(name=f"{tag}-{b:g}b-b8-ck-q{q}{a.tag}")
             c.save(a.outdir / f"{c.name}.json")
             pv = c.provenance
             summary.append(dict(config=c.name, budget=b, option=pv["outer_option"], bits=pv["effective_bits"],
