@@ -215,9 +215,9 @@ def _static_layers(config: CacheConfig, n_layers: int, n_kv: int, what: str) -> 
             if not static:
                 continue
             side = "keys" if w == "k" else "values"
-            if len({f for f, _ in groups}) > 1:
-                raise ConfigError(f"{what}: layer {layer} stores {side} in {len({f for f, _ in groups})} formats across its kv "
-                                  "heads; given scales are one per layer or per kv head of one format")
+            if len(groups) > 1:
+                raise ConfigError(f"{what}: layer {layer} stores {side} in {len(groups)} head groups (formats or window "
+                                  "lengths) across its kv heads; given scales are one per layer or per kv head of one group")
             f = static[0]
             if not isinstance(f.granularity, (PerTensor, PerHead)):
                 raise ConfigError(f"{what}: layer {layer} {side} use {f.granularity.kind} static scales; given "
