@@ -50,9 +50,9 @@ def plot_frontier(frontier: Any, path: str | Path, marks: dict[str, float] | Non
     return _save(frontier_figure(frontier, marks, points, **kw), path)
 
 
-def bits_heatmaps(choices: Any, title: str = ""):
+def bits_heatmaps(choices: Any, title: str = "", value: str = "bits"):
     """Chosen bits per layer x kv head, keys and values side by side (the mean over the channels
-    for per-channel widths)."""
+    for per-channel widths); ``value="window"``: the window length each keeps instead."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,10 +61,11 @@ def bits_heatmaps(choices: Any, title: str = ""):
 
     fig, axes = plt.subplots(1, 2, figsize=(7, 8), sharey=True)
     for ax, w in zip(axes, ("k", "v")):
-        t = choices[choices.which == w].pivot(index="layer", columns="kv_head", values="bits")
-        sns.heatmap(t, annot=True, fmt=".3g", cbar=False, ax=ax, cmap="viridis", vmin=1, vmax=16)
-        ax.set_title(f"{'keys' if w == 'k' else 'values'}: bits")
-    fig.suptitle(title or "chosen bits per layer and kv head")
+        t = choices[choices.which == w].pivot(index="layer", columns="kv_head", values=value)
+        span = dict(vmin=1, vmax=16) if value == "bits" else dict(vmin=choices[value].min(), vmax=choices[value].max())
+        sns.heatmap(t, annot=True, fmt=".3g", cbar=False, ax=ax, cmap="viridis", **span)
+        ax.set_title(f"{'keys' if w == 'k' else 'values'}: {value}")
+    fig.suptitle(title or f"chosen {value} per layer and kv head")
     fig.tight_layout()
     return fig
 
@@ -154,7 +155,8 @@ def format_family(fmt: Any) -> str:
 
 def config_choices(config: Any, n_layers: int, n_kv: int):
     """One row per (layer, kv_head, which) of a config: format label, code bits per element (the
-    mean of per-channel widths), family (:func:`format_family`), granularity, rotate."""
+    mean of per-channel widths), family (:func:`format_family`), granularity, rotate, clip and
+    the window length it keeps (:meth:`~kverr.config.CacheConfig.window_for`)."""
     import pandas as pd
 
     rows = []
@@ -165,7 +167,7 @@ def config_choices(config: Any, n_layers: int, n_kv: int):
                 family = format_family(f)
                 rows.append(dict(layer=layer, kv_head=h, which=w, format=f.label(), bits=f.element_bits,
                                  family=family, dtype=f.dtype, granularity=f.granularity.kind, rotate=f.rotate,
-                                 clip=f.clip.kind))
+                                 clip=f.clip.kind, window=config.window_for(layer, h, w)))
     return pd.DataFrame(rows)
 
 
