@@ -344,9 +344,10 @@ class CacheConfig:
                 f"the model has {n_layers} x {n_kv_heads} x {head_dim}"
             )
         if max_context is not None and self.sinks + self.max_window() > max_context:
+            which = "window" if not self.windows_vary else "the longest window a layer or head keeps"
             raise ConfigError(
-                f"sinks + window = {self.sinks + self.max_window()} tokens exceeds the model's context "
-                f"of {max_context}; nothing would ever be quantized"
+                f"sinks + {which} = {self.sinks + self.max_window()} tokens exceeds the model's context "
+                f"of {max_context}; nothing it holds would ever be quantized"
             )
 
     def select_layers(self, model_layers: list[int]) -> CacheConfig:
