@@ -249,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
               f"{pv['candidates_k']} candidates, "
               f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")
+        if cfg.windows_vary:  # --window-per-head: how many groups keep each length
+            ch = cal.choices[b]
+            print("  window per (layer, kv head): " + "; ".join(
+                f"{'keys' if w == 'k' else 'values'} " + ", ".join(
+                    f"{n} tokens x{c}" for n, c in ch[ch.which == w].window.value_counts().sort_index().items())
+                for w in ("k", "v")))
         if "predicted_step" in pv:
             st = pv["predicted_step"]
             print(f"  at most {pv.get('max_groups_per_layer', 'any number of')} format pairs per layer: predicted decode "

@@ -683,9 +683,13 @@ def test_window_per_head_picks_a_window_per_group_counted_and_predicted_alike(ti
     code = main(["calibrate", "--capture", str(tiny_capture[1]), "--budget-bits", "3.5,4,5,6", "--out",
                  str(tmp_path / "w{bits}.json"), "--queries", "16", "--workers", "1", "--objective", "rel",
                  "--sinks", "4", "--window", "0,16,48", "--window-per-head"])
-    capsys.readouterr()
+    out = capsys.readouterr().out
     written = [CacheConfig.load(tmp_path / f"w{b}.json") for b in ("3.5", "4", "5", "6")]
     assert code == 0 and any(c.windows_vary and "/R0|16|48/" in c.provenance["outer_option"] for c in written)
+    # each budget whose windows vary says how many (layer, kv head, K|V) keep each length
+    line = next(ln for ln in out.splitlines() if "window per (layer, kv head)" in ln)
+    n = sum(int(m) for m in re.findall(r"x(\d+)", line))
+    assert n == 2 * shape.n_layers * shape.n_kv_heads
 
 
 def test_max_step_time_takes_the_most_groups_that_fit(tiny_capture):
