@@ -238,28 +238,31 @@ class CacheConfig:
 
     def format_for(self, layer: int, kv_head: int, which: Which) -> QuantFormat:
         """The format storing ``which`` ("k" or "v") of ``(layer, kv_head)``."""
-        if which not in WHICH:
-            raise ConfigError(f"which={which!r} is not allowed; 'k' or 'v'")
-        for ov in (self.heads.get((layer, kv_head)), self.layers.get(layer)):
-            if ov is not None and getattr(ov, which) is not None:
-                return getattr(ov, which)
-        return getattr(self, which)
+        return self._resolve(layer, kv_head, which, lambda ov: getattr(ov, which), lambda: getattr(self, which))
 
     def window_for(self, layer: int, kv_head: int, which: Which) -> int:
         """How many of the most recent tokens of ``which`` of ``(layer, kv_head)`` stay
         unquantized: the head's override, else the layer's, else the config's ``window``."""
+        return self._resolve(layer, kv_head, which, lambda ov: ov.window(which), lambda: self.window)
+
+    def _resolve(self, layer: int, kv_head: int, which: Which, get, default):
+        """What the head's override gives (``get``), else the layer's, else ``default()``."""
         if which not in WHICH:
             raise ConfigError(f"which={which!r} is not allowed; 'k' or 'v'")
         for ov in (self.heads.get((layer, kv_head)), self.layers.get(layer)):
-            if ov is not None and ov.window(which) is not None:
-                return ov.window(which)
-        return self.window
+            if ov is not None and get(ov) is not None:
+                return get(ov)
+        return default()
+
+    def _override_windows(self) -> list[int]:
+        """Every window length a layer or head override gives."""
+        return [ov.window(w) for ov in (*self.layers.values(), *self.heads.values()) for w in WHICH
+                if ov.window(w) is not None]
 
     @property
     def windows_vary(self) -> bool:
         """Whether an override gives some layer or head a window other than ``window``."""
-        return any(ov.window(w) not in (None, self.window) for ov in (*self.layers.values(), *self.heads.values())
-                   for w in WHICH)
+        return any(n != self.window for n in self._override_windows())
 
     def without_windows(self) -> CacheConfig:
         """This config with no window: ``window`` 0 and no override giving one."""
@@ -269,8 +272,7 @@ class CacheConfig:
 
     def max_window(self) -> int:
         """The longest window any layer or head keeps."""
-        return max([self.window, *(ov.window(w) for ov in (*self.layers.values(), *self.heads.values())
-                                   for w in WHICH if ov.window(w) is not None)])
+        return max([self.window, *self._override_windows()])
 
     def keeps_salient(self, which: Which, fmt: QuantFormat) -> bool:
         """Whether the heads of side ``which`` stored with ``fmt`` keep salient rows: the config

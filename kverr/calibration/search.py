@@ -1022,10 +1022,7 @@ def _frontier(scores: Scores, weights, options, *, n_layers: int, n_kv: int, hea
             tables[opt] = (costs, dmg)
         frontiers[opt] = fr
         add_rows(opt, fr, opt, opt.window)
-    if window_per_head:
-        if max_groups is not None and max_groups < n_kv:
-            raise ConfigError("window_per_head and max_groups_per_layer do not go together: the grouped search "
-                              "counts (K, V) format pairs per layer, and heads with other windows launch apart")
+    if window_per_head:  # (CalibrationConfig refuses it with max_groups_per_layer)
         families = window_families(options)
         if not families:
             raise ConfigError(f"window_per_head needs outer options that differ only in their window; the options "
