@@ -7,6 +7,9 @@ the config as is, then with ``k`` decode tokens per (layer, kv head) and per 64 
 as the int8 rows the window held (both K and V, the same positions), chosen by ``sum a^2`` over the
 queries that read them while they were in the window (positions ``t .. t + R - 1``) and the kv head's
 query heads, from the full-precision run's attention (what a server would take from its own run).
+With a window per head, the candidates are the tokens that leave the shortest window and ``R`` is
+the config's ``window``; ``--keep`` equal to ``--block`` keeps every decode token, leaving the
+prompt's quantization alone.
 
 Each row's ``bits``: the config's effective bits at ``--context`` tokens (static bytes shared by
 ``--batch`` sequences, the prompt quantized whole) plus the kept rows (:func:`row_bits`).
@@ -105,11 +108,15 @@ def main(argv=None) -> int:
     base = account(cfg, model_shape("default"), a.context, batch=a.batch, prefill_quantized=PREFILL).effective_bits
     name = cfg.name + ("+ck" if a.compensated_keys else "") + ("+refit" if a.refit else "")
     now: dict = {}  # the segment being run: its prompt length and decode saliency
+    n_layers, n_kv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    shortest = min(cfg.window_for(li, h, w) for li in range(n_layers) for h in range(n_kv) for w in "kv")
 
     def with_saliency(runs):
         for p, seg, off, ids, ref in runs:  # the eager forward for the attention only where rows are kept
             sal = decode_saliency(model, ids, p, cfg.window) if any(a.keep) else None
-            now.update(p=p, sal=sal, n_q=ids.shape[0] - 1 - p - cfg.window)
+            # the decode tokens that leave a window: the shortest window's (a config may keep a
+            # window per head; the saliency sums over the config's `window`)
+            now.update(p=p, sal=sal, n_q=ids.shape[0] - 1 - p - shortest)
             yield p, seg, off, ids, ref
 
     def switch(k):
