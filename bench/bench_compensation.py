@@ -8,6 +8,11 @@ factorizations of all tokens at once: ``cholesky``, ``cholesky_inverse``, then `
 inverse. :func:`~kverr.quant.compensated.compensation_factor` takes one factorization and one
 triangular inverse, on a few hundred matrices at a time.
 
+The cost of each token, ``C_t = P_t Σ P_tᵀ`` (:func:`~kverr.quant.compensated.turned_cost`), has
+two terms per row of ``P_t``; the library forms it elementwise, in ``O(D²)`` per token. This prints
+its time against two batched ``D³`` products, their largest difference and how many code bytes of
+the two formats below differ between factors made from each.
+
 For 3 kv heads of pre-RoPE costs (a synthetic query moment turned to each position, head dim 64)
 this prints, for a plain format and a Hadamard-rotated one with a quarter of its channels without
 bits:
@@ -52,6 +57,17 @@ def _textbook(C, fmt, damp):
     return order, U
 
 
+def _turned_by_products(moment, cos, sin):
+    """``C_t = P_t Σ P_tᵀ`` by two batched D³ products, ``P_t`` formed whole (rows ``R_t e_j``)."""
+    import torch
+
+    from kverr.rope import rotate
+
+    T, D = cos.shape
+    P = rotate(torch.eye(D).expand(T, D, D), cos.float()[:, None, :], sin.float()[:, None, :]).double()
+    return P @ moment.double()[..., None, :, :] @ P.transpose(-1, -2)
+
+
 def measure(quick: bool) -> list:
     """Registry entry: the library's factor against the textbook one, same costs, same run."""
     import torch
@@ -67,14 +83,30 @@ def measure(quick: bool) -> list:
     q = torch.randn(H, 2048, D, generator=g, dtype=torch.float64) @ torch.randn(D, D, generator=g, dtype=torch.float64)
     moment = q.transpose(-1, -2) @ q / q.shape[1]
     cos, sin = rope_cos_sin(torch.arange(T), default_inv_freq(D, 10000.0))
+    t0 = time.perf_counter()
     C = turned_cost(moment, cos, sin)  # [H, T, D, D]
+    library = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    C_products = _turned_by_products(moment, cos, sin)
+    products = time.perf_counter() - t0
     x = torch.randn(1, H, T, D, generator=g) * torch.linspace(0.3, 2.5, D)
     formats = {
         "int2 static": int_format(2, PerChannel()),
         "int2 static, Hadamard, 1/4 channels 0 bits": dataclasses.replace(
             int_format(4, PerChannel(), rotate="hadamard"), channel_bits=(0, 2, 3, 4) * (D // 4)),
     }
-    rows = []
+    case = f"turned cost, {H}x{T} tokens"
+    rel = float((C - C_products).abs().max() / C_products.abs().max())
+    rows = [Row(case, "products_s", products, "s"), Row(case, "library_s", library, "s"),
+            Row(case, "speedup", products / library, "x"), Row(case, "max_rel_diff_C", rel, "ratio")]
+    print(f"{case}: two products {products:.2f} s, library {library:.2f} s ({products / library:.2f}x); "
+          f"max |dC| / max |C| {rel:.1e}", flush=True)
+    for name, fmt in formats.items():
+        a = compensated_quantize(x, fmt, C, page_size=64)
+        b = compensated_quantize(x, fmt, C_products, page_size=64)
+        rows += [Row(f"{case}, {name}", "code_bytes_differing", int((a.codes != b.codes).sum()), "count"),
+                 Row(f"{case}, {name}", "code_bytes", a.codes.numel(), "count")]
+        print(f"  {name}: {rows[-2].value} of {rows[-1].value} code bytes differ between the two costs", flush=True)
     for name, fmt in formats.items():
         t0 = time.perf_counter()
         order, U = _textbook(C, fmt, DAMP)

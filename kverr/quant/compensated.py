@@ -51,7 +51,6 @@ from kverr.quant.reference import (
     quantize,
     round_codes,
 )
-from kverr.rope import rotate
 
 __all__ = [
     "DAMP", "CompensationFactor", "KeyCost", "KeyMoments", "compensable", "compensated_quantize", "compensation_factor",
@@ -223,16 +222,37 @@ class KeyMoments:
         return cls(np.frombuffer(raw, dtype="<f2").astype(np.float16).reshape(L, H, -1), D)
 
 
+#: Tokens :func:`turned_cost` turns at once on a CPU: the intermediates of a few dozen stay in
+#: its cache.
+TURN_CHUNK = 32
+
+
 def turned_cost(moment: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``C_t = R_tᵀ Σ R_t``, ``[..., T, D, D]`` float64: the cost of an error in a key stored
     before RoPE at each of the ``T`` positions whose RoPE tables ``cos, sin [T, D]`` are given
     (:func:`kverr.rope.rotate`), for the second moment ``moment [..., D, D]`` of post-RoPE
     queries."""
     T, D = cos.shape
-    eye = torch.eye(D, dtype=torch.float32, device=cos.device).expand(T, D, D)
-    # rows of P_t = R_tᵀ: row j is R_t e_j
-    P = rotate(eye, cos.float()[:, None, :], sin.float()[:, None, :]).double()
-    return P @ moment.double()[..., None, :, :] @ P.transpose(-1, -2)
+    if D % 2:
+        raise ShapeError(f"RoPE tables of {D} channels: the half-rotation pairs an even number")
+    dev, h = cos.device, D // 2
+    # Row j of P_t = R_tᵀ is R_t e_j (:func:`kverr.rope.rotate`, in float32 as it applies it):
+    # cos_t[j] at channel j and ± sin_t[p(j)] at its partner p(j) = j ± D/2 (+ for j < D/2).
+    # Two terms per row, so C_t = P_t Σ P_tᵀ is formed elementwise in O(D²) per token rather than
+    # by two D³ products -- each sum of two rounded products, the same on every device.
+    partner = torch.cat([torch.arange(h, D, device=dev), torch.arange(h, device=dev)])
+    sign = torch.cat([torch.ones(h, dtype=torch.float64, device=dev), -torch.ones(h, dtype=torch.float64, device=dev)])
+    c = cos.float().double()
+    off = sign * sin.float().double()[:, partner]  # [T, D]: P_t[j, p(j)]
+    m = moment.double()[..., None, :, :]
+    mp = m[..., partner, :]
+    out = torch.empty((*m.shape[:-3], T, D, D), dtype=torch.float64, device=dev)
+    step = TURN_CHUNK if dev.type == "cpu" else max(T, 1)
+    for a in range(0, T, step):
+        ca, oa = c[a:a + step], off[a:a + step]
+        ps = ca[:, :, None] * m + oa[:, :, None] * mp  # P_t Σ
+        out[..., a:a + step, :, :] = ps * ca[:, None, :] + ps[..., partner] * oa[:, None, :]
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -346,6 +366,13 @@ def _factor(C: torch.Tensor, fmt: QuantFormat, damp: float) -> CompensationFacto
     return CompensationFactor(order.reshape(*lead, D), major.reshape(D, D, *lead), fmt.rotate, zeros)
 
 
+def _index(heads: Sequence[int]) -> list[int] | slice:
+    """An index of the kv-head axis that takes ``heads`` in order: a slice (a view, no copy of
+    every token's cost) where they are consecutive, else the list."""
+    h = [int(i) for i in heads]
+    return slice(h[0], h[-1] + 1) if h and h[0] >= 0 and h == list(range(h[0], h[-1] + 1)) else h
+
+
 class KeyCost:
     """A cost ``[..., H, T, D, D]`` (``T`` may be 1: one cost for every token) with its factors,
     each computed once per rotation and set of channels without bits, and per kv-head subset
@@ -386,7 +413,7 @@ class KeyCost:
 
     def heads(self, heads: Sequence[int]) -> KeyCost:
         """The cost of some kv heads, with the factors already made for all of them."""
-        idx = list(heads) if self.n_heads > 1 else slice(None)
+        idx = _index(heads) if self.n_heads > 1 else slice(None)
         out = KeyCost.__new__(KeyCost)
         out.cost, out.damp = self.cost[..., idx, :, :, :], self.damp
         out._factors = {k: f.select(idx) for k, f in self._factors.items() if k[-1] is None}
@@ -404,7 +431,7 @@ class KeyCost:
             return whole if heads is None else whole.select(list(heads))
         key = (*ident, tuple(heads))
         if key not in self._factors:
-            self._factors[key] = _factor(self.cost[..., list(heads), :, :, :], fmt, self.damp)
+            self._factors[key] = _factor(self.cost[..., _index(heads), :, :, :], fmt, self.damp)
         return self._factors[key]
 
 

@@ -184,11 +184,13 @@ def test_a_factor_made_once_rounds_as_its_cost_does_for_any_heads_and_tokens(nam
     kc = KeyCost(C)
     want = compensated_quantize(x, fmt, C, page_size=64)
     assert torch.equal(compensated_quantize(x, fmt, kc.factor(fmt), page_size=64).codes, want.codes)
-    sub, Csub = x[:, 1:, 5:30], C[1:, 5:30]
-    want = compensated_quantize(sub, fmt, Csub, page_size=64).codes
-    for fac in (kc.factor(fmt, [1, 2]).select(tokens=slice(5, 30)), kc.heads([1, 2]).factor(fmt).select(tokens=slice(5, 30)),
-                KeyCost(C).heads([1, 2]).factor(fmt).select(tokens=slice(5, 30))):
-        assert torch.equal(compensated_quantize(sub, fmt, fac, page_size=64).codes, want)
+    for hs in ([1, 2], [0, 2], [2]):  # consecutive heads are taken as a view, others as a copy
+        sub, Csub = x[:, hs, 5:30], C[hs, 5:30]
+        want = compensated_quantize(sub, fmt, Csub, page_size=64).codes
+        for fac in (kc.factor(fmt, hs).select(tokens=slice(5, 30)), kc.heads(hs).factor(fmt).select(tokens=slice(5, 30)),
+                    KeyCost(C).heads(hs).factor(fmt).select(tokens=slice(5, 30))):
+            assert torch.equal(compensated_quantize(sub, fmt, fac, page_size=64).codes, want)
+    sub = x[:, 1:, 5:30]
     # one cost for all tokens of a head broadcasts, and a token range keeps it whole
     one = C[:, :1]
     got = compensated_quantize(sub, fmt, KeyCost(one).factor(fmt, [1, 2]).select(tokens=slice(5, 30)), page_size=64)
