@@ -139,6 +139,27 @@ def test_the_turned_cost_is_the_mean_squared_score_error_after_rope():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
+def test_the_turned_cost_is_p_sigma_p_transposed_whatever_the_chunking():
+    # C_t = P_t Σ P_tᵀ with P_t's rows R_t e_j: formed elementwise (two terms per row), it equals
+    # the two products to float64 round-off -- each entry a sum of at most four products of
+    # float64 numbers, so a few ulps of the largest entry -- for heads and a token count that
+    # leaves a partial chunk; tokens do not depend on the chunk they fall in.
+    import kverr.quant.compensated as comp
+
+    g = torch.Generator().manual_seed(8)
+    m = query_moment(torch.randn(1, 4, 40, D, generator=g), 2, last=40)[0].double()  # [H=2, D, D]
+    T = 2 * comp.TURN_CHUNK + 5
+    cos, sin = rope_cos_sin(torch.arange(T) * 37, default_inv_freq(D, 10000.0))
+    P = rotate(torch.eye(D).expand(T, D, D), cos.float()[:, None, :], sin.float()[:, None, :]).double()
+    want = P @ m[:, None] @ P.transpose(-1, -2)  # [H, T, D, D]
+    got = turned_cost(m, cos, sin)
+    assert got.shape == want.shape == (2, T, D, D)
+    assert float((got - want).abs().max()) <= 8 * torch.finfo(torch.float64).eps * float(want.abs().max())
+    assert torch.equal(turned_cost(m, cos[T - 3:], sin[T - 3:]), got[:, T - 3:])
+    with pytest.raises(ShapeError, match="even"):
+        turned_cost(m[..., :3, :3], cos[:, :3], sin[:, :3])
+
+
 def test_a_key_cost_of_a_moment_is_the_moment_after_rope_and_turned_to_each_position_before():
     g = torch.Generator().manual_seed(4)
     m = query_moment(torch.randn(1, 4, 30, D, generator=g), 2, last=30)[0]  # [H=2, D, D]
