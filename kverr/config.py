@@ -292,9 +292,9 @@ class CacheConfig:
         (no ``key_moments``)."""
         return bool(self.salient) or (self.compensates_keys and self.key_moments is None)
 
-    def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
-        """kv heads of ``layer`` grouped by format and window length, in order of first
-        appearance (a group's window: :meth:`window_for` of any of its heads).
+    def window_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, int, list[int]]]:
+        """kv heads of ``layer`` grouped by format and window length (:meth:`window_for`), in
+        order of first appearance: ``[(format, window, heads)]``.
 
         Heads that share a format and a window are quantized together, so a ``tensor``
         granularity spans exactly the heads that use it.
@@ -302,7 +302,11 @@ class CacheConfig:
         groups: dict[tuple[QuantFormat, int], list[int]] = {}
         for h in range(n_kv_heads):
             groups.setdefault((self.format_for(layer, h, which), self.window_for(layer, h, which)), []).append(h)
-        return [(fmt, heads) for (fmt, _), heads in groups.items()]
+        return [(fmt, window, heads) for (fmt, window), heads in groups.items()]
+
+    def head_groups(self, layer: int, n_kv_heads: int, which: Which) -> list[tuple[QuantFormat, list[int]]]:
+        """:meth:`window_groups` without the windows: ``[(format, heads)]``."""
+        return [(fmt, heads) for fmt, _, heads in self.window_groups(layer, n_kv_heads, which)]
 
     def launch_groups(self, layer: int, n_kv_heads: int) -> list[tuple[QuantFormat, QuantFormat, list[int]]]:
         """kv heads of ``layer`` grouped by their (K format, V format) pair and their K and V

@@ -416,10 +416,9 @@ def step_cost(config: CacheConfig, shape: ModelShape, tokens: int, batch: int = 
         for w in WHICH:
             if not wf.is_float:
                 launches.append(Launch("receive", 1.0, tuple(range(H)), {"store": B * H * (D * ACT_BYTES + fp_row)}))
-            for fmt, heads in config.head_groups(layer, H, w):
+            for fmt, win, heads in config.window_groups(layer, H, w):
                 h = len(heads)
                 tb = token_block(fmt.granularity, config.page_size)
-                win = config.window_for(layer, heads[0], w)
                 blocks.add((tb, win))
                 b1, _ = group_bytes(config, fmt, h, T, D, B, which=w, window=win)
                 start, end = token_regions(T, config, fmt, window=win)

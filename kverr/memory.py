@@ -368,9 +368,9 @@ def account(
         entry: dict[str, Bytes] = {}
         for w in WHICH:
             total = Bytes()
-            for fmt, heads in config.head_groups(layer, shape.n_kv_heads, w):
+            for fmt, window, heads in config.window_groups(layer, shape.n_kv_heads, w):
                 b, seed = group_bytes(config, fmt, len(heads), tokens, shape.head_dim, batch, prefill_quantized,
-                                      shape.sliding_window(layer), which=w, window=config.window_for(layer, heads[0], w))
+                                      shape.sliding_window(layer), which=w, window=window)
                 total.add(b)
                 report.seed_bytes += seed
             entry[w] = total

@@ -232,8 +232,8 @@ def validate_arrays(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             hat = reconstruct(x, config, layer=l, which=which, key_cost=cost)
             if not static_moments:
                 near = reconstruct(x, nearest, layer=l, which=which)
-                for fmt, heads in config.head_groups(l, H, "k"):
-                    end = token_regions(T - steps, config, fmt, window=config.window_for(l, heads[0], "k"))[1]  # of the prefill's quantized keys
+                for fmt, window, heads in config.window_groups(l, H, "k"):
+                    end = token_regions(T - steps, config, fmt, window=window)[1]  # of the prefill's quantized keys
                     hat[:, heads, end:] = near[:, heads, end:]
         else:
             hat = reconstruct(x, config, layer=l, which=which)

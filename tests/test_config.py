@@ -205,6 +205,7 @@ def test_a_window_per_head_resolves_groups_heads_and_runs_on_the_kernel_path():
     assert cfg.window_for(0, 1, "k") == 32 and cfg.windows_vary and cfg.max_window() == 64
     assert [heads for _, heads in cfg.head_groups(1, 3, "v")] == [[0, 1], [2]]
     assert [heads for _, heads in cfg.head_groups(0, 3, "k")] == [[0, 2], [1]]
+    assert [(w, heads) for _, w, heads in cfg.window_groups(1, 3, "v")] == [(64, [0, 1]), (16, [2])]
     bare = cfg.without_windows()
     assert not bare.windows_vary and bare.window == 0 and bare.layers == {} and list(bare.heads) == [(0, 1)]
     same = cfg.with_(layers={1: Override(v_window=32)}, heads={})

@@ -224,10 +224,10 @@ def layer_static_scales(config, layer: int, k, v, salient: torch.Tensor | None =
     for which, x in (("k", k), ("v", v)):
         x = receive(torch.as_tensor(x).float(), config.window_dtype)  # the cache receives K/V in window_dtype
         H, T = x.shape[1], x.shape[2]
-        for fmt, heads in config.head_groups(layer, H, which):
+        for fmt, window, heads in config.window_groups(layer, H, which):
             if not fmt.takes_static_scales:
                 continue  # a fixed scale is the format's own, set by the cache
-            start, end = token_regions(T, config, fmt, window=config.window_for(layer, heads[0], which))
+            start, end = token_regions(T, config, fmt, window=window)
             if end > start:
                 keeps = salient is not None and config.keeps_salient(which, fmt)
                 rel = salient[:, heads].long() - start if keeps else None
@@ -354,7 +354,7 @@ class PagedKVCache:
             per: dict[str, list[Pool]] = {}
             for which in ("k", "v"):
                 per[which] = []
-                for fmt, heads in config.head_groups(layer, n_kv_heads, which):
+                for fmt, window, heads in config.window_groups(layer, n_kv_heads, which):
                     spec = kernel_spec(fmt, head_dim, self.P)
                     h = len(heads)
                     codes = torch.zeros((self.num_pages, h, self.P, spec.cb), dtype=spec.codes_dtype, device=dev)
@@ -380,7 +380,6 @@ class PagedKVCache:
                             scale = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
                             if spec.kind == 1:
                                 zero = torch.zeros(shape, dtype=spec.scale_dtype, device=dev)
-                    window = config.window_for(layer, heads[0], which)
                     cap = window + spec.tb
                     nsal = config.salient if config.keeps_salient(which, fmt) else 0
                     fp = torch.zeros((max_batch, h, self.S + cap + nsal, head_dim), dtype=wdt, device=dev)

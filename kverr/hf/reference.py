@@ -229,8 +229,8 @@ class KverrLayer(CacheLayerMixin):
         self.static_scales = static_scales or {}
         self.cumulative_length = 0
         self.groups: dict[str, list[_Group]] = {
-            w: [_Group(fmt, heads, config.window_for(layer_idx, heads[0], w))
-                for fmt, heads in config.head_groups(layer_idx, n_kv_heads, w)] for w in WHICH
+            w: [_Group(fmt, heads, window) for fmt, window, heads in config.window_groups(layer_idx, n_kv_heads, w)]
+            for w in WHICH
         }
         if config.key_moments is not None:  # static: one cost for every sequence, never dropped
             moment = config.key_moments.layer(layer_idx)

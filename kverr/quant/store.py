@@ -312,9 +312,9 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
     sal = None if salient is None else _salient_positions(salient, config, lead, H).to(x4.device)
     out = x4.clone()
     kept = None if sal is None else torch.zeros((N, H, T), dtype=torch.bool, device=x4.device)
-    for fmt, heads in config.head_groups(layer, H, which):
+    for fmt, window, heads in config.window_groups(layer, H, which):
         fmt.check_head_dim(D, which)
-        start, end = token_regions(T, config, fmt, window=config.window_for(layer, heads[0], which))
+        start, end = token_regions(T, config, fmt, window=window)
         if end > start:
             region = x4[:, heads, start:end, :]
             fit = None
@@ -474,10 +474,9 @@ class ReferenceStore:
                     self.shape = tuple(x32.shape)
                 elif tuple(x32.shape) != self.shape:
                     raise ShapeError(f"layer {layer} {which} has shape {tuple(x32.shape)}, expected {self.shape}")
-                for fmt, heads in config.head_groups(layer, x32.shape[1], which):
+                for fmt, window, heads in config.window_groups(layer, x32.shape[1], which):
                     live = live_start(x32.shape[2], self.sliding_windows[layer])
-                    self.groups[(layer, which, heads[0])] = self._store(
-                        x32[:, heads], fmt, heads, live, config.window_for(layer, heads[0], which))
+                    self.groups[(layer, which, heads[0])] = self._store(x32[:, heads], fmt, heads, live, window)
 
     def _store(self, x: torch.Tensor, fmt: QuantFormat, heads: list[int], live: int = 0,
                window: int | None = None) -> HeadGroupStore:
