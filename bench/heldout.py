@@ -99,16 +99,17 @@ def typing_py() -> Path:
     return Path(typing.__file__)
 
 
-def protocol_segments(loaded, numbers) -> list:
+def protocol_segments(loaded, numbers, text: str | None = None, offset: int = 0) -> list:
     """The segments ``numbers`` of this protocol, numbered as :data:`SEGMENTS_CSV` numbers them
-    (segment ``i`` starts at token ``i * (PREFILL + DECODE + 1)`` of ``typing.py``), as
+    (segment ``i`` starts at token ``offset + i * (PREFILL + DECODE + 1)`` of ``typing.py``, or
+    of ``text``: a path or a name :func:`kverr.capturing.text.load_text` knows), as
     :func:`kverr.evaluation.segment_jobs` gives them: ``(prefill, segment, offset, ids)``, for
     experiments that run the protocol's segments with their own caches."""
     from kverr.capturing.text import load_text
     from kverr.evaluation import segment_jobs
 
-    jobs = segment_jobs(loaded, load_text(str(typing_py())), prefill=[PREFILL], decode=DECODE,
-                        segments=max(numbers) + 1, offset=0)
+    jobs = segment_jobs(loaded, load_text(text or str(typing_py())), prefill=[PREFILL], decode=DECODE,
+                        segments=max(numbers) + 1, offset=offset)
     return [job for job in jobs if job[1] in set(numbers)]
 
 
@@ -129,7 +130,7 @@ def protocol_runs(args):
     cfg = CacheConfig.load(args.config)
 
     def runs():
-        for p, seg, off, ids in protocol_segments(loaded, args.segments):
+        for p, seg, off, ids in protocol_segments(loaded, args.segments, args.text, args.offset):
             yield p, seg, off, ids, teacher_forced(loaded.model, DynamicCache(), ids, p, flush=False)
 
     return loaded, cfg, runs()
@@ -177,6 +178,10 @@ def protocol_parser(description: str | None):
     ap.add_argument("--segments", type=int, nargs="+", default=[0],
                     help=f"segments of the protocol, 0-{SEGMENTS - 1} as {SEGMENTS_CSV.name} numbers them")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--text", help="the text the segments come from instead of typing.py (a path, or a name "
+                                   "kverr capture --text takes, such as pydoc: the calibration text, for measuring "
+                                   "on text apart from the test set)")
+    ap.add_argument("--offset", type=int, default=0, help="token of the text segment 0 starts at")
     return ap
 
 
