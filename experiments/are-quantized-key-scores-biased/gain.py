@@ -8,17 +8,12 @@ the quantized tokens. The held-out protocol as ``bench/heldout.py`` runs it (typ
 N = 256, one torch thread), each segment with the gains off and on.
 
 Usage (from the repository root):
-    PYTHONPATH=. python experiments/are-quantized-key-scores-biased/gain.py CONFIG BIAS.csv OUT.csv \
+    PYTHONPATH=. python experiments/are-quantized-key-scores-biased/gain.py CONFIG OUT.csv BIAS.csv \
         [--segments 0] [--strength 1] [--compensated-keys] [--refit]
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.heldout import protocol_parser, protocol_runs, protocol_switch, record  # noqa: E402
+from bench.heldout import protocol_parser, protocol_runs, protocol_switch, record
 
 STATE = {"on": False, "gain": {}}
 
