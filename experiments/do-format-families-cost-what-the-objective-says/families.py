@@ -3,7 +3,8 @@
 A config's (layer, kv head, K|V) groups are split into families by their format: keys with
 fitted per-channel widths (``k:widths``) and the other keys (``k:other``); values with static
 per-channel scales (``v:static``) and the other values (``v:dynamic``: per-token scales and
-codebooks). Per family, the config is run with only that family's groups quantized -- every
+codebooks); the other keys split further by their scales (``k:other/static``,
+``k:other/dynamic``). Per family, the config is run with only that family's groups quantized -- every
 other group holds the ``fp32`` format, so it keeps the values the cache receives (with an int8
 window, its int8 rows) -- through the held-out protocol (typing.py, P = 1024 quantized whole
 after the prefill, N = 256 teacher-forced steps, one torch thread), and the mean KL of the decode
@@ -23,6 +24,7 @@ from __future__ import annotations
 from bench.heldout import protocol_parser, protocol_runs, record
 
 FAMILIES = ("k:widths", "k:other", "v:static", "v:dynamic")
+SUBFAMILIES = ("k:other/static", "k:other/dynamic")
 
 
 def family(which: str, fmt) -> str:
@@ -32,6 +34,17 @@ def family(which: str, fmt) -> str:
     if which == "k":
         return "k:widths" if fmt.channel_bits is not None else "k:other"
     return "v:static" if not fmt.is_float and is_static(fmt.granularity) else "v:dynamic"
+
+
+def subfamily(which: str, fmt) -> str:
+    """The family of a group, with the other keys split by their scales: ``k:other/static``
+    (static per-channel integer scales) and ``k:other/dynamic`` (the rest)."""
+    from kverr.quant.formats import is_static
+
+    fam = family(which, fmt)
+    if fam != "k:other":
+        return fam
+    return "k:other/static" if not fmt.is_float and is_static(fmt.granularity) else "k:other/dynamic"
 
 
 def only(cfg, n_layers: int, n_kv: int, keep: set[str]):
@@ -44,7 +57,7 @@ def only(cfg, n_layers: int, n_kv: int, keep: set[str]):
     for li in range(n_layers):
         for h in range(n_kv):
             fmts = {w: cfg.format_for(li, h, w) for w in "kv"}
-            fmts = {w: f if family(w, f) in keep else fp32 for w, f in fmts.items()}
+            fmts = {w: f if family(w, f) in keep or subfamily(w, f) in keep else fp32 for w, f in fmts.items()}
             heads[(li, h)] = Override(k=fmts["k"], v=fmts["v"], k_window=cfg.window_for(li, h, "k"),
                                       v_window=cfg.window_for(li, h, "v"))
     return cfg.with_(heads=heads, layers={}, name=f"{cfg.name}[{'+'.join(sorted(keep))}]")
@@ -53,16 +66,17 @@ def only(cfg, n_layers: int, n_kv: int, keep: set[str]):
 def main(argv=None) -> int:
     ap = protocol_parser(__doc__)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES),
-                    help=f"the families quantized, one run each: {', '.join(FAMILIES)}, several joined by '+', "
+                    help=f"the families quantized, one run each: {', '.join(FAMILIES)} (or the other keys split, "
+                         f"{', '.join(SUBFAMILIES)}), several joined by '+', "
                          "all (the config itself) or none (every group fp32)")
     ap.add_argument("--compensated-keys", action="store_true", help="keys rounded with compensation (+ck)")
     ap.add_argument("--refit", action="store_true", help="widths refit on each prompt (kverr evaluate --refit-widths)")
     ap.add_argument("--predict", metavar="CAPTURE", help="instead: write each family's predicted damage on CAPTURE")
     ap.add_argument("--queries", type=int, default=64, help="query positions per layer for --predict")
     a = ap.parse_args(argv)
-    bad = {f for fam in a.families for f in fam.split("+")} - {*FAMILIES, "all", "none"}
+    bad = {f for fam in a.families for f in fam.split("+")} - {*FAMILIES, *SUBFAMILIES, "all", "none"}
     if bad:
-        ap.error(f"unknown families {sorted(bad)}; choose from {', '.join(FAMILIES)}, all, none")
+        ap.error(f"unknown families {sorted(bad)}; choose from {', '.join((*FAMILIES, *SUBFAMILIES))}, all, none")
     from kverr.config import CacheConfig
     from kverr.memory import model_shape
 
