@@ -47,8 +47,23 @@ def subfamily(which: str, fmt) -> str:
     return "k:other/static" if not fmt.is_float and is_static(fmt.granularity) else "k:other/dynamic"
 
 
+def kept(keep: set[str], layer: int, which: str, fmt) -> bool:
+    """Whether a group is in one of the families ``keep``; a family written ``FAM@LO-HI`` counts
+    only in layers ``LO`` to ``HI``."""
+    for token in keep:
+        fam, _, span = token.partition("@")
+        if span:
+            lo, hi = (int(x) for x in span.split("-"))
+            if not lo <= layer <= hi:
+                continue
+        if fam in (family(which, fmt), subfamily(which, fmt)):
+            return True
+    return False
+
+
 def only(cfg, n_layers: int, n_kv: int, keep: set[str]):
-    """``cfg`` with the groups outside the families ``keep`` in the ``fp32`` format, windows kept."""
+    """``cfg`` with the groups outside the families ``keep`` (:func:`kept`) in the ``fp32``
+    format, windows kept."""
     from kverr.config import Override
     from kverr.quant.formats import float_format
 
@@ -57,7 +72,7 @@ def only(cfg, n_layers: int, n_kv: int, keep: set[str]):
     for li in range(n_layers):
         for h in range(n_kv):
             fmts = {w: cfg.format_for(li, h, w) for w in "kv"}
-            fmts = {w: f if family(w, f) in keep or subfamily(w, f) in keep else fp32 for w, f in fmts.items()}
+            fmts = {w: f if kept(keep, li, w, f) else fp32 for w, f in fmts.items()}
             heads[(li, h)] = Override(k=fmts["k"], v=fmts["v"], k_window=cfg.window_for(li, h, "k"),
                                       v_window=cfg.window_for(li, h, "v"))
     return cfg.with_(heads=heads, layers={}, name=f"{cfg.name}[{'+'.join(sorted(keep))}]")
@@ -67,14 +82,14 @@ def main(argv=None) -> int:
     ap = protocol_parser(__doc__)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES),
                     help=f"the families quantized, one run each: {', '.join(FAMILIES)} (or the other keys split, "
-                         f"{', '.join(SUBFAMILIES)}), several joined by '+', "
+                         f"{', '.join(SUBFAMILIES)}; FAM@LO-HI: in layers LO to HI only), several joined by '+', "
                          "all (the config itself) or none (every group fp32)")
     ap.add_argument("--compensated-keys", action="store_true", help="keys rounded with compensation (+ck)")
     ap.add_argument("--refit", action="store_true", help="widths refit on each prompt (kverr evaluate --refit-widths)")
     ap.add_argument("--predict", metavar="CAPTURE", help="instead: write each family's predicted damage on CAPTURE")
     ap.add_argument("--queries", type=int, default=64, help="query positions per layer for --predict")
     a = ap.parse_args(argv)
-    bad = {f for fam in a.families for f in fam.split("+")} - {*FAMILIES, *SUBFAMILIES, "all", "none"}
+    bad = {f.partition("@")[0] for fam in a.families for f in fam.split("+")} - {*FAMILIES, *SUBFAMILIES, "all", "none"}
     if bad:
         ap.error(f"unknown families {sorted(bad)}; choose from {', '.join((*FAMILIES, *SUBFAMILIES))}, all, none")
     from kverr.config import CacheConfig
