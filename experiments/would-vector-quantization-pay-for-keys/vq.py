@@ -12,7 +12,7 @@ Per (layer, kv head) of a capture, the pre-RoPE keys are quantized by
 * ``vq4/<b>`` (b = 2 only): two RoPE pairs at once, ``2^8`` centroids, one codebook per head
   shared by its 16 pair-pairs.
 
-* ``lloyd1/<b>``: each channel alone, its ``2^b`` 1-D k-means levels (no scale): what VQ gains
+* ``lloyd1/<b>``: each channel alone, its ``2^b`` Lloyd-Max levels (no scale): what VQ gains
   over non-uniform scalar levels;
 * with ``--config``, the config's own key format of the head (``bits``: its mean width), and
   ``vq2-allotted``: RoPE-pair VQ at the same bits, allotted over the pairs greedily by the
@@ -39,16 +39,12 @@ import torch
 
 
 def kmeans(x: torch.Tensor, k: int, iters: int = 25, seed: int = 0) -> torch.Tensor:
-    """``[G, k, d]`` centroids of ``x [G, n, d]`` (Lloyd, k-means++-free: random distinct starts)."""
-    g = torch.Generator().manual_seed(seed)
-    G, n, d = x.shape
-    c = torch.stack([x[i, torch.randperm(n, generator=g)[:k]] for i in range(G)])
-    for _ in range(iters):
-        a = torch.cdist(x, c).argmin(-1)  # [G, n]
-        s = torch.zeros_like(c).scatter_add_(1, a[..., None].expand(-1, -1, d), x)
-        cnt = torch.zeros(G, k, dtype=x.dtype).scatter_add_(1, a, torch.ones_like(a, dtype=x.dtype))
-        c = torch.where(cnt[..., None] > 0, s / cnt.clamp(min=1)[..., None], c)
-    return c
+    """``[G, k, d]`` centroids of ``x [G, n, d]``, each group by scipy's ``kmeans2`` (k-means++
+    starts, ``iters`` Lloyd rounds, seeded)."""
+    from scipy.cluster.vq import kmeans2
+
+    return torch.stack([torch.as_tensor(kmeans2(g.numpy(), k, iter=iters, minit="++", seed=seed + i)[0])
+                        for i, g in enumerate(x.double())])
 
 
 def vq(k: torch.Tensor, fit: slice, w: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -107,10 +103,15 @@ def allocated(k: torch.Tensor, fit: slice, w: torch.Tensor, total_bits: int, top
 
 
 def lloyd(k: torch.Tensor, fit: slice, bits: int) -> torch.Tensor:
-    """``k [T, D]`` with each channel replaced by the nearest of its ``2^b`` 1-D k-means levels."""
-    x = k.T[..., None]  # [D, T, 1]
-    c = kmeans(x[:, fit], 2 ** bits)
-    return c.gather(1, torch.cdist(x, c).argmin(-1)[..., None]).squeeze(-1).T
+    """``k [T, D]`` with each channel replaced by the nearest of its ``2^b`` levels, fitted on the
+    fitting tokens by kverr's Lloyd-Max (:func:`kverr.quant.codebooks.lloyd_max`)."""
+    from kverr.quant.codebooks import level_codes, lloyd_max
+
+    out = torch.empty_like(k)
+    for c in range(k.shape[1]):
+        levels = lloyd_max(k[fit, c], bits)
+        out[:, c] = torch.tensor(levels, dtype=k.dtype)[level_codes(k[:, c], levels).long()]
+    return out
 
 
 def main(argv=None) -> int:
