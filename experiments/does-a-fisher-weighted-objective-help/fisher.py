@@ -126,9 +126,6 @@ def install(path: Path) -> None:
                 _state.cur = (self.layer, qi)
                 yield h, qi
 
-    def head_groups(prep):
-        return Groups(prep)
-
     def weighed(fn):
         def f(*args, **kw):
             t = fn(*args, **kw)  # [C, g·n, D]
@@ -144,7 +141,7 @@ def install(path: Path) -> None:
     def prepare_layer(*args, **kw):
         return dataclasses.replace(prepare(*args, **kw), norm=2.0)
 
-    obj._head_groups = head_groups
+    obj._head_groups = Groups
     obj.prepare_layer = search.prepare_layer = prepare_layer
     for name in ("key_term_from_growth", "key_term", "value_term"):
         setattr(terms, name, weighed(getattr(terms, name)))
@@ -157,6 +154,10 @@ def predict(a) -> None:
     from kverr.io import open_capture
     from kverr.memory import model_shape
 
+    known = {*families.FAMILIES, *families.SUBFAMILIES, "all"}
+    bad = {f.partition("@")[0] for fam in a.families for f in fam.split("+")} - known
+    if bad:
+        raise SystemExit(f"unknown families {sorted(bad)}; choose from {', '.join(sorted(known))}")
     torch.set_num_threads(a.threads)
     install(a.fisher)
     from kverr.calibration import objective
@@ -215,15 +216,26 @@ def weights(a) -> None:
     F = np.load(a.fisher)["fisher"]
     measured = CacheConfig.load(a.config).provenance["sensitivity"]["weights_k"]
     capture = open_capture(a.capture)
+    n = F.shape[1] * F.shape[-1]  # channels of the whole o_proj input
     rows = []
     for layer in range(F.shape[0]):
         q, k, v, _, scale, kv_map = _layer_arrays(capture, layer, False)
         m = prepare_layer(q, k, v, None, layer=layer, kv_map=kv_map, scale=scale, queries=a.queries).norm
-        n = F.shape[1] * F.shape[-1]
         tr = float(np.trace(F[layer], axis1=-2, axis2=-1).sum())
         rows.append({"layer": layer, "fisher_weight": 0.5 * m * tr / n, "measured_weight": measured[layer]})
         print(rows[-1], flush=True)
     pd.DataFrame(rows).to_csv(a.out, index=False)
+
+
+def _priced(sub, name: str, queries: int) -> argparse.ArgumentParser:
+    """A subcommand that prices a config on a capture under ``F``: ``CONFIG FISHER CAPTURE OUT``."""
+    p = sub.add_parser(name)
+    p.add_argument("config")
+    p.add_argument("fisher", type=Path)
+    p.add_argument("capture")
+    p.add_argument("out", type=Path)
+    p.add_argument("--queries", type=int, default=queries)
+    return p
 
 
 def main() -> None:
@@ -238,14 +250,10 @@ def main() -> None:
     m.add_argument("--samples", type=int, default=8)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--threads", type=int, default=2)
-    p = sub.add_parser("predict")
-    p.add_argument("config")
-    p.add_argument("fisher", type=Path)
-    p.add_argument("capture")
-    p.add_argument("out", type=Path)
-    p.add_argument("--families", nargs="+", default=["all", *families.FAMILIES])
+    p = _priced(sub, "predict", queries=64)
+    p.add_argument("--families", nargs="+", default=["all", *families.FAMILIES],
+                   help="as families.py takes them (FAM+FAM, FAM@LO-HI), or all")
     p.add_argument("--compensated-keys", action="store_true")
-    p.add_argument("--queries", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     c = sub.add_parser("calibrate")
     c.add_argument("capture")
@@ -253,12 +261,7 @@ def main() -> None:
     c.add_argument("outdir", type=Path)
     c.add_argument("--budgets", default="2.5,3")
     c.add_argument("--queries", type=int, default=128)
-    w = sub.add_parser("weights")
-    w.add_argument("config")
-    w.add_argument("fisher", type=Path)
-    w.add_argument("capture")
-    w.add_argument("out", type=Path)
-    w.add_argument("--queries", type=int, default=128)
+    _priced(sub, "weights", queries=128)
     a = ap.parse_args()
     {"measure": measure, "predict": predict, "calibrate": calibrate, "weights": weights}[a.cmd](a)
 
