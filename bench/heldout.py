@@ -168,6 +168,19 @@ def record(rows: list, row: dict, out, what: str) -> None:
     pd.DataFrame(rows).to_csv(out, index=False)
 
 
+def experiment_script(folder: str, script: str):
+    """The script ``experiments/<folder>/<script>`` loaded as a module (an experiment reusing
+    another's code; the folders' names are not importable). Loading runs it as an import does:
+    any patch it makes at import applies from then on."""
+    import importlib.util
+
+    path = ROOT / "experiments" / folder / script
+    spec = importlib.util.spec_from_file_location(Path(script).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def protocol_parser(description: str | None):
     """The command line of such an experiment: ``CONFIG OUT.csv [--segments N ...] [--threads N]``."""
     import argparse

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import threading
 import time
@@ -48,10 +47,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_spec = importlib.util.spec_from_file_location(
-    "families", Path(__file__).parents[1] / "do-format-families-cost-what-the-objective-says" / "families.py")
-families = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(families)
+from bench.heldout import experiment_script
+
+families = experiment_script("do-format-families-cost-what-the-objective-says", "families.py")
 
 
 def measure(a) -> None:

@@ -15,17 +15,13 @@ Usage (from the repository root): PYTHONPATH=. python experiments/does-compensat
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
+from bench.heldout import experiment_script
 from kverr.hf.reference import KverrLayer
 
-_spec = importlib.util.spec_from_file_location(
-    "decode_salient", Path(__file__).parents[1] / "where-does-the-held-out-kl-come-from" / "decode_salient.py")
-decode_salient = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_salient)  # patches KverrLayer._quantize/_read (unused with --keep 0)
+# patches KverrLayer._quantize/_read (unused with --keep 0)
+decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "decode_salient.py")
 
 _observe, _encode = KverrLayer.observe, KverrLayer._encode
 

@@ -9,21 +9,17 @@ Usage (from the repository root): PYTHONPATH=. python experiments/does-compensat
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 
+from bench.heldout import experiment_script
 import kverr.hf.reference as reference
 from kverr.hf.reference import KverrLayer
 from kverr.io import open_capture
 from kverr.quant.compensated import query_moment
 
-_spec = importlib.util.spec_from_file_location(
-    "decode_salient", Path(__file__).parents[1] / "where-does-the-held-out-kl-come-from" / "decode_salient.py")
-decode_salient = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_salient)
+decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "decode_salient.py")
 
 STATIC: list[torch.Tensor] = []  # per layer, [kv_head, D, D] float64
 _observe = KverrLayer.observe
