@@ -9,12 +9,13 @@ so, but read by the token's own query, in the step that computes them, as comput
 (``exact-before``: its key and value moved by the quantized run's perturbation, with the storage's
 rounding error). ``exact`` keeps each step's own error from the quantized prompt and the decode
 tokens' storage and removes every error the upstream layers put into a decode token's key and
-value; ``exact-before`` removes only what the earlier steps hand on through the cache. Each row
-also has the mean KL of each block of 64 decode steps.
+value; ``exact-before`` removes only what the earlier steps hand on through the cache. With
+``--sides k`` (or ``v``) the exact modes replace only the keys (values). Each row also has the
+mean KL of each block of 64 decode steps.
 
 Usage (from the repository root): PYTHONPATH=. python experiments/does-the-decode-carry-the-error-forward/isolated.py
-    CONFIG OUT.csv [--segments 0] [--modes as-computed exact exact-before] [--compensated-keys] [--refit]
-    [--families k:widths+k:other]
+    CONFIG OUT.csv [--segments 0] [--modes as-computed exact exact-before] [--sides kv] [--compensated-keys]
+    [--refit] [--families k:widths+k:other]
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ EXACT: dict = {}  # layer -> (keys, values) [1, kv head, T, D] of the full-preci
 #: full-precision run did; or stored as the full-precision run's, but read by the token's own query
 #: (in the step that computes them) as computed.
 MODES = {"as-computed": "as computed", "exact": "exact", "exact-before": "exact for later steps"}
-NOW: dict = {"prefill": None, "mode": "as-computed"}
+NOW: dict = {"prefill": None, "mode": "as-computed", "sides": "kv"}
 _update = KverrLayer.update
 
 
@@ -43,7 +44,8 @@ def update(self, key_states, value_states, *args, **kwargs):
     if mode == "as-computed" or start < NOW["prefill"]:
         return _update(self, key_states, value_states, *args, **kwargs)
     n = key_states.shape[-2]
-    exact = [x[:, :, start:start + n].to(y.dtype) for x, y in zip(EXACT[self.layer_idx], (key_states, value_states))]
+    exact = [x[:, :, start:start + n].to(y.dtype) if w in NOW["sides"] else y
+             for w, x, y in zip("kv", EXACT[self.layer_idx], (key_states, value_states))]
     k, v = _update(self, *exact, *args, **kwargs)
     if mode == "exact-before":
         # the stored rows as read back, moved by what the quantized run computed beyond the exact
@@ -79,7 +81,10 @@ def main(argv=None) -> int:
                                        "writes them (k:widths+k:other: every key); the other groups fp32")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=["as-computed", "exact"],
                     help="what the decode tokens' keys and values are, a run each")
+    ap.add_argument("--sides", choices=["kv", "k", "v"], default="kv",
+                    help="the sides whose decode rows the exact modes replace (default both)")
     a = ap.parse_args(argv)
+    NOW["sides"] = a.sides
     torch.set_num_threads(a.threads)
     loaded = load_model("default")
     cfg = CacheConfig.load(a.config)
@@ -89,7 +94,8 @@ def main(argv=None) -> int:
         families = experiment_script("do-format-families-cost-what-the-objective-says", "families.py")
         n_layers, n_kv = loaded.model.config.num_hidden_layers, loaded.model.config.num_key_value_heads
         cfg = families.only(cfg, n_layers, n_kv, set(a.families.split("+")))
-    name = cfg.name + ("+ck" if a.compensated_keys else "") + ("+refit" if a.refit else "")
+    name = (cfg.name + ("+ck" if a.compensated_keys else "") + ("+refit" if a.refit else "")
+            + ("" if a.sides == "kv" else f"[exact {a.sides}]"))
 
     def runs():
         for p, seg, off, ids in protocol_segments(loaded, a.segments, a.text, a.offset):
