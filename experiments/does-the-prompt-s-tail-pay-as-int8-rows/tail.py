@@ -1,0 +1,70 @@
+"""Would the prompt's last tokens, kept as the int8 rows the window held, pay for their bytes?
+
+The held-out protocol quantizes the prompt whole after the prefill, so the first decode steps
+read the tokens just before them -- the ones local heads attend to most -- through their codes,
+and the first 64 of 256 steps carry about 40 % of a 3-bit config's KL
+(``../does-the-decode-carry-the-error-forward/``). Per segment (typing.py, P = 1024, N = 256
+teacher-forced steps, as ``kverr evaluate``): the config with the last ``k`` prompt tokens of
+every (layer, kv head) kept, both keys and values, as the int8 rows the window held (beside their
+codes, as salient tokens are), for each ``--keep``.
+
+Each row's ``bits``: the config's effective bits at ``--context`` tokens (static bytes shared by
+``--batch`` sequences, the prompt quantized whole) plus the kept rows, counted as salient rows
+are (``decode_salient.row_bits``).
+
+Usage (from the repository root): PYTHONPATH=. python experiments/does-the-prompt-s-tail-pay-as-int8-rows/tail.py
+    CONFIG OUT.csv [--segments 0] [--keep 0 16 32] [--compensated-keys] [--refit]
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.heldout import DECODE, PREFILL, experiment_script, protocol_parser, protocol_runs, protocol_switch, record
+from kverr.memory import account, model_shape
+
+# keeps the int8 rows of the positions in its KEEP (per layer, [kv head, k]) as they are quantized
+decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "decode_salient.py")
+
+
+def main(argv=None) -> int:
+    ap = protocol_parser(__doc__)
+    ap.add_argument("--keep", type=int, nargs="+", default=[0, 16], help="prompt tokens kept, a run each")
+    ap.add_argument("--compensated-keys", action="store_true", help="keys rounded with compensation (+ck)")
+    ap.add_argument("--refit", action="store_true", help="widths refit on each prompt (kverr evaluate --refit-widths)")
+    ap.add_argument("--context", type=int, default=PREFILL + DECODE, help="context the bits count at")
+    ap.add_argument("--batch", type=int, default=8, help="sequences the static bytes are shared by")
+    a = ap.parse_args(argv)
+    loaded, cfg, runs = protocol_runs(a)
+    if cfg.window_dtype != "int8":
+        raise SystemExit(f"{a.config}: the kept rows are the int8 window's; this config's window is {cfg.window_dtype}")
+    if a.compensated_keys:
+        cfg = cfg.with_(key_rounding="compensated")
+    base = account(cfg, model_shape("default"), a.context, batch=a.batch, prefill_quantized=PREFILL).effective_bits
+    name = cfg.name + ("+ck" if a.compensated_keys else "") + ("+refit" if a.refit else "")
+    n_layers, n_kv = loaded.model.config.num_hidden_layers, loaded.model.config.num_key_value_heads
+    now: dict = {}
+
+    def with_prefill(runs):
+        for p, *rest in runs:
+            now["p"] = p
+            yield (p, *rest)
+
+    def switch(k):
+        decode_salient.KEEP.clear()
+        decode_salient.SAVED.clear()
+        if k:
+            tail = torch.arange(now["p"] - k, now["p"])
+            for li in range(n_layers):
+                decode_salient.KEEP[li] = tail.expand(n_kv, k)
+
+    rows = []
+    for seg, off, k, measured in protocol_switch(loaded, cfg, with_prefill(runs), switch, refit=a.refit,
+                                                 settings=a.keep):
+        row = {"config": name, "segment": seg, "offset": off, "keep": k,
+               "bits": base + decode_salient.row_bits(k, a.context), **measured}
+        record(rows, row, a.out, f"{name} seg {seg} keep the last {k} prompt tokens ({row['bits']:.4f} bits)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
