@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.heldout import DECODE, PREFILL, experiment_script, protocol_parser, protocol_runs, protocol_switch, record
-from kverr.memory import account, model_shape
+from bench.heldout import experiment_script, protocol_parser, protocol_switch, record
 
 # keeps the int8 rows of the positions in its KEEP (per layer, [kv head, k]) as they are quantized
 decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "decode_salient.py")
@@ -29,18 +28,7 @@ decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "deco
 def main(argv=None) -> int:
     ap = protocol_parser(__doc__)
     ap.add_argument("--keep", type=int, nargs="+", default=[0, 16], help="prompt tokens kept, a run each")
-    ap.add_argument("--compensated-keys", action="store_true", help="keys rounded with compensation (+ck)")
-    ap.add_argument("--refit", action="store_true", help="widths refit on each prompt (kverr evaluate --refit-widths)")
-    ap.add_argument("--context", type=int, default=PREFILL + DECODE, help="context the bits count at")
-    ap.add_argument("--batch", type=int, default=8, help="sequences the static bytes are shared by")
-    a = ap.parse_args(argv)
-    loaded, cfg, runs = protocol_runs(a)
-    if cfg.window_dtype != "int8":
-        raise SystemExit(f"{a.config}: the kept rows are the int8 window's; this config's window is {cfg.window_dtype}")
-    if a.compensated_keys:
-        cfg = cfg.with_(key_rounding="compensated")
-    base = account(cfg, model_shape("default"), a.context, batch=a.batch, prefill_quantized=PREFILL).effective_bits
-    name = cfg.name + ("+ck" if a.compensated_keys else "") + ("+refit" if a.refit else "")
+    a, loaded, cfg, runs, base, name = decode_salient.kept_rows_protocol(ap, argv)
     n_layers, n_kv = loaded.model.config.num_hidden_layers, loaded.model.config.num_key_value_heads
     now: dict = {}
 

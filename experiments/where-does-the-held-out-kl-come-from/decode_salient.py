@@ -89,11 +89,14 @@ def row_bits(kept: int, context: int) -> float:
     return 8 * kept * per_row / (D * context)
 
 
-def main(argv=None) -> int:
-    ap = protocol_parser(__doc__)
-    ap.add_argument("--keep", type=int, nargs="+", default=[1, 2, 4],
-                    help="decode tokens kept per block, a run each (0: the config as is)")
-    ap.add_argument("--block", type=int, default=64, help="decode tokens per block")
+def kept_rows_protocol(ap, argv):
+    """What an experiment keeping int8 rows starts from: ``ap`` (a :func:`protocol_parser` with the
+    experiment's own options) given the common ones and parsed; the model, the config (int8 window
+    required; keys compensated with ``--compensated-keys``) and the segments' runs
+    (:func:`protocol_runs`); the config's effective bits at ``--context`` tokens, static bytes shared
+    by ``--batch`` sequences, the prompt quantized whole; and the name its rows carry.
+
+    Returns ``(args, loaded, cfg, runs, base_bits, name)``."""
     ap.add_argument("--compensated-keys", action="store_true", help="keys rounded with compensation (+ck)")
     ap.add_argument("--refit", action="store_true", help="widths refit on each prompt (kverr evaluate --refit-widths)")
     ap.add_argument("--context", type=int, default=PREFILL + DECODE, help="context the bits count at")
@@ -104,9 +107,18 @@ def main(argv=None) -> int:
         raise SystemExit(f"{a.config}: the kept rows are the int8 window's; this config's window is {cfg.window_dtype}")
     if a.compensated_keys:
         cfg = cfg.with_(key_rounding="compensated")
-    model = loaded.model
     base = account(cfg, model_shape("default"), a.context, batch=a.batch, prefill_quantized=PREFILL).effective_bits
     name = cfg.name + ("+ck" if a.compensated_keys else "") + ("+refit" if a.refit else "")
+    return a, loaded, cfg, runs, base, name
+
+
+def main(argv=None) -> int:
+    ap = protocol_parser(__doc__)
+    ap.add_argument("--keep", type=int, nargs="+", default=[1, 2, 4],
+                    help="decode tokens kept per block, a run each (0: the config as is)")
+    ap.add_argument("--block", type=int, default=64, help="decode tokens per block")
+    a, loaded, cfg, runs, base, name = kept_rows_protocol(ap, argv)
+    model = loaded.model
     now: dict = {}  # the segment being run: its prompt length and decode saliency
     n_layers, n_kv = model.config.num_hidden_layers, model.config.num_key_value_heads
     shortest = min(cfg.window_for(li, h, w) for li in range(n_layers) for h in range(n_kv) for w in "kv")
