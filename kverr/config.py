@@ -10,7 +10,8 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 aligned to ``align`` bytes. With ``salient`` = N > 0, each (layer, kv head) also keeps the N prompt
 tokens its prompt's last queries attend to most as ``window_dtype`` rows with their positions,
 beside their codes (:mod:`kverr.error.salient`), for the sides ``salient_sides`` names (``"kv"``,
-``"k"`` or ``"v"``; formats that quantize). With ``key_rounding`` = ``"compensated"`` the
+``"k"`` or ``"v"``; formats that quantize); ``salient_recent`` = R <= N of those rows always hold
+the prompt's newest quantized tokens, the ones the first decode steps read most. With ``key_rounding`` = ``"compensated"`` the
 integer key formats choose their codes by error compensation under the prefill's queries
 (:mod:`kverr.quant.compensated`): the same grid and bytes, other codes; with ``key_moments``
 (:class:`~kverr.quant.compensated.KeyMoments`, a calibration capture's query moments, static
@@ -32,6 +33,7 @@ JSON layout::
       "window": 128, "sinks": 0, "key_pre_rope": false,
       "salient": 16,                          # optional (0 when absent)
       "salient_sides": "k",                   # optional ("kv" when absent)
+      "salient_recent": 8,                    # optional (0 when absent; at most salient)
       "key_rounding": "compensated",          # optional ("nearest" when absent)
       "key_moments": {"dtype": "fp16", "shape": [L, H, D], "data": "..."},  # optional
       "page_size": 64, "window_dtype": "fp16", "align": 16,
@@ -165,6 +167,7 @@ class CacheConfig:
     provenance: Mapping[str, Any] = field(default_factory=dict)
     salient: int = 0
     salient_sides: str = "kv"
+    salient_recent: int = 0
     key_rounding: str = "nearest"
     key_moments: KeyMoments | None = None
 
@@ -177,6 +180,10 @@ class CacheConfig:
         _positive_int(self.salient, "salient", minimum=0)
         if self.salient_sides not in SALIENT_SIDES:
             raise ConfigError(f"salient_sides={self.salient_sides!r} is not allowed; one of {', '.join(SALIENT_SIDES)}")
+        _positive_int(self.salient_recent, "salient_recent", minimum=0)
+        if self.salient_recent > self.salient:
+            raise ConfigError(f"salient_recent={self.salient_recent} is not allowed: the recent rows are part of the "
+                              f"salient ones, at most salient={self.salient}")
         if self.key_rounding not in KEY_ROUNDINGS:
             raise ConfigError(f"key_rounding={self.key_rounding!r} is not allowed; one of {', '.join(KEY_ROUNDINGS)}")
         if self.key_moments is not None:
@@ -392,6 +399,8 @@ class CacheConfig:
             out["salient"] = self.salient
         if self.salient_sides != "kv":
             out["salient_sides"] = self.salient_sides
+        if self.salient_recent:
+            out["salient_recent"] = self.salient_recent
         if self.key_rounding != "nearest":
             out["key_rounding"] = self.key_rounding
         if self.key_moments is not None:
@@ -412,7 +421,7 @@ class CacheConfig:
         required = {"version", "k", "v"}
         optional = {
             "name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
-            "salient_sides", "key_rounding", "key_moments", "layers", "heads", "provenance",
+            "salient_sides", "salient_recent", "key_rounding", "key_moments", "layers", "heads", "provenance",
         }
         _check_keys(obj, "config", required, optional)
         version = obj["version"]
@@ -425,7 +434,7 @@ class CacheConfig:
             "v": QuantFormat.from_dict(obj["v"], "v"),
         }
         for key in ("name", "window", "sinks", "key_pre_rope", "page_size", "window_dtype", "align", "salient",
-                    "salient_sides", "key_rounding", "provenance"):
+                    "salient_sides", "salient_recent", "key_rounding", "provenance"):
             if key in obj:
                 kwargs[key] = obj[key]
         if "key_moments" in obj:

@@ -23,7 +23,8 @@ Salient tokens (``K_SAL``/``V_SAL``: the pool keeps salient rows, ``NSAL`` of th
 and kv head, positions in ``KSP``/``VSP``, -1 where none): the main launch masks them out of its
 chunks and the tail attends to them from their rows (slot ``SINKS + CAP + j`` of the full-precision
 buffer, after the window's ring), or from the pages for the side (K or V) whose format keeps
-none (a float format: its pages hold the value itself).
+none (a float format: its pages hold the value itself); one not yet quantized (the prompt's
+newest tokens, ``salient_recent``) is read from the window's ring instead, once.
 
 Format constexprs (``K_*`` for keys, ``V_*`` for values) follow :mod:`kernels.quant_store`:
 ``KIND`` 0 int sym, 1 int asym, 2 fp8 e4m3, 3 fp8 e5m2, 4 plain float, 5 and 6 codebook (its
@@ -307,7 +308,9 @@ def paged_decode_kernel(
             if HAS_SAL:
                 ts = tl.load(SP + js, mask=nmask & is_s, other=-1)
                 t = tl.where(vi < start, vi, tl.where(is_s, ts, e0 + vi - start - NSAL))
-                nmask = nmask & (~is_s | (ts >= 0))
+                # an entry still at e0 or later (one of the prompt's newest tokens, in the window)
+                # is read there, once
+                nmask = nmask & (~is_s | ((ts >= 0) & (ts < e0)))
                 live = nmask
             else:
                 t = tl.where(vi < start, vi, e0 + vi - start)

@@ -70,9 +70,12 @@ class OuterOption:
     key_pre_rope: bool = False
     salient: int = 0  # salient prompt tokens kept per (layer, kv head, K|V): counted, and masked by the objective
     salient_sides: str = "kv"  # the sides that keep them (CacheConfig.salient_sides)
+    salient_recent: int = 0  # of them, the prompt's newest quantized tokens (CacheConfig.salient_recent)
 
     def label(self) -> str:
-        tail = f"/X{self.salient}{'' if self.salient_sides == 'kv' else self.salient_sides}" if self.salient else ""
+        sides = "" if self.salient_sides == "kv" else self.salient_sides
+        recent = f"r{self.salient_recent}" if self.salient_recent else ""
+        tail = f"/X{self.salient}{sides}{recent}" if self.salient else ""
         return f"S{self.sinks}/R{self.window}/{'pre' if self.key_pre_rope else 'post'}{tail}"
 
 
@@ -197,7 +200,7 @@ def head_bytes(
     cfg = CacheConfig(
         k=fmt, v=fmt, window=option.window, sinks=option.sinks, key_pre_rope=option.key_pre_rope,
         page_size=page_size, window_dtype=window_dtype, align=align, salient=option.salient,
-        salient_sides=option.salient_sides,
+        salient_sides=option.salient_sides, salient_recent=option.salient_recent,
     )
     shape = ModelShape(1, 1, head_dim, sliding_windows=(sliding_window,))
     nbytes = account(cfg, shape, context, batch=batch).per_layer[0][which].total

@@ -95,6 +95,9 @@ class CalibrationConfig:
         each query's salient tokens taken out (:func:`~.objective.salient_tokens`; 0: none).
     salient_sides : str
         The sides that keep them: ``"kv"`` (default), ``"k"`` or ``"v"`` (``CacheConfig.salient_sides``).
+    salient_recent : int
+        How many of them are the prompt's newest quantized tokens, whatever their saliency
+        (``CacheConfig.salient_recent``; at most ``salient``; 0: all chosen by saliency).
     window_dtype : str
         What the sinks, window and pending tokens are kept in: ``auto`` (per budget,
         :func:`~.candidates.window_dtype_for_budget`), ``int8`` or a float dtype.
@@ -181,6 +184,7 @@ class CalibrationConfig:
     cands_v: tuple[QuantFormat, ...] | None = None
     salient: int = 0
     salient_sides: str = "kv"
+    salient_recent: int = 0
     window_dtype: str = DEFAULT_WINDOW_DTYPE
     queries: int = 32
     decode: int | None = None
@@ -249,6 +253,10 @@ class CalibrationConfig:
         _int(self.salient, "salient", 0)
         if self.salient_sides not in SALIENT_SIDES:
             raise _fail("salient_sides", self.salient_sides, f"one of {', '.join(SALIENT_SIDES)}")
+        _int(self.salient_recent, "salient_recent", 0)
+        if self.salient_recent > self.salient:
+            raise _fail("salient_recent", self.salient_recent, f"at most salient={self.salient}: the recent rows "
+                        "are part of the salient ones")
         if self.decode is not None:
             _int(self.decode, "decode", 1)
         _int(self.page_size, "page_size", 1, 1 << 16)

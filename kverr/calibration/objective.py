@@ -297,11 +297,13 @@ def rounds_generated_apart(prep: LayerPrep, compensated: bool, static_moments: b
     return prep.steps is not None and compensated and not static_moments
 
 
-def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int) -> torch.Tensor:
+def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int, recent: int = 0) -> torch.Tensor:
     """``mask [n, T]`` (1 where a query sees a token quantized) with kv head ``h``'s salient
-    tokens taken out: per query, the ``count`` quantized tokens of highest saliency for the
-    prompt that ends just before it (for a decode step, before its first generated token), as
-    :func:`kverr.error.salient.choose` picks them. A cache reads those tokens back from their
+    tokens taken out: per query, the ``count`` quantized tokens of the prompt that ends just
+    before it (for a decode step, before its first generated token) that
+    :func:`kverr.error.salient.choose` keeps: that prompt's last ``recent`` tokens (a decode
+    step's, before its first generated token, are quantized; a sampled query's are in its own
+    window) and the others by saliency. A cache reads those tokens back from their
     ``window_dtype`` rows, whose rounding the objective leaves out as it does the window's."""
     if prep.saliency is None:
         raise ConfigError("salient tokens need the layer prepared with salient=True")
@@ -312,20 +314,20 @@ def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int) -> t
         idx = torch.nonzero(seen[i]).flatten()
         if idx.numel():
             lo, hi = int(idx[0]), min(int(idx[-1]), int(ends[i])) + 1
-            out[i, choose(prep.saliency[h, i], lo, hi, count)] = 0.0
+            out[i, choose(prep.saliency[h, i], lo, hi, count, recent, int(ends[i]) + 1)] = 0.0
     return out
 
 
-def _quantized_mask(prep: LayerPrep, sinks: int, window: int, g: int, salient: int = 0,
-                    h: int = 0) -> torch.Tensor:
+def _quantized_mask(prep: LayerPrep, sinks: int, window: int, salient: int = 0, recent: int = 0, *,
+                    g: int = 1, h: int = 0) -> torch.Tensor:
     """``[g*n, T]`` float: 1 on the tokens a query sees quantized (causal, neither sink nor in its
-    window, nor one of kv head ``h``'s ``salient`` tokens), the rows of one kv head's ``g`` query
-    heads stacked. Key and value damage both apply it directly: subtracting the sink columns
+    window, nor one of kv head ``h``'s ``salient`` tokens, ``recent`` of them the newest), the
+    rows of one kv head's ``g`` query heads stacked. Key and value damage both apply it directly: subtracting the sink columns
     from unmasked sums instead cancels catastrophically when a sink's error is large."""
     if salient:
-        key = (sinks, window, salient, h)
+        key = (sinks, window, salient, recent, h)
         if key not in prep.masks:
-            prep.masks[key] = salient_tokens(prep, h, _quantized_mask(prep, sinks, window, 1), salient)
+            prep.masks[key] = salient_tokens(prep, h, _quantized_mask(prep, sinks, window), salient, recent)
         return prep.masks[key].repeat(g, 1)
     m = prep.causal if window == 0 else _window_mask(prep, window)
     if sinks:
@@ -403,12 +405,15 @@ def _per_kv_head(prep: LayerPrep, err2: torch.Tensor, n_kv: int) -> torch.Tensor
     return out / prep.norm
 
 
-def _option_key(option: OuterOption, which: str) -> tuple[int, int, int]:
-    """``(sinks, window, salient tokens)`` of ``option`` as side ``which`` sees them."""
-    return option.sinks, option.window, option.salient if which in option.salient_sides else 0
+def _option_key(option: OuterOption, which: str) -> tuple[int, int, int, int]:
+    """``(sinks, window, salient tokens, recent ones among them)`` of ``option`` as side
+    ``which`` sees them."""
+    if which not in option.salient_sides or not option.salient:
+        return option.sinks, option.window, 0, 0
+    return option.sinks, option.window, option.salient, option.salient_recent
 
 
-def _option_keys(options: Sequence[OuterOption], which: str) -> list[tuple[int, int, int]]:
+def _option_keys(options: Sequence[OuterOption], which: str) -> list[tuple[int, int, int, int]]:
     """Distinct :func:`_option_key` of ``options`` in first-seen order."""
     return list(dict.fromkeys(_option_key(o, which) for o in options))
 
@@ -464,8 +469,8 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
         u = _terms.growth(ah, ds)
         # a finite sum has no inf or NaN term (one pass, no mask); else every element is checked
         finite = bool(torch.isfinite(u.sum())) or bool(torch.isfinite(u).all())
-        for S, R, N in keys:
-            m = _quantized_mask(prep, S, R, g, N, h)
+        for key in keys:
+            m = _quantized_mask(prep, *key, g=g, h=h)
             term = None
             if finite:
                 uw = u * m
@@ -479,7 +484,7 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
                 da = _terms.weight_change(ah.double(), ds.double() * m, rest)
                 term = _terms.key_term(da, vh.double())
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
-            res[(S, R, N)][:, h] = err2.mean(-1).sum(-1)
+            res[key][:, h] = err2.mean(-1).sum(-1)
     out = torch.stack([res[_option_key(o, "k")] for o in options], 1) / prep.norm
     return out.numpy()
 
@@ -498,10 +503,10 @@ def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[Out
         g = qi.numel()
         ah = _grouped(prep, qi, prep.a)  # [g*n, T]
         eh = e_v[:, h]  # [C, T, D]
-        for S, R, N in keys:
-            term = _terms.value_term(ah * _quantized_mask(prep, S, R, g, N, h), eh)  # [C, g*n, D]
+        for key in keys:
+            term = _terms.value_term(ah * _quantized_mask(prep, *key, g=g, h=h), eh)  # [C, g*n, D]
             err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
-            res[(S, R, N)][:, h] = err2.mean(-1).sum(-1)
+            res[key][:, h] = err2.mean(-1).sum(-1)
     out = torch.stack([res[_option_key(o, "v")] for o in options], 1) / prep.norm
     return out.numpy()
 
@@ -749,7 +754,8 @@ def layer_damage(capture: Any, configs: Sequence[CacheConfig], *, queries: int =
                 windows = {w: [config.window_for(layer, h, w) for h in range(H)] for w in WHICH}
                 lengths = {w: sorted(set(windows[w])) for w in WHICH}
                 opts = {w: [OuterOption(window=n, sinks=config.sinks, key_pre_rope=config.key_pre_rope,
-                                        salient=config.salient, salient_sides=config.salient_sides) for n in lengths[w]]
+                                        salient=config.salient, salient_sides=config.salient_sides,
+                                        salient_recent=config.salient_recent) for n in lengths[w]]
                         for w in WHICH}
                 base = config.without_windows().with_(sinks=0, provenance={})
                 e_gen = (key_error(prep, base.with_(key_rounding="nearest"))

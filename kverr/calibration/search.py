@@ -810,7 +810,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     check_queries(cfg.queries, n_tok)
     options = cfg.options or tuple(outer_options(capture, cfg.key_rope, cfg.sinks, cfg.windows))
     if cfg.salient:
-        options = tuple(dataclasses.replace(o, salient=cfg.salient, salient_sides=cfg.salient_sides) for o in options)
+        options = tuple(dataclasses.replace(o, salient=cfg.salient, salient_sides=cfg.salient_sides,
+                                            salient_recent=cfg.salient_recent) for o in options)
     need_pre = any(o.key_pre_rope for o in options)
     if need_pre and "k_pre" not in capture:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
@@ -1139,7 +1140,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         prov["sensitivity"] = search.sensitivity.to_dict()
     cfg = CacheConfig(
         k=dk, v=dv, window=default_window, sinks=opt.sinks, key_pre_rope=opt.key_pre_rope, salient=opt.salient,
-        salient_sides=opt.salient_sides,
+        salient_sides=opt.salient_sides, salient_recent=opt.salient_recent,
         page_size=search.page_size, window_dtype=search.window_dtype, align=search.align, heads=heads,
         key_rounding="compensated" if sc.compensated_keys else "nearest", key_moments=km,
         name=(name or "calibrated-{bits}b").replace("{bits}", f"{budget_bits:g}"), provenance=prov,

@@ -93,6 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "scores each format with them taken out; serving engines' exports refuse them; default 0)")
     p.add_argument("--salient-sides", choices=("kv", "k", "v"), default="kv",
                    help="the sides whose salient rows are kept: keys and values (kv, the default), keys or values")
+    p.add_argument("--salient-recent", type=non_negative_int, default=0, metavar="R",
+                   help="of the --salient rows, R hold the prompt's newest quantized tokens whatever their saliency "
+                        "(the tokens the first decode steps read most; at most N; default 0)")
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")
@@ -177,7 +180,7 @@ def settings_of(args: argparse.Namespace):
         sinks=None if args.sinks is None else tuple(args.sinks),
         windows=None if args.window is None else tuple(args.window),
         candidates=args.candidates, codebooks=args.codebooks, window_dtype=args.window_dtype, queries=args.queries,
-        salient=args.salient, salient_sides=args.salient_sides,
+        salient=args.salient, salient_sides=args.salient_sides, salient_recent=args.salient_recent,
         decode=args.decode or None, max_bits=args.max_bits, objective=args.objective,
         sensitivity_noise=args.sensitivity_noise, sensitivity_tokens=args.sensitivity_tokens,
         model=args.model, name=args.name, max_groups_per_layer=args.max_groups_per_layer,
@@ -215,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         given += ["--static-moments"] if args.static_moments else []
         given += ["--window-per-head"] if args.window_per_head else []
         given += ["--salient-sides"] if args.salient_sides != "kv" else []
+        given += ["--salient-recent"] if args.salient_recent else []
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "
                               f"{', '.join(given)} does not apply")

@@ -20,6 +20,12 @@ Rules:
 * Static scales not given are fitted on the prefill's other tokens: a salient token is read
   back from its row, so its codes may saturate.
 * Ties go to the earlier token. Decode tokens are never salient.
+* With ``salient_recent`` = R, R of the N are the prompt's last R tokens after the sinks,
+  whatever their saliency and wherever they are: the tokens a decode step's query reads most,
+  kept for when they leave the window, or at once by a cache that quantizes the whole prompt
+  (``kverr evaluate``'s default). While one is still in the window its row and the window's
+  are the same received row, read once. The other N - R are chosen by saliency among the
+  candidates before them.
 
 The caches that choose them -- :class:`kverr.hf.KverrCache` and the kernel path -- take the
 prefill's queries from the model's attention (:mod:`kverr.hf.salient`); ``kverr validate`` from
@@ -89,27 +95,47 @@ def prompt_saliency(query: torch.Tensor, key: torch.Tensor, scaling: float, ends
     return out
 
 
-def choose(saliency: torch.Tensor, lo: int, hi: int, count: int) -> torch.Tensor:
-    """Positions ``[..., m]`` (ascending, int64) of the ``m = min(count, hi - lo)`` most salient
-    tokens among ``lo .. hi-1`` of ``saliency [..., n]``; ties go to the earlier token."""
-    m = max(0, min(count, hi - lo))
-    part = saliency[..., lo:hi]
-    order = torch.argsort(-part, dim=-1, stable=True)[..., :m]
-    return (order.sort(dim=-1).values + lo).long()
+def choose(saliency: torch.Tensor, lo: int, hi: int, count: int, recent: int = 0,
+           end: int | None = None) -> torch.Tensor:
+    """Positions ``[..., m]`` (ascending, int64) that a prompt of ``end`` tokens (default ``hi``)
+    keeps, of ``count``: its last ``r = min(recent, count, end - lo)`` tokens, and the most
+    salient of the candidates ``lo .. min(hi, end - r) - 1`` of ``saliency [..., n]``, as many
+    as there are up to ``count - r`` (ties go to the earlier token)."""
+    end = hi if end is None else end
+    if not 0 <= recent <= max(count, 0):
+        raise ValueError(f"recent={recent} must be in [0, count={count}]: the recent tokens are part of the count")
+    if hi > end:
+        raise ValueError(f"candidates up to {hi - 1} lie past the prompt's last token {end - 1}")
+    r = max(0, min(recent, count, end - lo))
+    stop = max(lo, min(hi, end - r))  # the candidates before the recent tokens
+    order = torch.argsort(-saliency[..., lo:stop], dim=-1, stable=True)[..., :max(0, count - r)]
+    tail = torch.arange(end - r, end, device=order.device).expand(*order.shape[:-1], r)
+    return torch.cat([order.sort(dim=-1).values + lo, tail], -1).long()
+
+
+def kept_count(config: Any, n: int, spans) -> tuple[int, int]:
+    """``(m, r)``: how many salient tokens every kv head of a layer keeps from an ``n``-token
+    prompt with candidates ``spans`` (``[(lo, hi)]`` per kv head), ``r`` of them the prompt's
+    last: ``config.salient`` or, with fewer candidates, the fewest any kv head has."""
+    lo = min((a for a, _ in spans), default=0)
+    r = max(0, min(config.salient_recent, n - lo))
+    rest = min([config.salient - r] + [max(0, min(hi, n - r) - a) for a, hi in spans])
+    return r + rest, r
 
 
 def positions(config: Any, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, *,
               sliding_window: int = 0, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Salient positions ``[B, kv_head, m]`` (int64, ascending) of ``layer`` for a batch of
     equal-length prefills, ``query [B, q_head, n, D]`` and ``key [B, kv_head, n, D]`` (post-RoPE):
-    per sequence and kv head, the ``m`` candidates (:func:`kverr.quant.store.salient_candidates`
-    of the head's K and V formats and windows) of highest :func:`token_saliency`, ``m`` = ``config.salient``
-    or the fewest candidates a kv head of the layer has."""
+    per sequence and kv head, the ``m`` tokens :func:`choose` keeps (:func:`kept_count`:
+    ``config.salient``, or fewer where a kv head has fewer candidates): the prompt's last
+    ``config.salient_recent``, and the candidates (:func:`kverr.quant.store.salient_candidates`
+    of the head's K and V formats and windows) of highest :func:`token_saliency` before them."""
     from kverr.quant.store import salient_candidates
 
     H, n = key.shape[1], key.shape[2]
     sal = torch.stack([token_saliency(query[b], key[b], scaling, sliding_window=sliding_window, sink=sink)
                        for b in range(query.shape[0])])
     spans = [salient_candidates(n, config, layer, h) for h in range(H)]
-    m = min([config.salient] + [hi - lo for lo, hi in spans])
-    return torch.stack([choose(sal[:, h], lo, hi, m) for h, (lo, hi) in enumerate(spans)], 1)
+    m, r = kept_count(config, n, spans)
+    return torch.stack([choose(sal[:, h], lo, hi, m, r, n) for h, (lo, hi) in enumerate(spans)], 1)

@@ -829,12 +829,13 @@ class PagedKVCache:
             if any(bool((pl.sal_pos[b] >= 0).any()) for pl in pools):
                 raise KernelError(f"layer {layer} sequence {b} already holds salient tokens (reset the slot first)")
             for h, p in enumerate(pos[b]):
-                lo, hi = salient_candidates(int(T1[b]), self.config, layer, h)
-                lo = max(lo, int(T0[b]))
+                # the candidates both formats quantize, or the prompt's newest tokens (salient_recent)
+                lo, _ = salient_candidates(int(T1[b]), self.config, layer, h)
+                lo, hi = max(lo, int(T0[b])), int(T1[b])
                 n = int((p >= 0).sum())
                 if (p[n:] != -1).any() or (n and (int(p[0]) < lo or int(p[n - 1]) >= hi or (p[:n].diff() <= 0).any())):
                     raise ShapeError(f"sequence {b} head {h}: salient positions {p.tolist()} must ascend, each among "
-                                     f"this step's tokens both formats of the kv head quantize ({lo} .. {hi - 1}), -1 after the last")
+                                     f"this step's tokens after the sinks ({lo} .. {hi - 1}), -1 after the last")
         # a -1 entry copies the step's first row into a slot nothing reads
         rows = torch.where(pos >= 0, pos + torch.from_numpy(cu[:-1] - T0)[:, None, None], 0)
         return rows.to(self.device), pos.to(device=self.device, dtype=SALIENT_INDEX_DTYPE)

@@ -180,17 +180,21 @@ def salient_candidates(T: int, config: CacheConfig, layer: int, kv_head: int) ->
 
 
 def without_salient(x: torch.Tensor, rel: torch.Tensor | None) -> torch.Tensor:
-    """``x [B, h, n, D]`` without its salient tokens ``rel [B, h, m]`` (distinct indices into
-    ``n``): ``[B, h, n − m, D]``, the others in order. Static scales are fitted on these: a
-    salient token is read back from its row, so its codes may saturate."""
+    """``x [B, h, n, D]`` without its salient tokens ``rel [B, h, m]`` (distinct, ascending
+    indices from 0; those at ``n`` or past it, the prompt's newest tokens kept while the block
+    ends before them (``salient_recent``), are not in the block): ``[B, h, n − m', D]``, the
+    others in order, ``m'`` the salient tokens in the block. Static scales are fitted on these:
+    a salient token is read back from its row, so its codes may saturate."""
     if rel is None or not rel.numel():
         return x
     B, h, n, D = x.shape
-    if rel.shape[:2] != (B, h) or int(rel.min()) < 0 or int(rel.max()) >= n:
+    inside = rel < n
+    m = int(inside.sum(-1).max())
+    if rel.shape[:2] != (B, h) or int(rel.min()) < 0 or bool((inside.sum(-1) != m).any()) or not bool(inside[..., :m].all()):
         raise ShapeError(f"salient indices of shape {tuple(rel.shape)} (range {int(rel.min())}..{int(rel.max())}) "
-                         f"do not index the tokens of a [{B}, {h}, {n}, {D}] block")
-    keep = torch.ones((B, h, n), dtype=torch.bool, device=x.device).scatter_(2, rel.long().to(x.device), False)
-    return x[keep].reshape(B, h, n - rel.shape[-1], D)
+                         f"do not index the tokens of a [{B}, {h}, {n}, {D}] block, as many in it for every row")
+    keep = torch.ones((B, h, n), dtype=torch.bool, device=x.device).scatter_(2, rel[..., :m].long().to(x.device), False)
+    return x[keep].reshape(B, h, n - m, D)
 
 
 def live_start(T: int, sliding_window: int) -> int:
@@ -320,9 +324,9 @@ def reconstruct(x: ArrayLike, config: CacheConfig, *, layer: int, which: Which,
             fit = None
             if sal is not None and config.keeps_salient(which, fmt):
                 rel = sal[:, heads] - start
-                if sal.shape[-1] and (int(rel.min()) < 0 or int(rel.max()) >= end - start):
+                if sal.shape[-1] and (int(rel.min()) < 0 or int(rel.max()) >= T - start):
                     raise ShapeError(f"layer {layer} heads {heads}: salient positions {sorted(set(sal[:, heads].flatten().tolist()))} "
-                                     f"must lie among the tokens {start} .. {end - 1} the {which} format quantizes")
+                                     f"must lie among the tokens {start} .. {T - 1} after the sinks")
                 if is_static(fmt.granularity):  # only static scales are fitted on other tokens
                     fit = without_salient(region, rel)
                 kept[:, heads] = kept[:, heads].scatter(2, sal[:, heads], True)

@@ -201,21 +201,22 @@ def test_objective_terms_equal_kverr_error_decompose(opt, errors, decode, slidin
     np.testing.assert_allclose(got_v, want_v / prep.norm, rtol=2e-4, atol=1e-12)
 
 
-@pytest.mark.parametrize("sides", ["kv", "k", "v"])
+@pytest.mark.parametrize("sides,recent", [("kv", 0), ("k", 0), ("v", 0), ("kv", 2)])
 @pytest.mark.parametrize("decode", [None, 5])
-def test_objective_takes_each_querys_salient_tokens_out(sides, decode):
+def test_objective_takes_each_querys_salient_tokens_out(sides, recent, decode):
     """With salient tokens (``OuterOption.salient``) each sampled query sees its kv head's
     ``salient`` most salient quantized tokens without error, on the sides that keep them: the
     tokens of highest ``Σ a²`` over every 8th of the last 256 queries of the prompt that ends
     just before the query (before its first generated token for a decode step), recomputed here
-    in float64, ties to the earlier token; the damage is then kverr.error.decompose's with
-    those tokens left out of the mask."""
+    in float64, ties to the earlier token -- with ``salient_recent`` = R, the R newest quantized
+    tokens of that prompt and the others by ``Σ a²``; the damage is then kverr.error.decompose's
+    with those tokens left out of the mask."""
     from kverr.error import decompose
 
     q, k, v, kv_map = _layer(seed=4, T=160)
     T, D = k.shape[1], k.shape[2]
     scale = 1 / np.sqrt(D)
-    opt = OuterOption(sinks=3, window=7, salient=5, salient_sides=sides)
+    opt = OuterOption(sinks=3, window=7, salient=5, salient_sides=sides, salient_recent=recent)
     prep = prepare_layer(q, k, v, None, layer=0, kv_map=kv_map, scale=scale, queries=12, decode=decode,
                          salient=True)
     e_k = torch.randn(k.shape, generator=torch.Generator().manual_seed(1)) * 0.3
@@ -237,7 +238,10 @@ def test_objective_takes_each_querys_salient_tokens_out(sides, decode):
             s = s.masked_fill(torch.arange(end + 1)[None, None, :] > torch.as_tensor(rows)[None, :, None], -np.inf)
             sal = (torch.softmax(s, -1) ** 2).sum((0, 1)).numpy()
             cand = [t for t in range(opt.sinks, min(p - w, end) + 1)]
-            top = sorted(cand, key=lambda t: (-sal[t], t))[:opt.salient]
+            r = min(recent, end + 1 - opt.sinks) if cand else 0
+            newest = list(range(end + 1 - r, end + 1))  # the prompt's last, wherever they are
+            rest = [t for t in cand if t <= end - r]
+            top = newest + sorted(rest, key=lambda t: (-sal[t], t))[:opt.salient - r]
             ms = m.clone()
             ms[top] = 0.0
             mk, mv = (ms if "k" in sides else m), (ms if "v" in sides else m)
@@ -574,6 +578,18 @@ def test_salient_tokens_are_counted_against_the_budget(tiny_capture):
     assert kr.total_bytes == keys.provenance["bytes"] and kr.effective_bits <= 4.0
     assert kr.totals.salient == rep.totals.salient // 2
     assert all(e["v"].salient == 0 and e["k"].salient > 0 for e in kr.per_layer)
+    # recent rows: the same bytes, other tokens taken out, written and predicted alike
+    new = cal_at(cap, 4.0, context=160, options=opts, cands_k=SMALL, cands_v=SMALL, queries=16, salient=6,
+                 salient_recent=4)
+    nc = new.config
+    assert nc.salient_recent == 4 and nc.provenance["outer_option"].endswith("/X6r4")
+    assert account(nc, shape, 160).totals.salient == rep.totals.salient
+    pn = predict(cap, nc, queries=16, weights=sens.weights_k, weights_v=sens.weights_v)
+    assert pn["total"] == pytest.approx(nc.provenance["predicted_damage"], rel=1e-4)
+    assert pn["total"] != pytest.approx(predict(cap, nc.with_(salient_recent=0), queries=16, weights=sens.weights_k,
+                                                weights_v=sens.weights_v)["total"], rel=1e-4)
+    with pytest.raises(ConfigError, match="salient_recent"):
+        CalibrationConfig(budgets=3.0, salient=2, salient_recent=3)
     with pytest.raises(ConfigError, match="salient"):
         CalibrationConfig(budgets=3.0, salient=-1)
     with pytest.raises(ConfigError, match="salient_sides"):

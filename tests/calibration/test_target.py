@@ -114,6 +114,9 @@ def test_cli_refuses_options_vllm_does_not_serve(tmp_path, capsys):
     code = main(["calibrate", "--capture", str(tmp_path / "c.zarr"), "--target", "hf", "--budget-bits", "9",
                  "--window", "64", "--out", str(tmp_path / "x.json")])
     assert code == 2 and "--window does not apply" in capsys.readouterr().err
+    code = main(["calibrate", "--capture", str(tmp_path / "c.zarr"), "--target", "vllm", "--budget-bits", "9",
+                 "--salient", "8", "--salient-recent", "4", "--out", str(tmp_path / "x.json")])
+    assert code == 2 and "--salient, --salient-recent does not apply" in capsys.readouterr().err
 
 
 def test_projection_within_the_configs_bits_or_to_vllms_cheapest(capture):

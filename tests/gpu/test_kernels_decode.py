@@ -364,7 +364,7 @@ def test_salient_rows_are_read_in_place_of_their_codes(kf, sides):
     step = cache.plan(first, num_splits=3)
     kp, vp = rows(k, first, [0] * B), rows(v, first, [0] * B)
     window = pos.clone()
-    window[0, 0, -1] = first[0] - 1  # a window token cannot be salient
+    window[0, 0, -1] = first[0]  # a token past the step's cannot be salient
     with pytest.raises(ShapeError, match="must ascend"):
         cache.store(step, 0, kp, vp, salient=window)
     cache.store(step, 0, kp, vp, salient=pos)
@@ -408,6 +408,55 @@ def test_salient_rows_are_read_in_place_of_their_codes(kf, sides):
     counted = account(cfg, ModelShape(1, H, D), T).totals.salient
     assert counted == (1 if kf.is_float or sides == "k" else 2) * H * cfg.salient * (D + 2 + 4)
     assert cache.nbytes - plain.nbytes == B * counted
+
+
+def test_the_prompts_newest_tokens_are_read_once_in_the_window_and_from_their_rows_after():
+    """``salient_recent``: two of the three salient positions are the prompt's last tokens, still
+    in the window when the prefill stores them. While there, the tail reads each once (from the
+    ring, not again from its salient row); decode steps then push them out of the window, and
+    the main launch masks their codes and the tail reads their rows. At every step the cache
+    holds the oracle's reconstruction with those rows (bit for bit) and decode matches
+    reference attention over it."""
+    from kverr.error.salient import choose, kept_count
+    from kverr.quant.store import salient_candidates, token_regions
+
+    cfg = CacheConfig(k=int_format(2, PerToken()), v=int_format(2, PerTokenGroup(8)), page_size=P, window=5, sinks=2,
+                      window_dtype="int8", salient=3, salient_recent=2)
+    H, Hq, B, n0, steps = 2, 6, 2, 20, 9
+    T = n0 + steps
+    q, k, v = _data(1, B, Hq, H, T, 5)
+    cache = PagedKVCache(cfg, n_layers=1, n_kv_heads=H, n_q_heads=Hq, head_dim=D, max_batch=B, max_tokens=T,
+                         device="cpu", block_n=16)
+    lo, hi = salient_candidates(n0, cfg, 0, 0)
+    m, r = kept_count(cfg, n0, [(lo, hi)] * H)
+    pos = choose(torch.rand(B, H, n0, generator=torch.Generator().manual_seed(1)), lo, hi, m, r, n0)
+    assert (m, r) == (3, 2) and (pos[..., 1:] == torch.tensor([n0 - 2, n0 - 1])).all() and n0 - 2 >= hi
+
+    def rows(x, off, n):
+        return torch.cat([x[0, b, :, off:off + n].transpose(0, 1) for b in range(B)])
+
+    step = cache.plan([n0] * B, num_splits=3)
+    cache.store(step, 0, rows(k, 0, n0), rows(v, 0, n0), salient=pos)
+    kv_map = [h // (Hq // H) for h in range(Hq)]
+    worst = 0.0
+    for t in range(n0, T):
+        step = cache.plan([1] * B, num_splits=2)
+        cache.store(step, 0, rows(k, t, 1), rows(v, t, 1))
+        out = torch.full((B, Hq, D), float("nan"))
+        cache.decode(step, 0, q[0, :, :, t], out=out)
+        for b in range(B):
+            held = {}
+            for which, x in (("k", k), ("v", v)):
+                held[which] = reconstruct(x[0, b, :, :t + 1], cfg, layer=0, which=which, salient=pos[b])
+                assert torch.equal(cache.read(0, which, b), held[which]), (t, b, which)
+            ref, _, _ = reference_decode(q[0, b, :, t], k[0, b, :, :t + 1], v[0, b, :, :t + 1], held["k"], held["v"],
+                                         kv_map)
+            worst = max(worst, rel_rms(out[b], ref))
+    assert worst <= 1e-3
+    # by the last step both left the window, and their rows are not their codes
+    assert min(token_regions(T, cfg, f)[1] for f in (cfg.k, cfg.v)) > n0 - 1
+    plain = reconstruct(v[0, 0, :, :T], cfg, layer=0, which="v")
+    assert not torch.equal(plain[:, n0 - 2:n0], cache.read(0, "v", 0)[:, n0 - 2:n0])
 
 
 def _per_head_windows(window_dtype):

@@ -350,7 +350,7 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
     transformers model (including Hadamard-rotated, MSE-clipped formats on keys stored before
     RoPE with sinks, window and pending key blocks held as int8 rows, static per-channel
     scales, which both caches set from the prefill, and salient prompt tokens, which both
-    choose from the prefill's queries, K and V with different token blocks, and keys rounded with
+    choose from the prefill's queries (two of them the prompt's newest, in one config), K and V with different token blocks, and keys rounded with
     compensation under the prefill queries' moment, which both take from the same queries, before
     and after RoPE, or under static moments the config carries, the decode keys too, and a window
     length per layer and (layer, kv head, K|V), from none to 20 tokens). A prefill of
@@ -363,7 +363,7 @@ def test_kernel_path_in_the_model_agrees_with_the_reference_path(tiny, name):
              "int8-window-pre-rope": lambda: _rotated_pre_rope().with_(window_dtype="int8"),
              "salient": lambda: _static_pre_rope().with_(v=_rotated_pre_rope().k, window_dtype="int8", salient=5),
              "compensated": lambda: PRESETS["kivi-2"].with_(key_rounding="compensated"),
-             "compensated-pre-rope": lambda: _static_pre_rope().with_(window_dtype="int8", salient=5,
+             "compensated-pre-rope": lambda: _static_pre_rope().with_(window_dtype="int8", salient=5, salient_recent=2,
                                                                       key_rounding="compensated"),
              "static-moments-pre-rope": lambda: _static_pre_rope().with_(key_rounding="compensated",
                                                                          key_moments=_moments(tiny)),

@@ -43,16 +43,19 @@ def _attention(tiny, ids):
     return [a[0].double() for a in out.attentions]
 
 
-def test_the_salient_tokens_are_those_the_last_queries_attend_to_most(tiny):
+@pytest.mark.parametrize("recent", [0, 2])
+def test_the_salient_tokens_are_those_the_last_queries_attend_to_most(tiny, recent):
     # Against the model's own eager attention weights: per kv head, the N tokens between the
     # sinks and the window with the largest sum of a² over the prompt's last queries and the
-    # query heads that read that kv head. They read back as the int8 rows of their exact values;
-    # every other token reads what a cache without salient tokens holds (per-token scales: the
-    # salient tokens change nothing else).
-    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    # query heads that read that kv head -- with salient_recent = R, the prompt's last R tokens
+    # (in the window here: their rows are the window's) and the N - R of largest sum. They read
+    # back as the int8 rows of their exact values; every other token reads what a cache without
+    # salient tokens holds (per-token scales: the salient tokens change nothing else).
+    cfg = CacheConfig(k=PER_TOKEN, v=PER_TOKEN, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N,
+                      salient_recent=recent)
     ids = _ids()
     cache = _prefill(tiny, cfg, ids)
-    plain = _prefill(tiny, cfg.with_(salient=0), ids)
+    plain = _prefill(tiny, cfg.with_(salient=0, salient_recent=0), ids)
     exact = _prefill(tiny, CacheConfig(k=PER_TOKEN, v=PER_TOKEN, window=P, window_dtype="fp32"), ids)  # as computed
     attn = _attention(tiny, ids)
     n_kv = tiny.shape.n_kv_heads
@@ -66,7 +69,8 @@ def test_the_salient_tokens_are_those_the_last_queries_attend_to_most(tiny):
             other = plain.read(layer, w)
             for h in range(n_kv):
                 part = votes[h, SINKS:P - WINDOW]
-                want = sorted((torch.topk(part, N).indices + SINKS).tolist())
+                newest = list(range(P - recent, P))
+                want = sorted((torch.topk(part, N - recent).indices + SINKS).tolist()) + newest
                 assert cache.layers[layer].groups[w][0].salient_pos[0, h].tolist() == want
                 rest = [t for t in range(P) if t not in want]
                 assert torch.equal(got[0, h, want], want_rows[0, h, want])
@@ -211,6 +215,18 @@ def test_choose_breaks_ties_to_the_earlier_token_and_stays_in_range():
     assert choose(sal, 1, 5, 2).tolist() == [[1, 3]]
     assert choose(sal, 1, 3, 5).tolist() == [[1, 2]]
     assert choose(sal, 4, 4, 3).shape == (1, 0)
+    # recent: the prompt's last tokens (by default the candidates end it), the rest by saliency
+    # among the candidates before them
+    assert choose(sal, 0, 6, 3, recent=1).tolist() == [[0, 3, 5]]
+    assert choose(sal, 0, 5, 3, recent=2).tolist() == [[0, 3, 4]]
+    assert choose(sal, 1, 3, 5, recent=4).tolist() == [[1, 2]]
+    assert choose(sal, 0, 6, 2, recent=2).tolist() == [[4, 5]]
+    assert choose(sal, 1, 3, 3, recent=2, end=6).tolist() == [[1, 4, 5]]  # past the candidates
+    assert choose(sal, 1, 5, 3, recent=2, end=6).tolist() == [[3, 4, 5]]  # 4 is one of both
+    with pytest.raises(ValueError, match="recent=3"):
+        choose(sal, 0, 6, 2, recent=3)
+    with pytest.raises(ValueError, match="past the prompt"):
+        choose(sal, 0, 6, 2, end=5)
 
 
 def test_the_json_carries_salient_only_when_set():
@@ -223,6 +239,13 @@ def test_the_json_carries_salient_only_when_set():
         CacheConfig(k=PER_TOKEN, v=PER_TOKEN, salient=-1)
     with pytest.raises(ConfigError, match="salient_sides='vk'"):
         cfg.with_(salient_sides="vk")
+    recent = cfg.with_(salient_recent=4)
+    assert "salient_recent" not in cfg.to_dict() and recent.to_dict()["salient_recent"] == 4
+    assert CacheConfig.from_json(recent.to_json()) == recent
+    with pytest.raises(ConfigError, match="salient_recent=13"):
+        cfg.with_(salient_recent=13)
+    with pytest.raises(ConfigError, match="salient_recent=-1"):
+        cfg.with_(salient_recent=-1)
 
 
 def test_one_side_keeps_rows_the_other_reads_its_codes(tiny):
