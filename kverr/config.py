@@ -10,12 +10,13 @@ overrides per layer and per ``(layer, kv_head)``, and the model-wide token polic
 aligned to ``align`` bytes. With ``salient`` = N > 0, each (layer, kv head) also keeps the N prompt
 tokens its prompt's last queries attend to most as ``window_dtype`` rows with their positions,
 beside their codes (:mod:`kverr.error.salient`), for the sides ``salient_sides`` names (``"kv"``,
-``"k"`` or ``"v"``; formats that quantize); ``salient_recent`` = R <= N of those rows always hold
-the prompt's newest quantized tokens, the ones the first decode steps read most. With ``key_rounding`` = ``"compensated"`` the
-integer key formats choose their codes by error compensation under the prefill's queries
-(:mod:`kverr.quant.compensated`): the same grid and bytes, other codes; with ``key_moments``
-(:class:`~kverr.quant.compensated.KeyMoments`, a calibration capture's query moments, static
-bytes) they round every key under those instead, and the cache need not wait for queries.
+``"k"`` or ``"v"``; formats that quantize); ``salient_recent`` = R <= N of those rows hold the
+prompt's last R tokens wherever the window is, the ones the first decode steps read most. With
+``key_rounding`` = ``"compensated"`` the integer key formats choose their codes by error
+compensation under the prefill's queries (:mod:`kverr.quant.compensated`): the same grid and
+bytes, other codes; with ``key_moments`` (:class:`~kverr.quant.compensated.KeyMoments`, a
+calibration capture's query moments, static bytes) they round every key under those instead,
+and the cache need not wait for queries.
 
 Configs serialize to versioned JSON (``"version": 1``) that round-trips exactly; unknown fields,
 formats or values raise :class:`kverr.exceptions.ConfigError` naming the field, the value and what is

@@ -70,7 +70,7 @@ class OuterOption:
     key_pre_rope: bool = False
     salient: int = 0  # salient prompt tokens kept per (layer, kv head, K|V): counted, and masked by the objective
     salient_sides: str = "kv"  # the sides that keep them (CacheConfig.salient_sides)
-    salient_recent: int = 0  # of them, the prompt's newest quantized tokens (CacheConfig.salient_recent)
+    salient_recent: int = 0  # of them, the prompt's last tokens, wherever they are (CacheConfig.salient_recent)
 
     def label(self) -> str:
         sides = "" if self.salient_sides == "kv" else self.salient_sides

@@ -96,7 +96,7 @@ class CalibrationConfig:
     salient_sides : str
         The sides that keep them: ``"kv"`` (default), ``"k"`` or ``"v"`` (``CacheConfig.salient_sides``).
     salient_recent : int
-        How many of them are the prompt's newest quantized tokens, whatever their saliency
+        How many of them are the prompt's last tokens, whatever their saliency
         (``CacheConfig.salient_recent``; at most ``salient``; 0: all chosen by saliency).
     window_dtype : str
         What the sinks, window and pending tokens are kept in: ``auto`` (per budget,

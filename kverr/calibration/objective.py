@@ -321,9 +321,10 @@ def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int, rece
 def _quantized_mask(prep: LayerPrep, sinks: int, window: int, salient: int = 0, recent: int = 0, *,
                     g: int = 1, h: int = 0) -> torch.Tensor:
     """``[g*n, T]`` float: 1 on the tokens a query sees quantized (causal, neither sink nor in its
-    window, nor one of kv head ``h``'s ``salient`` tokens, ``recent`` of them the newest), the
-    rows of one kv head's ``g`` query heads stacked. Key and value damage both apply it directly: subtracting the sink columns
-    from unmasked sums instead cancels catastrophically when a sink's error is large."""
+    window, nor one of kv head ``h``'s ``salient`` tokens, ``recent`` of them its prompt's last),
+    the rows of one kv head's ``g`` query heads stacked. Key and value damage both apply it
+    directly: subtracting the sink columns from unmasked sums instead cancels catastrophically
+    when a sink's error is large."""
     if salient:
         key = (sinks, window, salient, recent, h)
         if key not in prep.masks:

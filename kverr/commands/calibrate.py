@@ -94,8 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--salient-sides", choices=("kv", "k", "v"), default="kv",
                    help="the sides whose salient rows are kept: keys and values (kv, the default), keys or values")
     p.add_argument("--salient-recent", type=non_negative_int, default=0, metavar="R",
-                   help="of the --salient rows, R hold the prompt's newest quantized tokens whatever their saliency "
-                        "(the tokens the first decode steps read most; at most N; default 0)")
+                   help="of the --salient rows, R hold the prompt's last R tokens whatever their saliency (the tokens the "
+                        "first decode steps read most; at most N; priced by the objective only with --decode; default 0)")
     p.add_argument("--key-rope", choices=("post", "pre", "both"),
                    help="quantize keys after RoPE, before, or try both (default: pre when the capture holds "
                    "pre-RoPE keys and RoPE parameters, else post; 'both' doubles the key-side scoring)")
