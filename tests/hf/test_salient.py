@@ -12,7 +12,7 @@ from kverr.hf import KverrCache, cache_kwarg, kernels_support
 from kverr.error.salient import OBSERVED_QUERIES, choose
 from kverr.memory import ModelShape, account
 from kverr.quant import PerChannel, PerToken, int_format, quantize, reconstruct
-from kverr.quant.store import receive
+from kverr.quant.store import receive, without_salient
 
 P, SINKS, WINDOW, N = 48, 2, 4, 5
 PER_TOKEN = int_format(2, granularity=PerToken())
@@ -107,25 +107,32 @@ def test_each_kv_head_chooses_among_the_tokens_both_its_formats_quantize(tiny):
     assert beyond  # head 0 did choose tokens head 1 could not: the ranges are per head
 
 
-def test_static_scales_are_fitted_on_the_other_tokens(tiny):
-    cfg = CacheConfig(k=STATIC, v=STATIC, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+@pytest.mark.parametrize("recent", [0, 2])
+def test_static_scales_are_fitted_on_the_other_tokens(tiny, recent):
+    # (with salient_recent the prompt's last tokens are in the window, past the fitted block)
+    cfg = CacheConfig(k=STATIC, v=STATIC, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N,
+                      salient_recent=recent)
     cache = _prefill(tiny, cfg, _ids(1))
     exact = _prefill(tiny, CacheConfig(k=PER_TOKEN, v=PER_TOKEN, window=P, window_dtype="int8"), _ids(1))
     layer = cache.layers[1]
     x = exact.layers[1]._read("v")  # the int8 rows the cache received (values: no RoPE)
     g = layer.groups["v"][0]
     pos = g.salient_pos[0].long()
+    assert (pos[:, N - recent:] == torch.arange(P - recent, P)).all()
     for h in range(x.shape[1]):
         keep = [t for t in range(SINKS, P - WINDOW) if t not in pos[h].tolist()]
         ref = quantize(x[:, h:h + 1, keep], STATIC)
         assert torch.equal(g.static_scale[h:h + 1], ref.scale[0])
 
 
-@pytest.mark.parametrize("fmt", [PER_TOKEN, STATIC], ids=["per-token", "static"])
-def test_the_cache_holds_what_reconstruct_says_given_its_salient_positions(tiny, fmt):
+@pytest.mark.parametrize("fmt,recent", [(PER_TOKEN, 0), (STATIC, 0), (STATIC, 2)],
+                         ids=["per-token", "static", "static-recent"])
+def test_the_cache_holds_what_reconstruct_says_given_its_salient_positions(tiny, fmt, recent):
     # The oracle given the cache's own positions: salient rows read back as received, static
-    # scales fitted on the other tokens, the rest quantized -- bit for bit, both sides, every layer.
-    cfg = CacheConfig(k=fmt, v=fmt, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N)
+    # scales fitted on the other tokens, the rest quantized -- bit for bit, both sides, every layer
+    # (with salient_recent, positions in the window too).
+    cfg = CacheConfig(k=fmt, v=fmt, sinks=SINKS, window=WINDOW, window_dtype="int8", salient=N,
+                      salient_recent=recent)
     ids = _ids(2)
     cache = _prefill(tiny, cfg, ids)
     exact = _prefill(tiny, CacheConfig(k=PER_TOKEN, v=PER_TOKEN, window=P, window_dtype="fp32"), ids)  # as computed
@@ -135,6 +142,8 @@ def test_the_cache_holds_what_reconstruct_says_given_its_salient_positions(tiny,
             assert torch.equal(cache.read(layer, w), reconstruct(exact.read(layer, w), cfg, layer=layer, which=w, salient=pos))
             assert torch.equal(cache.read(layer, w), reconstruct(exact.read(layer, w), cfg, layer=layer, which=w,
                                                                  salient=pos[0]))  # shared by the batch
+    if recent:
+        return
     # without them the oracle reads those tokens back quantized: not what the cache holds
     x = exact.read(0, "v")
     assert not torch.equal(cache.read(0, "v"), reconstruct(x, cfg, layer=0, which="v"))
@@ -208,6 +217,16 @@ def test_crop_refuses_the_prefill_of_salient_tokens(tiny):
     cache = _prefill(tiny, cfg, _ids())
     with pytest.raises(ConfigError, match="crop the prefill"):
         cache.crop(-1)
+
+
+def test_without_salient_leaves_out_the_tokens_in_the_block():
+    # indices past the block (the prompt's last tokens, still in the window) are not in it; every
+    # row must have as many in it
+    x = torch.arange(12.0).reshape(2, 1, 6, 1)
+    out = without_salient(x, torch.tensor([[[1, 7]], [[4, 6]]]))
+    assert out[:, 0, :, 0].tolist() == [[0, 2, 3, 4, 5], [6, 7, 8, 9, 11]]
+    with pytest.raises(ShapeError, match="as many in it"):
+        without_salient(x, torch.tensor([[[1, 2]], [[4, 6]]]))
 
 
 def test_choose_breaks_ties_to_the_earlier_token_and_stays_in_range():
