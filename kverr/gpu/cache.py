@@ -810,9 +810,9 @@ class PagedKVCache:
 
     def _salient_rows(self, step: StepPlan, layer: int, salient) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked salient positions ``[B, H, m]``: (their rows among the step's new rows, int64,
-        and the positions, int32), on the device."""
-        from kverr.quant.store import salient_candidates
-
+        and the positions, int32), on the device. Any of the step's tokens after the sinks may be
+        one: the candidates both formats quantize, or the prompt's last (``salient_recent``),
+        still in the window."""
         N = self.config.salient
         if not N:
             raise ConfigError("salient positions were given but the config keeps no salient tokens (config.salient = 0)")
@@ -828,10 +828,8 @@ class PagedKVCache:
         for b in range(self.B):
             if any(bool((pl.sal_pos[b] >= 0).any()) for pl in pools):
                 raise KernelError(f"layer {layer} sequence {b} already holds salient tokens (reset the slot first)")
+            lo, hi = max(min(self.config.sinks, int(T1[b])), int(T0[b])), int(T1[b])
             for h, p in enumerate(pos[b]):
-                # the candidates both formats quantize, or the prompt's newest tokens (salient_recent)
-                lo, _ = salient_candidates(int(T1[b]), self.config, layer, h)
-                lo, hi = max(lo, int(T0[b])), int(T1[b])
                 n = int((p >= 0).sum())
                 if (p[n:] != -1).any() or (n and (int(p[0]) < lo or int(p[n - 1]) >= hi or (p[:n].diff() <= 0).any())):
                     raise ShapeError(f"sequence {b} head {h}: salient positions {p.tolist()} must ascend, each among "
