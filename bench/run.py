@@ -40,6 +40,8 @@ REGISTRY: dict[str, Benchmark] = {
     "calibrate": Benchmark("bench.bench_calibrate", "whole-model calibration at one budget"),
     "compensation": Benchmark("bench.bench_compensation",
                               "compensated key rounding's per-token factors vs the textbook formula"),
+    "interpreter": Benchmark("bench.bench_interpreter",
+                             "kernel launches in Triton's interpreter: language patched once per launch vs per helper call"),
     "heldout": Benchmark("bench.heldout", "calibrated configs vs presets and peers held out (the README table)",
                          quick_skips="one to two hours on two cores"),
 }

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kverr.exceptions import KernelError
+from kverr.gpu.interpreter import interpreting
 from kverr.gpu.launch import (
     DECODE_MAXNREG,
     DECODE_WARPS,
@@ -349,7 +350,7 @@ def compile_all(arch: int, *, full: bool = False, cover: bool = False, D: int = 
                 num_warps: int = 4, progress=None) -> list[Resource]:
     """Compile the kernel :func:`specialisations` (only a :func:`covering` subset of them with
     ``cover``) for ``sm_{arch}``; return the resource usage of each."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         raise KernelError("AOT compilation needs TRITON_INTERPRET unset; use compile_in_subprocess()")
     jobs = specialisations(full=full, D=D, P=P, rep=rep)
     if cover:

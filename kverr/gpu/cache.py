@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -66,6 +65,7 @@ import torch
 
 from kverr.cost import decode_splits, default_block_n
 from kverr.exceptions import ConfigError, KernelError, ShapeError
+from kverr.gpu.interpreter import interpreting
 from kverr.gpu.spec import GRAN_BLOCK, KIND_FLOAT, KernelSpec, check_head_dim, codebook_table, kernel_spec, mixed_layout
 from kverr.quant.compensated import compensable
 from kverr.quant.formats import TORCH_DTYPES, window_format
@@ -88,10 +88,6 @@ def _next_pow2(n: int) -> int:
 def _order_table(order: torch.Tensor) -> torch.Tensor:
     """int32 ``[..., 2D]``: a factor's channel order ``[..., D]``, then each channel's position in it."""
     return torch.cat([order, torch.argsort(order, dim=-1)], dim=-1).to(torch.int32).contiguous()
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(eq=False)

@@ -12,7 +12,11 @@ from kverr.quant.reference import hadamard_scale
 
 def _kernels():
     # imported lazily: TRITON_INTERPRET must be set before the kernel modules are imported
+    from kverr.gpu.interpreter import install, interpreting
     from kverr_kernels import decode, quant_store
+
+    if interpreting():
+        install()
 
     return quant_store, decode
 
