@@ -29,6 +29,7 @@ from kverr.rope import rotate
 
 KEEP: dict = {}  # layer -> [kv head, k] absolute positions kept, or empty
 SAVED: dict = {}  # (layer, K|V) -> {(kv head, position): the int8 row as the cache reads it}
+ROW = None  # or a function (K|V, row [B, D]) -> the row as kept (before RoPE): rows stored coarser
 _quantize, _read = KverrLayer._quantize, KverrLayer._read
 
 
@@ -40,6 +41,8 @@ def quantize(self, which, g, x):
         for i, h in enumerate(g.heads):
             for t in (int(t) for t in keep[h] if lo <= t < lo + x.shape[2]):
                 row = x[:, i, t - lo].float()
+                if ROW is not None:
+                    row = ROW(which, row)
                 if which == "k" and self.config.key_pre_rope:
                     cos, sin = self._cos_sin(t, t + 1)
                     row = rotate(row[:, None], cos, sin)[:, 0]

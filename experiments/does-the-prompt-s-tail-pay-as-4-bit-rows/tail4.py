@@ -1,0 +1,93 @@
+"""Would the prompt's last tokens pay as 4-bit rows, twice as many for the bytes of int8 ones?
+
+Kept as the int8 rows the window held, the prompt's last 4, 8, 16 or 32 tokens per (layer, kv
+head) take 11, 15, 23 and 32 % off ``windows-3b``'s held-out KL
+(``../does-the-prompt-s-tail-pay-as-int8-rows/``): the first decode steps read them most. A row of
+``--row-bits`` integers per token (asymmetric, one fp16 scale and zero per token and head, after a
+Hadamard rotation with ``--rotate hadamard``) costs about half an int8 row at 4 bits. Per segment
+(typing.py, P = 1024, N = 256 teacher-forced steps, as ``kverr evaluate``): the config with the
+last ``k`` prompt tokens of every (layer, kv head) kept as such rows on ``--sides`` (beside their
+codes, as salient tokens are), rounded from the int8 row the window held, for each ``--keep``.
+
+Each row's ``bits``: the config's effective bits at ``--context`` tokens (static bytes shared by
+``--batch`` sequences, the prompt quantized whole) plus the kept rows (:func:`row_bits`).
+
+Usage (from the repository root): PYTHONPATH=. python experiments/does-the-prompt-s-tail-pay-as-4-bit-rows/tail4.py
+    CONFIG OUT.csv [--segments 0] [--keep 0 16 32] [--row-bits 4] [--rotate hadamard] [--sides kv]
+    [--compensated-keys] [--refit]
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.heldout import experiment_script, protocol_parser, protocol_switch, record
+from kverr.memory import model_shape
+from kverr.quant.formats import PerToken, int_format
+from kverr.quant.reference import codes_nbytes, fake_quantize
+from kverr.quant.store import SALIENT_INDEX_BYTES
+
+decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "decode_salient.py")
+
+
+def row_format(bits: int, rotate: str):
+    """The kept rows' format: ``bits``-bit integers per (token, head), asymmetric, fp16 scale and zero."""
+    return int_format(bits, PerToken(), symmetric=False, scale_dtype="fp16", rotate=rotate)
+
+
+def row_bits(kept: int, fmt, sides: str, context: int) -> float:
+    """Bits per cached element (K and V together) at ``context`` tokens that ``kept`` rows per
+    (layer, kv head) in ``fmt`` add on ``sides``: each its codes, scale, zero and a position, as
+    :mod:`kverr.memory` counts a salient row's position (row alignment left out)."""
+    D = model_shape("default").head_dim
+    per_row = codes_nbytes(fmt, D) + fmt.scale_bytes * (2 if fmt.has_zero else 1) + SALIENT_INDEX_BYTES
+    return 8 * kept * per_row * len(sides) / (2 * D * context)
+
+
+def main(argv=None) -> int:
+    ap = protocol_parser(__doc__)
+    ap.add_argument("--keep", type=int, nargs="+", default=[0, 16], help="prompt tokens kept, a run each")
+    ap.add_argument("--row-bits", type=int, default=4, help="bits of the kept rows' integers")
+    ap.add_argument("--rotate", choices=("none", "hadamard"), default="hadamard", help="rows rotated before rounding")
+    ap.add_argument("--sides", choices=("kv", "k", "v"), default="kv", help="which sides keep the rows")
+    a, loaded, cfg, runs, base, name = decode_salient.kept_rows_protocol(ap, argv)
+    fmt = row_format(a.row_bits, a.rotate)
+    n_layers, n_kv = loaded.model.config.num_hidden_layers, loaded.model.config.num_key_value_heads
+    now: dict = {}
+
+    # [B, D] as the window held it -> as a kept row reads back
+    decode_salient.ROW = lambda which, row: fake_quantize(row[:, None, None, :], fmt)[:, 0, 0, :]
+    _read = decode_salient.KverrLayer._read
+
+    def with_prefill(runs):
+        for p, *rest in runs:
+            now["p"] = p
+            yield (p, *rest)
+
+    def switch(k):
+        decode_salient.KEEP.clear()
+        decode_salient.SAVED.clear()
+        if k:
+            tail = torch.arange(now["p"] - k, now["p"])
+            for li in range(n_layers):
+                decode_salient.KEEP[li] = tail.expand(n_kv, k)
+
+    # a side without rows reads its codes: drop what was saved for it before the cache reads
+    def read(self, which):
+        if which not in a.sides:
+            decode_salient.SAVED.pop((self.layer_idx, which), None)
+        return _read(self, which)
+
+    decode_salient.KverrLayer._read = read
+
+    rows = []
+    for seg, off, k, measured in protocol_switch(loaded, cfg, with_prefill(runs), switch, refit=a.refit,
+                                                 settings=a.keep):
+        row = {"config": name, "segment": seg, "offset": off, "keep": k, "row_bits": a.row_bits,
+               "rotate": a.rotate, "sides": a.sides, "bits": base + row_bits(k, fmt, a.sides, a.context), **measured}
+        record(rows, row, a.out, f"{name} seg {seg} the last {k} prompt tokens as {a.row_bits}-bit rows on "
+                                 f"{a.sides} ({row['bits']:.4f} bits)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
