@@ -7,7 +7,7 @@ scoring): the two configs of a budget differ only in that freedom.
 
 Usage (from the repository root):
     PYTHONPATH=. python experiments/does-a-window-per-head-pay/calibrate.py CAPTURE OUTDIR \
-        [--budgets 2,2.5,3] [--windows 16,32,64,128] [--queries 512]
+        [--budgets 2,2.5,3] [--windows 16,32,64,128] [--queries 512] [--decode 256] [--salient 8 --salient-recent 0]
 """
 from __future__ import annotations
 
@@ -31,12 +31,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1280)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--decode", type=int, default=None, help="decode steps the objective models (kverr calibrate --decode)")
+    ap.add_argument("--salient", type=int, default=8, help="salient rows per (layer, kv head) (kverr calibrate --salient)")
+    ap.add_argument("--salient-recent", type=int, default=0,
+                    help="of them, the prompt's last tokens (kverr calibrate --salient-recent)")
     ap.add_argument("--tag", default="", help="appended to the config names")
     a = ap.parse_args()
     a.outdir.mkdir(parents=True, exist_ok=True)
     budgets = tuple(float(b) for b in a.budgets.split(","))
     cfg = CalibrationConfig(budgets=budgets, context=a.context, batch=a.batch, refit_widths=True,
-                            compensated_keys=True, candidates="fitted", codebooks=True, salient=8,
+                            compensated_keys=True, candidates="fitted", codebooks=True, salient=a.salient,
+                            salient_recent=a.salient_recent,
                             queries=a.queries, sinks=(a.sinks,), windows=tuple(int(w) for w in a.windows.split(",")),
                             window_per_head=True, decode=a.decode)
     t0 = time.perf_counter()
