@@ -18,15 +18,14 @@ Usage (from the repository root): PYTHONPATH=. python experiments/does-the-promp
 """
 from __future__ import annotations
 
-import torch
-
 from bench.heldout import experiment_script, protocol_parser, protocol_switch, record
 from kverr.memory import model_shape
 from kverr.quant.formats import PerToken, int_format
 from kverr.quant.reference import codes_nbytes, fake_quantize
 from kverr.quant.store import SALIENT_INDEX_BYTES
 
-decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "decode_salient.py")
+tail = experiment_script("does-the-prompt-s-tail-pay-as-int8-rows", "tail.py")
+decode_salient = tail.decode_salient  # one instance: its patches of the cache read its KEEP, SAVED and ROW
 
 
 def row_format(bits: int, rotate: str):
@@ -51,25 +50,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sides", choices=("kv", "k", "v"), default="kv", help="which sides keep the rows")
     a, loaded, cfg, runs, base, name = decode_salient.kept_rows_protocol(ap, argv)
     fmt = row_format(a.row_bits, a.rotate)
-    n_layers, n_kv = loaded.model.config.num_hidden_layers, loaded.model.config.num_key_value_heads
-    now: dict = {}
 
     # [B, D] as the window held it -> as a kept row reads back
     decode_salient.ROW = lambda which, row: fake_quantize(row[:, None, None, :], fmt)[:, 0, 0, :]
     _read = decode_salient.KverrLayer._read
-
-    def with_prefill(runs):
-        for p, *rest in runs:
-            now["p"] = p
-            yield (p, *rest)
-
-    def switch(k):
-        decode_salient.KEEP.clear()
-        decode_salient.SAVED.clear()
-        if k:
-            tail = torch.arange(now["p"] - k, now["p"])
-            for li in range(n_layers):
-                decode_salient.KEEP[li] = tail.expand(n_kv, k)
 
     # a side without rows reads its codes: drop what was saved for it before the cache reads
     def read(self, which):
@@ -80,8 +64,8 @@ def main(argv=None) -> int:
     decode_salient.KverrLayer._read = read
 
     rows = []
-    for seg, off, k, measured in protocol_switch(loaded, cfg, with_prefill(runs), switch, refit=a.refit,
-                                                 settings=a.keep):
+    runs, switch = tail.tail_switch(loaded, runs)
+    for seg, off, k, measured in protocol_switch(loaded, cfg, runs, switch, refit=a.refit, settings=a.keep):
         row = {"config": name, "segment": seg, "offset": off, "keep": k, "row_bits": a.row_bits,
                "rotate": a.rotate, "sides": a.sides, "bits": base + row_bits(k, fmt, a.sides, a.context), **measured}
         record(rows, row, a.out, f"{name} seg {seg} the last {k} prompt tokens as {a.row_bits}-bit rows on "

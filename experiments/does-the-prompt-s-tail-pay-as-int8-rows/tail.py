@@ -25,10 +25,10 @@ from bench.heldout import experiment_script, protocol_parser, protocol_switch, r
 decode_salient = experiment_script("where-does-the-held-out-kl-come-from", "decode_salient.py")
 
 
-def main(argv=None) -> int:
-    ap = protocol_parser(__doc__)
-    ap.add_argument("--keep", type=int, nargs="+", default=[0, 16], help="prompt tokens kept, a run each")
-    a, loaded, cfg, runs, base, name = decode_salient.kept_rows_protocol(ap, argv)
+def tail_switch(loaded, runs):
+    """``(runs, switch)`` for :func:`bench.heldout.protocol_switch`: the segments' runs, noting each
+    prompt's length, and a switch keeping the last ``k`` prompt tokens of every (layer, kv head)
+    (``decode_salient.KEEP``; none for ``k = 0``)."""
     n_layers, n_kv = loaded.model.config.num_hidden_layers, loaded.model.config.num_key_value_heads
     now: dict = {}
 
@@ -45,9 +45,16 @@ def main(argv=None) -> int:
             for li in range(n_layers):
                 decode_salient.KEEP[li] = tail.expand(n_kv, k)
 
+    return with_prefill(runs), switch
+
+
+def main(argv=None) -> int:
+    ap = protocol_parser(__doc__)
+    ap.add_argument("--keep", type=int, nargs="+", default=[0, 16], help="prompt tokens kept, a run each")
+    a, loaded, cfg, runs, base, name = decode_salient.kept_rows_protocol(ap, argv)
+    runs, switch = tail_switch(loaded, runs)
     rows = []
-    for seg, off, k, measured in protocol_switch(loaded, cfg, with_prefill(runs), switch, refit=a.refit,
-                                                 settings=a.keep):
+    for seg, off, k, measured in protocol_switch(loaded, cfg, runs, switch, refit=a.refit, settings=a.keep):
         row = {"config": name, "segment": seg, "offset": off, "keep": k,
                "bits": base + decode_salient.row_bits(k, a.context), **measured}
         record(rows, row, a.out, f"{name} seg {seg} keep the last {k} prompt tokens ({row['bits']:.4f} bits)")
