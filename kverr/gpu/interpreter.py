@@ -53,6 +53,8 @@ def install() -> bool:
         if _STATE["depth"] and langs <= _STATE["patched"]:
             return scope_type()  # already in place for this launch: nothing to patch, nothing to restore
         scope = original(fn)
+        if not hasattr(scope, "restore"):
+            return scope  # not the patch step this wraps: run as shipped
         _STATE["patched"] |= langs
         if _STATE["depth"]:
             return scope  # a helper's patch: the interpreter drops its scope, as it does unwrapped
