@@ -5,8 +5,8 @@ The interpreter runs a kernel by patching ``triton.language`` (every builtin of 
 the module after it. Triton 3.9 patches it again at *every* call of a ``@triton.jit`` helper
 inside the kernel -- an ``inspect.getmembers`` walk over the whole language each time,
 whose changes are the ones already in place. kverr's kernels call small helpers inside their
-loops (the compensated store rounds a key channel by channel), so on the CPU that walk took
-about 40 % of a compensated store's time.
+loops (the compensated store rounds a key channel by channel), where that walk is a large share
+of their time on the CPU (``docs/kernels.md`` has the figures).
 
 :func:`install` wraps the interpreter's patch step so that, during a launch, a helper whose
 language modules are already patched skips it; one that reads a module not yet patched (the
