@@ -10,7 +10,7 @@ last ``k`` prompt tokens of every (layer, kv head) kept as such rows on ``--side
 codes, as salient tokens are), rounded from the int8 row the window held, for each ``--keep``.
 
 Each row's ``bits``: the config's effective bits at ``--context`` tokens (static bytes shared by
-``--batch`` sequences, the prompt quantized whole) plus the kept rows (:func:`row_bits`).
+``--batch`` sequences, the prompt quantized whole) plus the kept rows (``decode_salient.row_bits``).
 
 Usage (from the repository root): PYTHONPATH=. python experiments/does-the-prompt-s-tail-pay-as-4-bit-rows/tail4.py
     CONFIG OUT.csv [--segments 0] [--keep 0 16 32] [--row-bits 4] [--rotate hadamard] [--sides kv]
@@ -22,7 +22,6 @@ from bench.heldout import experiment_script, protocol_parser, protocol_switch, r
 from kverr.memory import model_shape
 from kverr.quant.formats import PerToken, int_format
 from kverr.quant.reference import codes_nbytes, fake_quantize
-from kverr.quant.store import SALIENT_INDEX_BYTES
 
 tail = experiment_script("does-the-prompt-s-tail-pay-as-int8-rows", "tail.py")
 decode_salient = tail.decode_salient  # one instance: its patches of the cache read its KEEP, SAVED and ROW
@@ -33,13 +32,9 @@ def row_format(bits: int, rotate: str):
     return int_format(bits, PerToken(), symmetric=False, scale_dtype="fp16", rotate=rotate)
 
 
-def row_bits(kept: int, fmt, sides: str, context: int) -> float:
-    """Bits per cached element (K and V together) at ``context`` tokens that ``kept`` rows per
-    (layer, kv head) in ``fmt`` add on ``sides``: each its codes, scale, zero and a position, as
-    :mod:`kverr.memory` counts a salient row's position (row alignment left out)."""
-    D = model_shape("default").head_dim
-    per_row = codes_nbytes(fmt, D) + fmt.scale_bytes * (2 if fmt.has_zero else 1) + SALIENT_INDEX_BYTES
-    return 8 * kept * per_row * len(sides) / (2 * D * context)
+def row_bytes(fmt) -> int:
+    """Bytes of one kept row in ``fmt``: its codes, scale and zero."""
+    return codes_nbytes(fmt, model_shape("default").head_dim) + fmt.scale_bytes * (2 if fmt.has_zero else 1)
 
 
 def main(argv=None) -> int:
@@ -51,23 +46,16 @@ def main(argv=None) -> int:
     a, loaded, cfg, runs, base, name = decode_salient.kept_rows_protocol(ap, argv)
     fmt = row_format(a.row_bits, a.rotate)
 
-    # [B, D] as the window held it -> as a kept row reads back
-    decode_salient.ROW = lambda which, row: fake_quantize(row[:, None, None, :], fmt)[:, 0, 0, :]
-    _read = decode_salient.KverrLayer._read
-
-    # a side without rows reads its codes: drop what was saved for it before the cache reads
-    def read(self, which):
-        if which not in a.sides:
-            decode_salient.SAVED.pop((self.layer_idx, which), None)
-        return _read(self, which)
-
-    decode_salient.KverrLayer._read = read
+    # [B, D] as the window held it -> as a kept row reads back; a side without rows reads its codes
+    decode_salient.ROW = lambda which, row: (fake_quantize(row[:, None, None, :], fmt)[:, 0, 0, :]
+                                             if which in a.sides else None)
 
     rows = []
     runs, switch = tail.tail_switch(loaded, runs)
     for seg, off, k, measured in protocol_switch(loaded, cfg, runs, switch, refit=a.refit, settings=a.keep):
+        bits = base + decode_salient.row_bits(k, a.context, row_bytes(fmt), len(a.sides))
         row = {"config": name, "segment": seg, "offset": off, "keep": k, "row_bits": a.row_bits,
-               "rotate": a.rotate, "sides": a.sides, "bits": base + row_bits(k, fmt, a.sides, a.context), **measured}
+               "rotate": a.rotate, "sides": a.sides, "bits": bits, **measured}
         record(rows, row, a.out, f"{name} seg {seg} the last {k} prompt tokens as {a.row_bits}-bit rows on "
                                  f"{a.sides} ({row['bits']:.4f} bits)")
     return 0

@@ -29,7 +29,7 @@ from kverr.rope import rotate
 
 KEEP: dict = {}  # layer -> [kv head, k] absolute positions kept, or empty
 SAVED: dict = {}  # (layer, K|V) -> {(kv head, position): the int8 row as the cache reads it}
-ROW = None  # or a function (K|V, row [B, D]) -> the row as kept (before RoPE): rows stored coarser
+ROW = None  # or a function (K|V, row [B, D]) -> the row as kept (before RoPE), or None: not kept on that side
 _quantize, _read = KverrLayer._quantize, KverrLayer._read
 
 
@@ -41,8 +41,8 @@ def quantize(self, which, g, x):
         for i, h in enumerate(g.heads):
             for t in (int(t) for t in keep[h] if lo <= t < lo + x.shape[2]):
                 row = x[:, i, t - lo].float()
-                if ROW is not None:
-                    row = ROW(which, row)
+                if ROW is not None and (row := ROW(which, row)) is None:
+                    continue
                 if which == "k" and self.config.key_pre_rope:
                     cos, sin = self._cos_sin(t, t + 1)
                     row = rotate(row[:, None], cos, sin)[:, 0]
@@ -82,14 +82,14 @@ def decode_saliency(model, ids, prefill, window):
     return torch.stack(sal)
 
 
-def row_bits(kept: int, context: int) -> float:
-    """Bits per cached element at ``context`` tokens that ``kept`` rows per (layer, kv head) add on
-    both sides: each a window-dtype row and a position, as :mod:`kverr.memory` counts a salient
-    prompt token's (int8: ``D`` codes and an fp16 scale, and a 4-byte position; row alignment
-    left out), beside the token's codes."""
+def row_bits(kept: int, context: int, row_bytes: int | None = None, sides: int = 2) -> float:
+    """Bits per cached element (K and V together) at ``context`` tokens that ``kept`` rows per
+    (layer, kv head) add on ``sides`` of the two sides, beside the tokens' codes: each row
+    ``row_bytes`` and a position, as :mod:`kverr.memory` counts a salient prompt token's (default:
+    a window-dtype row, int8: ``D`` codes and an fp16 scale; row alignment left out)."""
     D = model_shape("default").head_dim
-    per_row = sum(window_row_sections("int8", D)) + SALIENT_INDEX_BYTES
-    return 8 * kept * per_row / (D * context)
+    per_row = (sum(window_row_sections("int8", D)) if row_bytes is None else row_bytes) + SALIENT_INDEX_BYTES
+    return 8 * kept * per_row * sides / (2 * D * context)
 
 
 def kept_rows_protocol(ap, argv):
