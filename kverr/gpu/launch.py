@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -10,8 +11,10 @@ from kverr.gpu.spec import KernelSpec
 from kverr.quant.reference import hadamard_scale
 
 
+@cache
 def _kernels():
-    # imported lazily: TRITON_INTERPRET must be set before the kernel modules are imported
+    # imported lazily, once: TRITON_INTERPRET must be set before the kernel modules are imported
+    # (and with it, the interpreter's patch step is wrapped; a launch then pays neither again)
     from kverr.gpu.interpreter import install, interpreting
     from kverr_kernels import decode, quant_store
 
