@@ -375,15 +375,18 @@ def _index(heads: Sequence[int]) -> list[int] | slice:
 
 class KeyCost:
     """A cost ``[..., H, T, D, D]`` (``T`` may be 1: one cost for every token) with its factors,
-    each computed once per rotation and set of channels without bits, and per kv-head subset
-    asked for (:meth:`factor`): the formats a calibration scores share them."""
+    each computed once per rotation, set of channels without bits and kv head, and shared by the
+    formats a calibration scores and by every subset of heads taken from it (:meth:`heads`)."""
 
     def __init__(self, cost: Any, *, damp: float = DAMP):
         self.cost = _as_cost(cost)
         if self.cost.ndim < 4:
             raise ShapeError(f"a key cost must be [..., H, T, D, D], got shape {tuple(self.cost.shape)}")
         self.damp = _damp(damp)
-        self._factors: dict = {}
+        # Shared with every subset: the cost they were taken from, and its factors per (rotation,
+        # channels without bits): that of all heads (key ``(*ident, None)``) or single heads'.
+        self._root, self._factors = self, {}
+        self._of: list[int] | None = None  # the root's heads this cost holds (None: all)
 
     @classmethod
     def of_moment(cls, moment: Any, *, positions: Any = None, rope: Any = None, damp: float = DAMP) -> KeyCost:
@@ -411,28 +414,57 @@ class KeyCost:
     def n_heads(self) -> int:
         return self.cost.shape[-4]
 
+    def _root_heads(self, heads: Sequence[int] | None) -> list[int] | None:
+        """``heads`` of this cost (None: all) as the root's head indices; None: all the root's,
+        or a cost that broadcasts over heads."""
+        if self._root.n_heads == 1:
+            return None
+        mine = list(range(self.n_heads)) if heads is None else [int(h) for h in heads]
+        if any(not 0 <= h < self.n_heads for h in mine):
+            raise ShapeError(f"kv heads {mine} of a cost of {self.n_heads}")
+        got = mine if self._of is None else [self._of[h] for h in mine]
+        return None if got == list(range(self._root.n_heads)) else got
+
     def heads(self, heads: Sequence[int]) -> KeyCost:
-        """The cost of some kv heads, with the factors already made for all of them."""
-        idx = _index(heads) if self.n_heads > 1 else slice(None)
+        """The cost of some kv heads, sharing the factors made, and to be made, for any of them."""
         out = KeyCost.__new__(KeyCost)
-        out.cost, out.damp = self.cost[..., idx, :, :, :], self.damp
-        out._factors = {k: f.select(idx) for k, f in self._factors.items() if k[-1] is None}
+        broadcast = self._root.n_heads == 1
+        out.cost = self.cost if broadcast else self.cost[..., _index(heads), :, :, :]
+        out.damp, out._root, out._factors = self.damp, self._root, self._factors
+        out._of = None if broadcast else self._root_heads(heads)
         return out
 
     def factor(self, fmt: QuantFormat, heads: Sequence[int] | None = None) -> CompensationFactor:
-        """The factor of ``fmt`` for all kv heads, or for ``heads`` (leading shape ``[..., len(heads), T]``)."""
+        """The factor of ``fmt`` for all kv heads, or for ``heads`` (leading shape ``[..., len(heads), T]``).
+
+        Asked for some heads, it factors those not yet factored, one head at a time; once every
+        head has been, their factors are joined into one, of which each head's is a view. So a
+        format rounded head by head and one rounded on all heads at once factor each head once."""
+        return self._root._factor_of(fmt, self._root_heads(heads))
+
+    def _factor_of(self, fmt: QuantFormat, heads: list[int] | None) -> CompensationFactor:
         ident = (fmt.rotate, _zeros(fmt, self.cost.shape[-1]))
-        if heads is not None and (self.n_heads == 1 or list(heads) == list(range(self.n_heads))):
-            heads = None
-        whole = self._factors.get((*ident, None))
-        if heads is None or whole is not None:
-            if whole is None:
-                whole = self._factors[(*ident, None)] = _factor(self.cost, fmt, self.damp)
-            return whole if heads is None else whole.select(list(heads))
-        key = (*ident, tuple(heads))
-        if key not in self._factors:
-            self._factors[key] = _factor(self.cost[..., _index(heads), :, :, :], fmt, self.damp)
-        return self._factors[key]
+        whole, H = self._factors.get((*ident, None)), self.n_heads
+        if whole is None and heads is None and not any((*ident, h) in self._factors for h in range(H)):
+            whole = self._factors[(*ident, None)] = _factor(self.cost, fmt, self.damp)
+        if whole is None:
+            for h in range(H) if heads is None else heads:
+                if (*ident, h) not in self._factors:
+                    self._factors[(*ident, h)] = _factor(self.cost[..., h:h + 1, :, :, :], fmt, self.damp)
+            if all((*ident, h) in self._factors for h in range(H)):
+                whole = self._factors[(*ident, None)] = _joined([self._factors.pop((*ident, h)) for h in range(H)])
+        if whole is not None:
+            return whole if heads is None else whole.select(heads)
+        parts = [self._factors[(*ident, h)] for h in heads]
+        return parts[0] if len(parts) == 1 else _joined(parts)
+
+
+def _joined(parts: Sequence[CompensationFactor]) -> CompensationFactor:
+    """Factors of single kv heads (leading shape ``[..., 1, T]``) as one, in the given order."""
+    if len(parts) == 1:
+        return parts[0]
+    return CompensationFactor(torch.cat([p.order for p in parts], dim=-3),
+                              torch.cat([p.channel_major for p in parts], dim=-2), parts[0].rotate, parts[0].zeros)
 
 
 def compensated_quantize(

@@ -218,6 +218,37 @@ def test_a_factor_made_once_rounds_as_its_cost_does_for_any_heads_and_tokens(nam
     assert torch.equal(got.codes, compensated_quantize(sub, fmt, one[1:], page_size=64).codes)
 
 
+def test_subsets_of_heads_share_one_factorization_per_head(monkeypatch):
+    # formats rounded head by head (templates) and on all heads at once share the factors: each
+    # head is factored once per (rotation, channels without bits), whichever subset asked first,
+    # and the factor joined from single heads is the one computed for all heads, bit for bit
+    import kverr.quant.compensated as comp
+
+    fmt = STATIC
+    C = _costs(30)
+    direct = compensation_factor(C, fmt)
+    calls = []
+    real = comp._factor
+    monkeypatch.setattr(comp, "_factor", lambda c, f, d: calls.append(c.shape[-4]) or real(c, f, d))
+    kc = KeyCost(C)
+    one = kc.heads([1]).factor(fmt)
+    assert torch.equal(one.channel_major, direct.channel_major[:, :, 1:2])
+    for hs in ([0], [2, 1], [1], [0, 1, 2]):
+        kc.heads(hs).factor(fmt)
+    whole = kc.factor(fmt)
+    assert calls == [1, 1, 1]  # heads 1, 0 and 2, once each
+    assert torch.equal(whole.order, direct.order) and torch.equal(whole.channel_major, direct.channel_major)
+    # nested subsets index the root's heads; a cost asked for all heads first factors them at once
+    assert torch.equal(kc.heads([2, 0]).heads([0]).factor(fmt).channel_major, direct.channel_major[:, :, 2:3])
+    calls.clear()
+    fresh = KeyCost(C)
+    fresh.factor(fmt)
+    fresh.heads([2]).factor(fmt)
+    assert calls == [3]
+    with pytest.raises(ShapeError, match="kv heads"):
+        KeyCost(C).heads([0, 1]).factor(fmt, [2])
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse_in_the_order(name, monkeypatch):
     # U upper with a positive diagonal and U^T U = (C_o + lam I)^-1, C_o the cost in the format's
