@@ -40,6 +40,8 @@ REGISTRY: dict[str, Benchmark] = {
     "calibrate": Benchmark("bench.bench_calibrate", "whole-model calibration at one budget"),
     "compensation": Benchmark("bench.bench_compensation",
                               "compensated key rounding's per-token factors vs the textbook formula"),
+    "query_blocks": Benchmark("bench.bench_query_blocks",
+                              "a layer's calibration scoring with its queries in causal blocks vs one block"),
     "interpreter": Benchmark("bench.bench_interpreter",
                              "kernel launches in Triton's interpreter: language patched once per launch vs per helper call"),
     "heldout": Benchmark("bench.heldout", "calibrated configs vs presets and peers held out (the README table)",

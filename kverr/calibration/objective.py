@@ -153,7 +153,8 @@ class LayerPrep:
     moment : Tensor ``[kv_head, D, D]`` float64 or None  the second moment of all the layer's
         queries per kv head, the cost compensated key rounding weighs (:func:`key_cost`); None
         unless asked for.
-    masks : dict  the quantized masks of salient options, built once per layer.
+    masks : dict  the quantized masks of the options (:func:`_quantized_rows`) and the query
+        blocks (:func:`query_blocks`), built once per layer.
     key_costs : dict  the :class:`~kverr.quant.compensated.KeyCost` of each RoPE side, built once.
     """
 
@@ -325,16 +326,49 @@ def _quantized_mask(prep: LayerPrep, sinks: int, window: int, salient: int = 0, 
     the rows of one kv head's ``g`` query heads stacked. Key and value damage both apply it
     directly: subtracting the sink columns from unmasked sums instead cancels catastrophically
     when a sink's error is large."""
-    if salient:
-        key = (sinks, window, salient, recent, h)
-        if key not in prep.masks:
-            prep.masks[key] = salient_tokens(prep, h, _quantized_mask(prep, sinks, window), salient, recent)
-        return prep.masks[key].repeat(g, 1)
-    m = prep.causal if window == 0 else _window_mask(prep, window)
-    if sinks:
-        m = m.clone()
-        m[:, :sinks] = 0.0
-    return m.repeat(g, 1)
+    return _quantized_rows(prep, sinks, window, salient, recent, h=h).repeat(g, 1)
+
+
+def _quantized_rows(prep: LayerPrep, sinks: int, window: int, salient: int = 0, recent: int = 0, *,
+                    h: int = 0) -> torch.Tensor:
+    """``[n, T]``: :func:`_quantized_mask` of one query head, built once per layer (and kv head,
+    with salient tokens)."""
+    key = (sinks, window, salient, recent, h if salient else None)
+    if key not in prep.masks:
+        if salient:
+            prep.masks[key] = salient_tokens(prep, h, _quantized_rows(prep, sinks, window), salient, recent)
+        else:
+            m = prep.causal if window == 0 else _window_mask(prep, window)
+            if sinks:
+                m = m.clone()
+                m[:, :sinks] = 0.0
+            prep.masks[key] = m
+    return prep.masks[key]
+
+
+#: Sampled queries whose damage is computed at once (:func:`query_blocks`).
+QUERY_BLOCK = 64
+
+
+def query_blocks(prep: LayerPrep) -> list[tuple[int, int, int, int]]:
+    """``(i0, i1, lo, hi)``: the sampled queries ``i0:i1`` see no token outside ``lo:hi``.
+
+    The queries are in position order, so a block of :data:`QUERY_BLOCK` of them sees the tokens
+    up to its last query only (and, under a sliding window, from the first its first query
+    sees): on the default 4096-token capture, 512 queries in blocks of 64 read 0.62 of the
+    query-token pairs. The damage of the tokens a query cannot see is zero term by term, so a
+    block computes the same sums over fewer terms (its matmuls may group the sums otherwise:
+    float32 rounding)."""
+    if "blocks" not in prep.masks:
+        n = prep.causal.shape[0]
+        out = []
+        for i0 in range(0, n, QUERY_BLOCK):
+            i1 = min(n, i0 + QUERY_BLOCK)
+            seen = torch.nonzero(prep.causal[i0:i1].any(0)).flatten()
+            if seen.numel():
+                out.append((i0, i1, int(seen[0]), int(seen[-1]) + 1))
+        prep.masks["blocks"] = out
+    return prep.masks["blocks"]
 
 
 def _window_mask(prep: LayerPrep, window: int) -> torch.Tensor:
@@ -459,34 +493,35 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
     res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
     for h, qi in _head_groups(prep):
         g = qi.numel()
-        qh, ah, oh = (_grouped(prep, qi, x) for x in (prep.q, prep.a, prep.o))  # [g*n, D|T]
-        causal = prep.causal.repeat(g, 1)
-        vh = prep.v[h]
-        ds = torch.matmul(qh, e_k[:, h].transpose(-1, -2))  # [C, g*n, T]
-        if e_generated is not None:
-            ds = torch.where(generated_tokens(prep).repeat(g, 1),
-                             torch.matmul(qh, e_generated[:, h].transpose(-1, -2)), ds)
-        ds.mul_(causal)
-        u = _terms.growth(ah, ds)
-        # a finite sum has no inf or NaN term (one pass, no mask); else every element is checked
-        finite = bool(torch.isfinite(u.sum())) or bool(torch.isfinite(u).all())
-        for key in keys:
-            m = _quantized_mask(prep, *key, g=g, h=h)
-            term = None
-            if finite:
-                uw = u * m
-                us, z = _terms.growth_normaliser(uw)
-                if bool(torch.isfinite(z).all()) and float(z.min()) > Z_MIN:
-                    term = _terms.key_term_from_growth(uw, us, z, vh, oh)
-            if term is None:
-                # float64: the logsumexp form cannot overflow, and a = 0 (masked by causality)
-                # contributes nothing, whatever its δs
-                rest = None if prep.rest is None else _grouped(prep, qi, prep.rest).double()[:, None]
-                da = _terms.weight_change(ah.double(), ds.double() * m, rest)
-                term = _terms.key_term(da, vh.double())
-            err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
-            res[key][:, h] = err2.mean(-1).sum(-1)
-    out = torch.stack([res[_option_key(o, "k")] for o in options], 1) / prep.norm
+        for i0, i1, lo, hi in query_blocks(prep):
+            # [g*nb, D|T'] rows of the block's queries over the tokens they see
+            qh, oh = (x[qi, i0:i1].reshape(-1, x.shape[-1]) for x in (prep.q, prep.o))
+            ah = prep.a[qi, i0:i1, lo:hi].reshape(-1, hi - lo)
+            vh = prep.v[h, lo:hi]
+            ds = torch.matmul(qh, e_k[:, h, lo:hi].transpose(-1, -2))  # [C, g*nb, T']
+            if e_generated is not None:
+                ds = torch.where(generated_tokens(prep)[i0:i1, lo:hi].repeat(g, 1),
+                                 torch.matmul(qh, e_generated[:, h, lo:hi].transpose(-1, -2)), ds)
+            ds.mul_(prep.causal[i0:i1, lo:hi].repeat(g, 1))
+            u = _terms.growth(ah, ds)
+            # a finite sum has no inf or NaN term (one pass, no mask); else every element is checked
+            finite = bool(torch.isfinite(u.sum())) or bool(torch.isfinite(u).all())
+            for key in keys:
+                m = _quantized_rows(prep, *key, h=h)[i0:i1, lo:hi].repeat(g, 1)
+                term = None
+                if finite:
+                    uw = u * m
+                    us, z = _terms.growth_normaliser(uw)
+                    if bool(torch.isfinite(z).all()) and float(z.min()) > Z_MIN:
+                        term = _terms.key_term_from_growth(uw, us, z, vh, oh)
+                if term is None:
+                    # float64: the logsumexp form cannot overflow, and a = 0 (masked by causality)
+                    # contributes nothing, whatever its δs
+                    rest = None if prep.rest is None else prep.rest[qi, i0:i1].reshape(-1).double()[:, None]
+                    da = _terms.weight_change(ah.double(), ds.double() * m, rest)
+                    term = _terms.key_term(da, vh.double())
+                res[key][:, h] += (term * term).sum(-1).to(torch.float64).sum(-1)
+    out = torch.stack([res[_option_key(o, "k")] for o in options], 1) / (prep.norm * prep.causal.shape[0])
     return out.numpy()
 
 
@@ -502,13 +537,14 @@ def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[Out
     res = {key: torch.zeros((C, n_kv), dtype=torch.float64) for key in keys}
     for h, qi in _head_groups(prep):
         g = qi.numel()
-        ah = _grouped(prep, qi, prep.a)  # [g*n, T]
-        eh = e_v[:, h]  # [C, T, D]
-        for key in keys:
-            term = _terms.value_term(ah * _quantized_mask(prep, *key, g=g, h=h), eh)  # [C, g*n, D]
-            err2 = (term * term).sum(-1).to(torch.float64).reshape(C, g, -1)
-            res[key][:, h] = err2.mean(-1).sum(-1)
-    out = torch.stack([res[_option_key(o, "v")] for o in options], 1) / prep.norm
+        for i0, i1, lo, hi in query_blocks(prep):
+            ah = prep.a[qi, i0:i1, lo:hi].reshape(-1, hi - lo)  # [g*nb, T']
+            eh = e_v[:, h, lo:hi]  # [C, T', D]
+            for key in keys:
+                m = _quantized_rows(prep, *key, h=h)[i0:i1, lo:hi].repeat(g, 1)
+                term = _terms.value_term(ah * m, eh)  # [C, g*nb, D]
+                res[key][:, h] += (term * term).sum(-1).to(torch.float64).sum(-1)
+    out = torch.stack([res[_option_key(o, "v")] for o in options], 1) / (prep.norm * prep.causal.shape[0])
     return out.numpy()
 
 

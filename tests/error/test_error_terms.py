@@ -17,6 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kverr.calibration import objective
 from kverr.calibration.candidates import OuterOption
 from kverr.calibration.objective import key_damage_batch, prepare_layer, value_damage_batch
 from kverr.error import decompose, decompose_stream, terms
@@ -243,13 +244,19 @@ def _naive_damage(prep, arrays, e_k, e_v, opt: OuterOption, e_gen=None):
     return dk / prep.norm, dv / prep.norm, bk / prep.norm, bv / prep.norm
 
 
+@pytest.mark.parametrize("block", [64, 4])
 @pytest.mark.parametrize("decode", [None, 3])
 @pytest.mark.parametrize("big", [0.05, 60.0, 3000.0])
-def test_objective_damage_equals_the_naive_reference(decode, big):
+def test_objective_damage_equals_the_naive_reference(decode, big, block, monkeypatch):
     """key_damage_batch / value_damage_batch against decompose_query per query, every outer option
     of a batch at once: the growth form (small and large errors) and, where e^{δs} overflows even
-    float64 (|δs| ~ 1e3), the logsumexp fallback."""
+    float64 (|δs| ~ 1e3), the logsumexp fallback; the 9 queries in one block, and in blocks of 4
+    that each see only the tokens up to their last query (the bound is per query either way)."""
+    monkeypatch.setattr(objective, "QUERY_BLOCK", block)
     prep, arrays = _prep64(2, decode)
+    blocks = objective.query_blocks(prep)
+    assert len(blocks) == -(-9 // block)
+    assert (blocks[0][3] < prep.k.shape[1]) == (len(blocks) > 1)  # a first block of several sees fewer tokens
     H, T, D = prep.k.shape
     g = torch.Generator().manual_seed(7)
     e = torch.randn((2, H, T, D), generator=g, dtype=torch.float64) * big
@@ -264,10 +271,12 @@ def test_objective_damage_equals_the_naive_reference(decode, big):
             assert np.all(np.abs(got_v[ci, oi] - dv) <= bv), (ci, opt, got_v[ci, oi], dv, bv)
 
 
-def test_generated_keys_take_their_own_error():
+@pytest.mark.parametrize("block", [64, 4])
+def test_generated_keys_take_their_own_error(block, monkeypatch):
     """With decode steps, ``e_generated`` is what each query sees on the keys its sequence
     generated after its prompt, ``e_k`` on its prompt's: against decompose_query per query with
     that error spliced in; and the splice matters (some query sees generated keys quantized)."""
+    monkeypatch.setattr(objective, "QUERY_BLOCK", block)
     prep, arrays = _prep64(3, 16)
     H, T, D = prep.k.shape
     g = torch.Generator().manual_seed(11)
