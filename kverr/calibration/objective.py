@@ -682,6 +682,12 @@ def score_layer(prep: LayerPrep, cands_k: Sequence[QuantFormat], cands_v: Sequen
     pres = sorted({o.key_pre_rope for o in options})
     groups = {pre: [i for i, o in enumerate(options) if o.key_pre_rope == pre] for pre in pres}
     generated_apart = rounds_generated_apart(prep, compensated_keys, static_moments)
+    if compensated_keys:
+        # The plain formats' factors first (one per rotation and RoPE side, for all kv heads):
+        # the templates, rounded head by head, share them where no channel is left without bits.
+        for pre in pres:
+            for f in {f.rotate: f for f in cands_k if f.channel_bits is None and compensable(f)}.values():
+                key_cost(prep, bool(pre)).factor(f)
     fitted = _score_templates(prep, cands_k, cands_v, options, pres, groups, page_size, window_dtype, dk, dv,
                               compensated_keys, generated_apart)
     if widths is not None:

@@ -374,18 +374,20 @@ def _index(heads: Sequence[int]) -> list[int] | slice:
 
 
 class KeyCost:
-    """A cost ``[..., H, T, D, D]`` (``T`` may be 1: one cost for every token) with its factors,
-    each computed once per rotation, set of channels without bits and kv head, and shared by the
-    formats a calibration scores and by every subset of heads taken from it (:meth:`heads`)."""
+    """A cost ``[..., H, T, D, D]`` (``T`` may be 1: one cost for every token) with the factors of
+    all its heads, each computed once per rotation and set of channels without bits and shared by
+    the formats a calibration scores and by every subset of heads taken from it (:meth:`heads`)."""
 
     def __init__(self, cost: Any, *, damp: float = DAMP):
         self.cost = _as_cost(cost)
         if self.cost.ndim < 4:
             raise ShapeError(f"a key cost must be [..., H, T, D, D], got shape {tuple(self.cost.shape)}")
         self.damp = _damp(damp)
-        # Shared with every subset: the cost they were taken from, and its factors per (rotation,
-        # channels without bits): that of all heads (key ``(*ident, None)``) or single heads'.
-        self._root, self._factors = self, {}
+        # Shared with every subset: the cost they were taken from (None: this one; a subset holds
+        # its root, never the reverse, so no cycle keeps a cost alive) and its factors of all
+        # heads per (rotation, channels without bits).
+        self._root: KeyCost | None = None
+        self._factors: dict = {}
         self._of: list[int] | None = None  # the root's heads this cost holds (None: all)
 
     @classmethod
@@ -414,57 +416,47 @@ class KeyCost:
     def n_heads(self) -> int:
         return self.cost.shape[-4]
 
+    @property
+    def root(self) -> KeyCost:
+        """The cost this one was taken from (:meth:`heads`), or itself."""
+        return self if self._root is None else self._root
+
     def _root_heads(self, heads: Sequence[int] | None) -> list[int] | None:
         """``heads`` of this cost (None: all) as the root's head indices; None: all the root's,
         or a cost that broadcasts over heads."""
-        if self._root.n_heads == 1:
+        if self.root.n_heads == 1:
             return None
         mine = list(range(self.n_heads)) if heads is None else [int(h) for h in heads]
         if any(not 0 <= h < self.n_heads for h in mine):
             raise ShapeError(f"kv heads {mine} of a cost of {self.n_heads}")
         got = mine if self._of is None else [self._of[h] for h in mine]
-        return None if got == list(range(self._root.n_heads)) else got
+        return None if got == list(range(self.root.n_heads)) else got
 
     def heads(self, heads: Sequence[int]) -> KeyCost:
         """The cost of some kv heads, sharing the factors made, and to be made, for any of them."""
         out = KeyCost.__new__(KeyCost)
-        broadcast = self._root.n_heads == 1
+        broadcast = self.root.n_heads == 1
         out.cost = self.cost if broadcast else self.cost[..., _index(heads), :, :, :]
-        out.damp, out._root, out._factors = self.damp, self._root, self._factors
+        out.damp, out._root, out._factors = self.damp, self.root, self._factors
         out._of = None if broadcast else self._root_heads(heads)
         return out
 
     def factor(self, fmt: QuantFormat, heads: Sequence[int] | None = None) -> CompensationFactor:
         """The factor of ``fmt`` for all kv heads, or for ``heads`` (leading shape ``[..., len(heads), T]``).
 
-        Asked for some heads, it factors those not yet factored, one head at a time; once every
-        head has been, their factors are joined into one, of which each head's is a view. So a
-        format rounded head by head and one rounded on all heads at once factor each head once."""
-        return self._root._factor_of(fmt, self._root_heads(heads))
-
-    def _factor_of(self, fmt: QuantFormat, heads: list[int] | None) -> CompensationFactor:
+        The factor of all heads is kept, and the heads asked for later are views of it, from this
+        cost or any subset of it; that of some heads, asked for before, is computed for them and
+        not kept (a fitted template's channels without bits are its head's alone: kept, their
+        factors would hold the memory of many whole ones)."""
+        heads = self._root_heads(heads)
+        root = self.root
         ident = (fmt.rotate, _zeros(fmt, self.cost.shape[-1]))
-        whole, H = self._factors.get((*ident, None)), self.n_heads
-        if whole is None and heads is None and not any((*ident, h) in self._factors for h in range(H)):
-            whole = self._factors[(*ident, None)] = _factor(self.cost, fmt, self.damp)
-        if whole is None:
-            for h in range(H) if heads is None else heads:
-                if (*ident, h) not in self._factors:
-                    self._factors[(*ident, h)] = _factor(self.cost[..., h:h + 1, :, :, :], fmt, self.damp)
-            if all((*ident, h) in self._factors for h in range(H)):
-                whole = self._factors[(*ident, None)] = _joined([self._factors.pop((*ident, h)) for h in range(H)])
+        whole = root._factors.get(ident)
+        if whole is None and heads is None:
+            whole = root._factors[ident] = _factor(root.cost, fmt, root.damp)
         if whole is not None:
             return whole if heads is None else whole.select(heads)
-        parts = [self._factors[(*ident, h)] for h in heads]
-        return parts[0] if len(parts) == 1 else _joined(parts)
-
-
-def _joined(parts: Sequence[CompensationFactor]) -> CompensationFactor:
-    """Factors of single kv heads (leading shape ``[..., 1, T]``) as one, in the given order."""
-    if len(parts) == 1:
-        return parts[0]
-    return CompensationFactor(torch.cat([p.order for p in parts], dim=-3),
-                              torch.cat([p.channel_major for p in parts], dim=-2), parts[0].rotate, parts[0].zeros)
+        return _factor(root.cost[..., _index(heads), :, :, :], fmt, root.damp)
 
 
 def compensated_quantize(

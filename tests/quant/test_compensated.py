@@ -218,10 +218,10 @@ def test_a_factor_made_once_rounds_as_its_cost_does_for_any_heads_and_tokens(nam
     assert torch.equal(got.codes, compensated_quantize(sub, fmt, one[1:], page_size=64).codes)
 
 
-def test_subsets_of_heads_share_one_factorization_per_head(monkeypatch):
-    # formats rounded head by head (templates) and on all heads at once share the factors: each
-    # head is factored once per (rotation, channels without bits), whichever subset asked first,
-    # and the factor joined from single heads is the one computed for all heads, bit for bit
+def test_subsets_of_heads_share_the_factor_of_all_heads(monkeypatch):
+    # formats rounded head by head (templates) and on all heads at once share the factor of all
+    # heads, once made, whichever subset of the cost they take it from; a subset asked for before
+    # gets its own, the same bits
     import kverr.quant.compensated as comp
 
     fmt = STATIC
@@ -231,22 +231,38 @@ def test_subsets_of_heads_share_one_factorization_per_head(monkeypatch):
     real = comp._factor
     monkeypatch.setattr(comp, "_factor", lambda c, f, d: calls.append(c.shape[-4]) or real(c, f, d))
     kc = KeyCost(C)
-    one = kc.heads([1]).factor(fmt)
-    assert torch.equal(one.channel_major, direct.channel_major[:, :, 1:2])
-    for hs in ([0], [2, 1], [1], [0, 1, 2]):
-        kc.heads(hs).factor(fmt)
+    early = kc.heads([2, 1]).factor(fmt)
+    assert torch.equal(early.channel_major, direct.channel_major[:, :, [2, 1]])
+    assert torch.equal(early.order, direct.order[[2, 1]])
+    sub = kc.heads([0, 2])
     whole = kc.factor(fmt)
-    assert calls == [1, 1, 1]  # heads 1, 0 and 2, once each
+    assert calls == [2, 3]
     assert torch.equal(whole.order, direct.order) and torch.equal(whole.channel_major, direct.channel_major)
-    # nested subsets index the root's heads; a cost asked for all heads first factors them at once
-    assert torch.equal(kc.heads([2, 0]).heads([0]).factor(fmt).channel_major, direct.channel_major[:, :, 2:3])
-    calls.clear()
-    fresh = KeyCost(C)
-    fresh.factor(fmt)
-    fresh.heads([2]).factor(fmt)
-    assert calls == [3]
+    for got, hs in ((sub.factor(fmt), [0, 2]), (sub.heads([1]).factor(fmt), [2]), (kc.heads([1]).factor(fmt), [1]),
+                    (kc.factor(fmt, [2, 0]), [2, 0])):
+        assert torch.equal(got.channel_major, direct.channel_major[:, :, hs])
+    assert calls == [2, 3]  # each a view of the factor of all heads
     with pytest.raises(ShapeError, match="kv heads"):
         KeyCost(C).heads([0, 1]).factor(fmt, [2])
+
+
+def test_a_key_cost_and_its_factors_are_freed_with_their_last_reference():
+    # a layer's cost and factors hold hundreds of MB; a reference cycle would keep them until the
+    # cyclic collector happened to run (a calibration grew by a layer's worth at each layer)
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        kc = KeyCost(_costs(8))
+        sub = kc.heads([1, 2])
+        sub.factor(STATIC)
+        kc.factor(STATIC)
+        refs = [weakref.ref(kc), weakref.ref(sub), weakref.ref(kc.cost)]
+        del kc, sub
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
