@@ -436,9 +436,9 @@ class KeyCost:
         """The cost of some kv heads, sharing the factors made, and to be made, for any of them."""
         out = KeyCost.__new__(KeyCost)
         broadcast = self.root.n_heads == 1
+        out._of = None if broadcast else self._root_heads(heads)  # checks them
         out.cost = self.cost if broadcast else self.cost[..., _index(heads), :, :, :]
         out.damp, out._root, out._factors = self.damp, self.root, self._factors
-        out._of = None if broadcast else self._root_heads(heads)
         return out
 
     def factor(self, fmt: QuantFormat, heads: Sequence[int] | None = None) -> CompensationFactor:
@@ -455,7 +455,7 @@ class KeyCost:
         if whole is None and heads is None:
             whole = root._factors[ident] = _factor(root.cost, fmt, root.damp)
         if whole is not None:
-            return whole if heads is None else whole.select(heads)
+            return whole if heads is None else whole.select(_index(heads))  # consecutive heads: a view
         return _factor(root.cost[..., _index(heads), :, :, :], fmt, root.damp)
 
 
