@@ -25,7 +25,6 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 
@@ -38,9 +37,7 @@ def _score(capture, layer: int, queries: int):
 
     cfg = CalibrationConfig(budgets=(3.0,), candidates="fitted", codebooks=True, salient=8, salient_recent=8,
                             queries=queries, window_per_head=True)
-    options = tuple(dataclasses.replace(o, salient=cfg.salient, salient_sides=cfg.salient_sides,
-                                        salient_recent=cfg.salient_recent)
-                    for o in S.outer_options(capture, cfg.key_rope, cfg.sinks, cfg.windows))
+    options = S.calibration_options(capture, cfg)
     wdt, cands = S._search_key(cfg, 3.0)
     ck, cv = S._search_candidates(cfg, cands, capture.kv.head_dim)
     kv, sl = capture.kv, {"layer": slice(layer, layer + 1)}

@@ -319,20 +319,13 @@ def salient_tokens(prep: LayerPrep, h: int, mask: torch.Tensor, count: int, rece
     return out
 
 
-def _quantized_mask(prep: LayerPrep, sinks: int, window: int, salient: int = 0, recent: int = 0, *,
-                    g: int = 1, h: int = 0) -> torch.Tensor:
-    """``[g*n, T]`` float: 1 on the tokens a query sees quantized (causal, neither sink nor in its
-    window, nor one of kv head ``h``'s ``salient`` tokens, ``recent`` of them its prompt's last),
-    the rows of one kv head's ``g`` query heads stacked. Key and value damage both apply it
-    directly: subtracting the sink columns from unmasked sums instead cancels catastrophically
-    when a sink's error is large."""
-    return _quantized_rows(prep, sinks, window, salient, recent, h=h).repeat(g, 1)
-
-
 def _quantized_rows(prep: LayerPrep, sinks: int, window: int, salient: int = 0, recent: int = 0, *,
                     h: int = 0) -> torch.Tensor:
-    """``[n, T]``: :func:`_quantized_mask` of one query head, built once per layer (and kv head,
-    with salient tokens)."""
+    """``[n, T]`` float: 1 on the tokens a query sees quantized (causal, neither sink nor in its
+    window, nor one of kv head ``h``'s ``salient`` tokens, ``recent`` of them its prompt's last),
+    built once per layer (and kv head, with salient tokens). Key and value damage both apply it
+    directly: subtracting the sink columns from unmasked sums instead cancels catastrophically
+    when a sink's error is large."""
     key = (sinks, window, salient, recent, h if salient else None)
     if key not in prep.masks:
         if salient:
@@ -464,9 +457,12 @@ def _head_groups(prep: LayerPrep) -> list[tuple[int, torch.Tensor]]:
     return out
 
 
-def _grouped(prep: LayerPrep, qi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x [q_head, n, ...]`` of the query heads ``qi`` as one ``[len(qi) * n, ...]`` block."""
-    return x[qi].reshape(-1, *x.shape[2:])
+def _grouped(prep: LayerPrep, qi: torch.Tensor, x: torch.Tensor, queries: slice = slice(None),
+             tokens: slice | None = None) -> torch.Tensor:
+    """``x [q_head, n, ...]`` of the query heads ``qi`` as one ``[len(qi) * n', ...]`` block: the
+    sampled ``queries`` of each head, and of ``x [q_head, n, T]`` the ``tokens`` only."""
+    x = x[qi, queries] if tokens is None else x[qi, queries, tokens]
+    return x.reshape(-1, *x.shape[2:])
 
 
 def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[OuterOption],
@@ -495,8 +491,8 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
         g = qi.numel()
         for i0, i1, lo, hi in query_blocks(prep):
             # [g*nb, D|T'] rows of the block's queries over the tokens they see
-            qh, oh = (x[qi, i0:i1].reshape(-1, x.shape[-1]) for x in (prep.q, prep.o))
-            ah = prep.a[qi, i0:i1, lo:hi].reshape(-1, hi - lo)
+            qh, oh = (_grouped(prep, qi, x, slice(i0, i1)) for x in (prep.q, prep.o))
+            ah = _grouped(prep, qi, prep.a, slice(i0, i1), slice(lo, hi))
             vh = prep.v[h, lo:hi]
             ds = torch.matmul(qh, e_k[:, h, lo:hi].transpose(-1, -2))  # [C, g*nb, T']
             if e_generated is not None:
@@ -517,7 +513,7 @@ def key_damage_batch(prep: LayerPrep, e_k: torch.Tensor, options: Sequence[Outer
                 if term is None:
                     # float64: the logsumexp form cannot overflow, and a = 0 (masked by causality)
                     # contributes nothing, whatever its δs
-                    rest = None if prep.rest is None else prep.rest[qi, i0:i1].reshape(-1).double()[:, None]
+                    rest = None if prep.rest is None else _grouped(prep, qi, prep.rest, slice(i0, i1)).double()[:, None]
                     da = _terms.weight_change(ah.double(), ds.double() * m, rest)
                     term = _terms.key_term(da, vh.double())
                 res[key][:, h] += (term * term).sum(-1).to(torch.float64).sum(-1)
@@ -538,7 +534,7 @@ def value_damage_batch(prep: LayerPrep, e_v: torch.Tensor, options: Sequence[Out
     for h, qi in _head_groups(prep):
         g = qi.numel()
         for i0, i1, lo, hi in query_blocks(prep):
-            ah = prep.a[qi, i0:i1, lo:hi].reshape(-1, hi - lo)  # [g*nb, T']
+            ah = _grouped(prep, qi, prep.a, slice(i0, i1), slice(lo, hi))  # [g*nb, T']
             eh = e_v[:, h, lo:hi]  # [C, T', D]
             for key in keys:
                 m = _quantized_rows(prep, *key, h=h)[i0:i1, lo:hi].repeat(g, 1)

@@ -113,6 +113,17 @@ class WindowsPerHead:
         return self.options[choice // n_candidates], choice % n_candidates
 
 
+def calibration_options(capture: Any, cfg: CalibrationConfig) -> tuple[OuterOption, ...]:
+    """The outer options a calibration with ``cfg`` scores: ``cfg.options``, or those of
+    :func:`outer_options` for its RoPE side, sinks and windows; each keeping ``cfg``'s salient
+    tokens."""
+    options = cfg.options or tuple(outer_options(capture, cfg.key_rope, cfg.sinks, cfg.windows))
+    if cfg.salient:
+        options = tuple(dataclasses.replace(o, salient=cfg.salient, salient_sides=cfg.salient_sides,
+                                            salient_recent=cfg.salient_recent) for o in options)
+    return options
+
+
 def window_families(options: Sequence[OuterOption]) -> list[WindowsPerHead]:
     """The options that differ only in their window, grouped (two or more lengths each), by
     increasing window within a group."""
@@ -808,10 +819,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     n_kv, head_dim, n_tok = kv.n_kv_heads, kv.head_dim, kv.n_tokens
     context = cfg.context or n_tok
     check_queries(cfg.queries, n_tok)
-    options = cfg.options or tuple(outer_options(capture, cfg.key_rope, cfg.sinks, cfg.windows))
-    if cfg.salient:
-        options = tuple(dataclasses.replace(o, salient=cfg.salient, salient_sides=cfg.salient_sides,
-                                            salient_recent=cfg.salient_recent) for o in options)
+    options = calibration_options(capture, cfg)
     need_pre = any(o.key_pre_rope for o in options)
     if need_pre and "k_pre" not in capture:
         raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
