@@ -3,8 +3,8 @@
 settings), the damage tables and the sensitivity weights averaged over the captures (each
 capture's queries count alike), and the knapsack solved once on the averages.
 
-The tables of one capture are each candidate's mean damage over its sampled queries, so their
-mean over captures of equal query counts is the mean over all the queries. Fitted widths of
+An entry of a capture's table is a candidate's damage relative to the layer's output on that
+capture, over its sampled queries; the captures count alike. Fitted widths of
 template candidates are the first capture's (the configs are served with their widths refit on
 each prompt). The configs written are ``perhead-<budget>b-b8-ck-q<queries><tag>.json``.
 
