@@ -1,7 +1,10 @@
 """Calibrate on several captures at once: each capture scored and its sensitivity measured as
 ``windows-3b``'s calibration scores one (``../does-a-window-per-head-pay/calibrate.py``'s
 settings), the damage tables and the sensitivity weights averaged over the captures (each
-capture's queries count alike), and the knapsack solved once on the averages.
+capture's queries count alike: ``Scores.mean`` and ``Sensitivity.mean`` of
+``kverr.calibration``), and the knapsack solved once on the averages. ``kverr calibrate
+--capture A B ...`` does the same in one command; this script keeps each capture's tables in
+OUTDIR, so that another mix reuses them.
 
 An entry of a capture's table is a candidate's damage relative to the layer's output on that
 capture, over its sampled queries; the captures count alike. Fitted widths of
@@ -15,7 +18,6 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pickle
 import time
@@ -23,21 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kverr.calibration import CalibrationConfig, calibrate
+from kverr.calibration import CalibrationConfig, Sensitivity, calibrate
 from kverr.calibration.search import Scores
 from kverr.io import open_capture
-
-
-def mean_scores(all_scores: list[Scores]) -> Scores:
-    """The tables' mean over captures scored with the same candidates, options and queries."""
-    first = all_scores[0]
-    for s in all_scores[1:]:
-        if (s.cands_k, s.cands_v, s.options, s.queries, s.layers) != (first.cands_k, first.cands_v, first.options,
-                                                                      first.queries, first.layers):
-            raise ValueError("the captures were scored with different candidates, options, queries or layers")
-    k = np.mean([s.k for s in all_scores], axis=0)
-    v = np.mean([s.v for s in all_scores], axis=0)
-    return dataclasses.replace(first, k=k, v=v, cpu_seconds=sum(s.cpu_seconds for s in all_scores))
 
 
 def main() -> None:
@@ -71,10 +61,9 @@ def main() -> None:
             a.outdir / f"alone-{Path(path).stem}-{budgets[0]:g}b.json")
         got.append((cal.scores, cal.sensitivity))
         kept.write_bytes(pickle.dumps(got[-1]))
-    scores = mean_scores([s for s, _ in got])
+    scores = Scores.mean([s for s, _ in got])
     sens = [w for _, w in got]
-    sensitivity = dataclasses.replace(sens[0], weights_k=np.mean([s.weights_k for s in sens], axis=0),
-                                      weights_v=np.mean([s.weights_v for s in sens], axis=0))
+    sensitivity = Sensitivity.mean(sens)
     np.savez(a.outdir / "weights.npz", **{f"k{i}": s.weights_k for i, s in enumerate(sens)},
              **{f"v{i}": s.weights_v for i, s in enumerate(sens)})
     mix = calibrate(open_capture(a.captures[0]), cfg, scores=scores, sensitivity=sensitivity, workers=2)

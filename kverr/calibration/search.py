@@ -56,7 +56,7 @@ from .objective import (
     prepare_layer,
     score_layer,
 )
-from .sensitivity import check_capture_model, sensitivity_for_capture
+from .sensitivity import Sensitivity, check_capture_model, sensitivity_for_capture
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,31 @@ class Scores:
                 else self.widths_v[li, cand, kv_head])
         return dataclasses.replace(f, channel_bits=tuple(int(b) for b in bits))  # bits: their largest
 
+    @classmethod
+    def mean(cls, tables: Sequence[Scores]) -> Scores:
+        """The tables of several captures scored alike, averaged with the captures counting alike.
+
+        Each entry of a capture's table is a candidate's damage relative to the layer's output on
+        that capture, over its sampled queries; the mean is the damage a format is expected to do
+        on a text drawn from the captures' texts, one text as likely as another. Fitted widths of
+        template candidates are the first capture's (the configs are served with their widths
+        refit on each prompt: :attr:`CalibrationConfig.refit_widths`); CPU seconds are summed.
+        """
+        tables = list(tables)
+        if not tables:
+            raise ConfigError("give at least one capture's scores to average")
+        first = tables[0]
+        same = ("layers", "cands_k", "cands_v", "options", "queries", "window_dtype", "decode",
+                "compensated_keys", "static_moments")
+        for t in tables[1:]:
+            differ = [n for n in same if getattr(t, n) != getattr(first, n)]
+            if differ or t.k.shape != first.k.shape or t.v.shape != first.v.shape:
+                raise ConfigError(f"scores averaged over captures must be computed alike; these differ in "
+                                  f"{', '.join(differ) or 'the tables shape'}")
+        return dataclasses.replace(first, k=np.mean([t.k for t in tables], axis=0),
+                                   v=np.mean([t.v for t in tables], axis=0),
+                                   cpu_seconds=float(sum(t.cpu_seconds for t in tables)))
+
     def subset(self, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat]) -> Scores:
         """The tables of a subset of the candidates (in the order given)."""
         try:
@@ -246,6 +271,8 @@ class Search:
     #: static moments (CalibrationConfig.static_moments): the capture's query moments every config
     #: carries, counted in the frontier's bytes
     key_moments: KeyMoments | None = None
+    #: every calibration capture's provenance when there were several (``capture`` is the first's)
+    captures: tuple[dict[str, Any], ...] = ()
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
@@ -292,12 +319,14 @@ class Calibration:
     sensitivity : Sensitivity or None
         The layer sensitivity of ``objective="kl"`` (measured once, shared by every search).
     capture : dict
-        The capture's provenance (``ds.kv.provenance``).
+        The capture's provenance (``ds.kv.provenance``; the first capture's when there were several).
     context : int
         Tokens at which effective bits are counted.
     seconds : dict of str to float
         Wall seconds: ``score`` (checks, model load and scoring), ``search`` (knapsacks),
         ``sensitivity`` and ``model_load`` (within ``score``), ``sensitivity_cpu``.
+    captures : tuple of dict
+        Every capture's provenance when :func:`calibrate` was given several (else empty).
     """
 
     settings: CalibrationConfig
@@ -310,6 +339,7 @@ class Calibration:
     capture: dict[str, Any]
     context: int
     seconds: dict[str, float]
+    captures: tuple[dict[str, Any], ...] = ()
 
     @property
     def config(self) -> CacheConfig:
@@ -506,7 +536,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
           options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
           decode: int | None = DEFAULT_DECODE, scheduler: Any = None, workers: int | None = None,
           progress: bool = False, meanwhile=None, compensated_keys: bool = False,
-          static_moments: bool = False) -> Scores:
+          static_moments: bool = False, desc: str = "calibrate: score layers") -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
 
     Layers are scored by dask, one task per layer (:func:`lazy_scores`), on the local threads
@@ -530,6 +560,8 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
         Show a progress bar.
     meanwhile : callable, optional
         Runs in this process, in another thread, while the layers are scored.
+    desc : str
+        The progress bar's label.
 
     Returns
     -------
@@ -557,7 +589,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
             if workers:
                 stack.enter_context(dask.config.set(num_workers=workers))
             done = _with_meanwhile(lambda: compute(lazy, scheduler or "threads", progress=progress,
-                                                   desc="calibrate: score layers"), meanwhile)
+                                                   desc=desc), meanwhile)
     finally:
         torch.set_num_threads(threads)
     dk = np.asarray(done["k"].transpose("option", "layer", "cand_k", "kv_head").values, dtype=np.float64)
@@ -759,8 +791,15 @@ def calibrate(
 
     Parameters
     ----------
-    capture : xarray.Dataset
-        A capture of *every* layer of the model (:func:`kverr.io.open_capture`).
+    capture : xarray.Dataset or sequence of them
+        A capture of *every* layer of the model (:func:`kverr.io.open_capture`), or several of
+        the same model, e.g. of different kinds of text: each is scored and its sensitivity
+        measured as one would be, and the knapsack is solved once on their damage tables and
+        layer weights averaged, the captures counting alike (:meth:`Scores.mean`,
+        :meth:`~.sensitivity.Sensitivity.mean`). Their lengths must be equal unless
+        ``config.context`` is given; with several, ``static_moments`` is refused, and template
+        candidates (``candidates="fitted"``) need ``refit_widths``, since a config would store
+        one capture's moments or widths.
     config : CalibrationConfig
         What to compute: every option that changes the result.
     scheduler : None, str or distributed.Client
@@ -791,7 +830,7 @@ def calibrate(
         options covering the whole context, scores or a sensitivity that do not fit.
     CaptureError
         A capture of some layers only, without the variables asked for, or of another model
-        than ``model``.
+        than ``model`` (or than the first capture).
     """
     if not isinstance(config, CalibrationConfig):
         raise ConfigError(f"calibrate() takes a kverr.calibration.CalibrationConfig, got {type(config).__name__} "
@@ -808,21 +847,33 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     from kverr.io import check_finite
 
     t0 = time.perf_counter()
-    _check_capture(capture)
+    captures = _captures_of(capture)
+    capture = captures[0]
+    several = len(captures) > 1
     kv = capture.kv
     n_layers = kv.n_layers
-    if kv.layers != list(range(n_layers)):
-        raise CaptureError(
-            f"calibration needs every layer of the model; the capture has layers {kv.layers} of "
-            f"{n_layers} (recapture with --layers all)"
-        )
+    for i, c in enumerate(captures):
+        if c.kv.layers != list(range(c.kv.n_layers)):
+            raise CaptureError(
+                f"calibration needs every layer of the model; {_which(i, several)} has layers {c.kv.layers} "
+                f"of {c.kv.n_layers} (recapture with --layers all)"
+            )
     n_kv, head_dim, n_tok = kv.n_kv_heads, kv.head_dim, kv.n_tokens
+    lengths = [c.kv.n_tokens for c in captures]
+    if cfg.context is None and len(set(lengths)) > 1:
+        raise ConfigError(f"the captures hold {', '.join(map(str, lengths))} tokens: give the context at which "
+                          "effective bits are counted (--context), or captures of one length")
     context = cfg.context or n_tok
-    check_queries(cfg.queries, n_tok)
+    for c in captures:
+        check_queries(cfg.queries, c.kv.n_tokens)
     options = calibration_options(capture, cfg)
     need_pre = any(o.key_pre_rope for o in options)
-    if need_pre and "k_pre" not in capture:
-        raise CaptureError("a pre-RoPE option was asked for but the capture has no k_pre")
+    for i, c in enumerate(captures):
+        if need_pre and "k_pre" not in c:
+            raise CaptureError(f"a pre-RoPE option was asked for but {_which(i, several)} has no k_pre")
+    if several and cfg.static_moments:
+        raise ConfigError("static_moments (--static-moments) with several captures: a config carries one set of "
+                          "query moments; calibrate on one capture, or without static moments")
     if cfg.objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
     # searches in a fixed order: int8 windows first, and within a window dtype the larger
@@ -836,6 +887,9 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     # Every budget is checked before any work, so a bad one wastes no scoring.
     for key in order:
         cands_k, cands_v = _search_candidates(cfg, key[1], head_dim)
+        if several and not cfg.refit_widths and any(f.channel_bits is not None for f in (*cands_k, *cands_v)):
+            raise ConfigError("template candidates (fitted per-channel widths) with several captures need "
+                              "refit_widths (--refit-widths): a config would store widths fitted on one capture")
         for b in sorted(b for b in cfg.budgets if keys[b] == key):
             check_budget(b, n_layers=n_layers, n_kv=n_kv, head_dim=head_dim, context=context, options=options,
                          cands_k=cands_k, cands_v=cands_v, page_size=cfg.page_size, window_dtype=key[0],
@@ -855,15 +909,19 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                 raise ConfigError(f"the scores were computed with window_dtype={scores.window_dtype!r}, "
                                   f"not {key[0]!r}")
     # A NaN or Inf would surface only after scoring, as a knapsack error that names no tensor.
-    check_finite(capture, ("q", "k", "v") + (("k_pre",) if need_pre else ()))
-    sens_box: dict[str, Any] = {"s": sensitivity}
+    for c in captures:
+        check_finite(c, ("q", "k", "v") + (("k_pre",) if need_pre else ()))
+    # the sensitivity measured on each capture, in order, each while that capture is scored
+    measured: list[Any] = []
+    sens_box: dict[str, float] = {"t": 0.0, "cpu": 0.0}
 
-    def measure() -> None:
+    def measure(c: Any) -> None:
         ts, tc = time.perf_counter(), time.thread_time()
-        sens_box["s"] = sensitivity_for_capture(capture, model=model, tokens=cfg.sensitivity_tokens,
+        measured.append(sensitivity_for_capture(c, model=model, tokens=cfg.sensitivity_tokens,
                                                 noise=cfg.sensitivity_noise, sinks=max(o.sinks for o in options),
-                                                threads=1, progress=progress)
-        sens_box["t"], sens_box["cpu"] = time.perf_counter() - ts, time.thread_time() - tc
+                                                threads=1, progress=progress))
+        sens_box["t"] += time.perf_counter() - ts
+        sens_box["cpu"] += time.thread_time() - tc
 
     need_sens = cfg.objective == "kl" and sensitivity is None
     if need_sens:
@@ -873,6 +931,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         # a bar of one step: loading the model takes ~20 s before any other bar can move
         with progress_bar(total=1, desc="calibrate: load the model", unit="model", enabled=progress) as bar:
             model = check_capture_model(capture, model or cfg.model)  # load once; refuse before scoring
+            for c in captures[1:]:
+                check_capture_model(c, model)
             bar.update()
         sens_box["load"] = time.perf_counter() - tl
     tables: dict[tuple[str, str], Scores] = {}
@@ -884,16 +944,23 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
         ts = time.perf_counter()
         if base is not None:
             tables[key] = base.subset(cands_k, cands_v)
-            if need_sens and sens_box["s"] is None:
-                measure()
+            while need_sens and len(measured) < len(captures):
+                measure(captures[len(measured)])
         else:
-            tables[key] = score(capture, cands_k=cands_k, cands_v=cands_v, options=options, queries=cfg.queries,
-                                page_size=cfg.page_size, window_dtype=wdt, decode=cfg.decode, scheduler=scheduler,
-                                compensated_keys=cfg.compensated_keys, static_moments=cfg.static_moments,
-                                workers=workers, progress=progress,
-                                meanwhile=measure if need_sens and sens_box["s"] is None else None)
+            each = []
+            for i, c in enumerate(captures):
+                pending = need_sens and len(measured) == i
+                each.append(score(c, cands_k=cands_k, cands_v=cands_v, options=options, queries=cfg.queries,
+                                  page_size=cfg.page_size, window_dtype=wdt, decode=cfg.decode, scheduler=scheduler,
+                                  compensated_keys=cfg.compensated_keys, static_moments=cfg.static_moments,
+                                  workers=workers, progress=progress,
+                                  meanwhile=(lambda c=c: measure(c)) if pending else None,
+                                  desc=f"calibrate: score capture {i + 1}/{len(captures)}" if several
+                                  else "calibrate: score layers"))
+            tables[key] = Scores.mean(each)
         score_s[key] = time.perf_counter() - ts
-    sensitivity = sens_box["s"]
+    if measured:
+        sensitivity = Sensitivity.mean(measured)
     weights = None
     if cfg.objective == "kl":
         weights = tuple(np.asarray(w, dtype=np.float64) for w in (sensitivity.weights_k, sensitivity.weights_v))
@@ -918,7 +985,9 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
             objective=cfg.objective, capture=kv.provenance,
             seconds={"score": score_s[key], "search": time.perf_counter() - ts},
             max_groups_per_layer=max_groups, batch=cfg.batch, refit_widths=cfg.refit_widths,
-            key_moments=moments)
+            key_moments=moments, captures=provenances)
+
+    provenances = tuple(c.kv.provenance for c in captures) if several else ()
 
     moments = capture_key_moments(capture) if cfg.static_moments else None
     searches = [search(key, cfg.max_groups_per_layer) for key in order]
@@ -954,8 +1023,9 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     return Calibration(
         settings=cfg, configs=configs, choices=choices, searches=tuple(searches), budget_search=index,
         options=tuple(options), sensitivity=sensitivity, capture=kv.provenance, context=context,
-        seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box.get("t", 0.0),
-                 "model_load": sens_box.get("load", 0.0), "sensitivity_cpu": sens_box.get("cpu", 0.0)},
+        seconds={"score": t1 - t0, "search": t2 - t1, "sensitivity": sens_box["t"],
+                 "model_load": sens_box.get("load", 0.0), "sensitivity_cpu": sens_box["cpu"]},
+        captures=provenances,
     )
 
 
@@ -1120,6 +1190,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
     prov = {
         "tool": "kverr calibrate",
         "capture": search.capture,
+        **({"captures": [dict(c) for c in search.captures]} if search.captures else {}),
         "budget_bits": float(budget_bits),
         "effective_bits": bits,
         "bytes": nbytes,
@@ -1154,6 +1225,45 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         name=(name or "calibrated-{bits}b").replace("{bits}", f"{budget_bits:g}"), provenance=prov,
     )
     return cfg, choices
+
+
+def _captures_of(capture: Any) -> tuple[Any, ...]:
+    """The calibration captures: one dataset, or a non-empty sequence of them, each checked
+    (:func:`_check_capture`) and all of one model (:func:`_check_same_model`)."""
+    import xarray as xr
+
+    captures = (capture,) if isinstance(capture, xr.Dataset) else tuple(capture) if isinstance(
+        capture, (list, tuple)) else (capture,)
+    if not captures:
+        raise CaptureError("give at least one capture")
+    for c in captures:
+        _check_capture(c)
+    _check_same_model(captures)
+    return captures
+
+
+def _which(i: int, several: bool) -> str:
+    """A capture named in a message: "the capture", or "capture 2 of several" (from 1)."""
+    return f"capture {i + 1}" if several else "the capture"
+
+
+def _check_same_model(captures: Sequence[Any]) -> None:
+    """Refuse captures of different models: by weights sha256 where both record one, and by
+    shape (layers, kv heads, head dim) and RoPE always."""
+    import kverr.accessor  # noqa: F401  (registers ds.kv)
+
+    first = captures[0].kv.provenance
+    shape = ("n_layers", "n_kv_heads", "head_dim")
+    for i, c in enumerate(captures[1:], start=2):
+        p = c.kv.provenance
+        a, b = first["weights_sha256"], p["weights_sha256"]
+        if a and b and a != b:
+            raise CaptureError(f"capture {i} is of {p['model_id']!r} (weights sha256 {b[:12]}...), capture 1 of "
+                               f"{first['model_id']!r} ({a[:12]}...): calibrate on captures of one model")
+        if any(p[k] != first[k] for k in shape) or c.attrs.get("rope") != captures[0].attrs.get("rope"):
+            raise CaptureError(f"capture {i} ({', '.join(f'{k} {p[k]}' for k in shape)}) is not of capture 1's "
+                               f"model ({', '.join(f'{k} {first[k]}' for k in shape)}, or another RoPE): "
+                               "calibrate on captures of one model")
 
 
 def _check_capture(capture: Any) -> None:

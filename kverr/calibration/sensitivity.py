@@ -41,7 +41,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -130,6 +130,28 @@ class Sensitivity:
         kw = {"eps": DEFAULT_EPS, "tokens": 0, "noisy": 0, "kl_positions": 0, "noise": "given", **kw}
         return cls(weights_k=wk, weights_v=wv, kl=nan, rel=nan.copy(), **kw)
 
+    @classmethod
+    def mean(cls, measured: Sequence[Sensitivity]) -> Sensitivity:
+        """The sensitivity of several captures measured alike: the layer weights, KL and relative
+        errors averaged with the captures counting alike (:meth:`Scores.mean
+        <kverr.calibration.search.Scores.mean>`'s rule); ``extra["captures"]`` says how many."""
+        measured = list(measured)
+        if not measured:
+            raise ConfigError("give at least one capture's sensitivity to average")
+        first = measured[0]
+        if len(measured) == 1:
+            return first
+        same = ("noise", "eps", "tokens", "noisy", "kl_positions", "sinks", "seed", "weights_sha256")
+        for m in measured[1:]:
+            differ = [n for n in same if getattr(m, n) != getattr(first, n)]
+            if differ or m.kl.shape != first.kl.shape or m.weights_k.shape != first.weights_k.shape:
+                raise ConfigError(f"sensitivities averaged over captures must be measured alike; these differ in "
+                                  f"{', '.join(differ) or 'their shapes'}")
+        avg = lambda name: np.mean([getattr(m, name) for m in measured], axis=0)  # noqa: E731
+        return replace(first, weights_k=avg("weights_k"), weights_v=avg("weights_v"), kl=avg("kl"),
+                                   rel=avg("rel"), seconds=float(sum(m.seconds for m in measured)),
+                                   extra={**first.extra, "captures": len(measured)})
+
     @property
     def quadratic_ratio(self) -> np.ndarray:
         """``[site, layer]``: ``(KL/r)(ε₂) / (KL/r)(ε₁)``, 1 where KL is linear in ``r``."""
@@ -156,6 +178,7 @@ class Sensitivity:
             "kl": f(self.kl),
             "rel": f(self.rel),
             "quadratic_ratio": f(self.quadratic_ratio),
+            **({"captures": int(self.extra["captures"])} if "captures" in self.extra else {}),
         }
 
     @classmethod
@@ -164,7 +187,8 @@ class Sensitivity:
         layer and ``kl [layer, eps]``)."""
         meta = dict(tokens=int(d["tokens"]), noisy=int(d["noisy"]), kl_positions=int(d["kl_positions"]),
                     noise=str(d.get("noise", "o_proj")), sinks=int(d.get("sinks", 0)), seed=int(d.get("seed", 0)),
-                    seconds=float(d.get("seconds", 0.0)), eps=tuple(float(e) for e in d["eps"]))
+                    seconds=float(d.get("seconds", 0.0)), eps=tuple(float(e) for e in d["eps"]),
+                    extra={"captures": int(d["captures"])} if "captures" in d else {})
         arr = lambda k: np.asarray(d[k], dtype=np.float64)  # noqa: E731  (None -> NaN)
         if "weights_k" not in d:
             kl = arr("kl")[None]

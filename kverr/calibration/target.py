@@ -122,51 +122,67 @@ class VllmCalibration:
 
 
 def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig], *, model: Any,
-            sensitivity: Any, progress: bool) -> tuple[Any, int, Any, np.ndarray]:
-    """Check the capture, measure the sensitivity if ``settings.objective`` is ``kl`` and none
-    is given, and score every config everywhere: ``(ds.kv, context, sensitivity, damage)`` with
-    ``damage[config, layer, side]`` (side 0 keys, 1 values) weighted by the layer's sensitivity."""
+            sensitivity: Any, progress: bool) -> tuple[Any, int, Any, np.ndarray, tuple[dict[str, Any], ...]]:
+    """Check the capture (or captures), measure the sensitivity if ``settings.objective`` is
+    ``kl`` and none is given, and score every config everywhere: ``(ds.kv, context, sensitivity,
+    damage, provenances)`` with ``damage[config, layer, side]`` (side 0 keys, 1 values) weighted by
+    the layer's sensitivity. Several captures of one model count alike, as in
+    :func:`~.search.calibrate`: the damage and the sensitivity are each capture's averaged
+    (``ds.kv`` is the first's, ``provenances`` every capture's; empty for one capture)."""
     import kverr.accessor  # noqa: F401  (registers ds.kv)
     from kverr.io import check_finite
 
     from .objective import check_queries, layer_damage
-    from .search import _check_capture
-    from .sensitivity import check_capture_model, sensitivity_for_capture
+    from .search import _captures_of, _which
+    from .sensitivity import Sensitivity, check_capture_model, sensitivity_for_capture
 
     if settings.batch != 1:
         raise ConfigError(f"batch={settings.batch}: the engine targets count one sequence's bytes; "
                           "give batch=1 (kverr's own target counts a batch)")
-    _check_capture(capture)
-    kv = capture.kv
+    captures = _captures_of(capture)
+    several = len(captures) > 1
+    kv = captures[0].kv
     if kv.has_sliding_window:
         # the engines' own layouts of a sliding layer (what they free, what they keep unquantized)
         # are not modelled here; kverr's own target counts them
         raise CaptureError("calibration for an engine target supports full-attention models only; the capture "
                            f"has sliding-window layers (windows {list(kv.shape.sliding_windows)}); calibrate "
                            "with --target kverr")
-    if kv.layers != list(range(kv.n_layers)):
-        raise ConfigError(f"calibration needs every layer of the model; the capture has layers {kv.layers} "
-                          f"of {kv.n_layers} (recapture with --layers all)")
-    check_queries(settings.queries, kv.n_tokens)
-    check_finite(capture, ("q", "k", "v"))
+    for i, c in enumerate(captures):
+        if c.kv.layers != list(range(c.kv.n_layers)):
+            raise ConfigError(f"calibration needs every layer of the model; {_which(i, several)} has layers "
+                              f"{c.kv.layers} of {c.kv.n_layers} (recapture with --layers all)")
+    lengths = [c.kv.n_tokens for c in captures]
+    if settings.context is None and len(set(lengths)) > 1:
+        raise ConfigError(f"the captures hold {', '.join(map(str, lengths))} tokens: give the context at which "
+                          "effective bits are counted (--context), or captures of one length")
+    for c in captures:
+        check_queries(settings.queries, c.kv.n_tokens)
+        check_finite(c, ("q", "k", "v"))
     if settings.objective == "kl" and sensitivity is None:
-        model = check_capture_model(capture, model or settings.model)
-        sensitivity = sensitivity_for_capture(capture, model=model, tokens=settings.sensitivity_tokens,
-                                              noise=settings.sensitivity_noise, sinks=0, progress=progress)
+        model = check_capture_model(captures[0], model or settings.model)
+        sensitivity = Sensitivity.mean([
+            sensitivity_for_capture(c, model=model, tokens=settings.sensitivity_tokens,
+                                    noise=settings.sensitivity_noise, sinks=0, progress=progress)
+            for c in captures])
     w = (np.stack([np.asarray(sensitivity.weights_k, dtype=np.float64), np.asarray(sensitivity.weights_v,
                                                                                    dtype=np.float64)], axis=-1)
          if settings.objective == "kl" else np.ones((kv.n_layers, 2)))
-    damage = layer_damage(capture, configs, queries=settings.queries, decode=settings.decode, progress=progress)
-    return kv, settings.context or kv.n_tokens, sensitivity, damage * w[None]
+    damage = np.mean([layer_damage(c, configs, queries=settings.queries, decode=settings.decode, progress=progress)
+                      for c in captures], axis=0)
+    provenances = tuple(c.kv.provenance for c in captures) if several else ()
+    return kv, settings.context or kv.n_tokens, sensitivity, damage * w[None], provenances
 
 
 def _provenance(target: str, settings: CalibrationConfig, *, budget: float, effective_bits: float,
                 context: int, damage: float, capture: dict[str, Any], sensitivity: Any,
-                **extra: Any) -> dict[str, Any]:
-    """The provenance of a config calibrated for ``target`` (what ``kverr calibrate`` records too)."""
+                captures: tuple[dict[str, Any], ...] = (), **extra: Any) -> dict[str, Any]:
+    """The provenance of a config calibrated for ``target`` (what ``kverr calibrate`` records too;
+    ``captures``: every capture's provenance when there were several)."""
     from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVES
 
     prov = {"tool": f"kverr calibrate --target {target}", "target": target, **extra, "capture": capture,
+            **({"captures": [dict(c) for c in captures]} if captures else {}),
             "budget_bits": float(budget), "effective_bits": float(effective_bits), "context_tokens": context,
             "batch": 1, "objective": OBJECTIVES[settings.objective],
             "objective_definition": OBJECTIVE_KL_DOC if settings.objective == "kl" else OBJECTIVE_DOC,
@@ -182,7 +198,9 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
 
     ``settings`` gives the budgets, context, queries, objective and the rest as for
     :func:`~.search.calibrate`; its outer options, candidates and window dtype are vLLM's
-    (no sinks, no window, keys after RoPE; :func:`vllm_families`).
+    (no sinks, no window, keys after RoPE; :func:`vllm_families`). ``capture`` is one capture or
+    several of one model, their damage and sensitivity averaged as :func:`~.search.calibrate`
+    averages them.
 
     Raises
     ------
@@ -193,12 +211,15 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
 
     import pandas as pd
 
+    from .search import _captures_of
+
     t0 = time.perf_counter()
-    D = capture.sizes["channel"]
+    capture = _captures_of(capture)
+    D = capture[0].sizes["channel"]
     fams = vllm_families(D)
     fp16 = float_format("fp16")
     cands = tuple(dict.fromkeys([fp16, *(f for fam in fams for f in (*fam.k, *fam.v))]))
-    kv, context, sensitivity, damage = _scored(
+    kv, context, sensitivity, damage, provenances = _scored(
         capture, settings, [CacheConfig(k=f, v=f, page_size=settings.page_size) for f in cands],
         model=model, sensitivity=sensitivity, progress=progress)
     n_layers, n_kv = kv.n_layers, kv.n_kv_heads
@@ -258,13 +279,13 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
         configs[budget] = _config(fam, skip, ck, cv, n_layers=n_layers, budget=budget, damage=dmg, total=total,
                                   context=context, table=table[table.budget_bits == float(budget)],
                                   sensitivity=sensitivity, capture=kv.provenance, settings=settings,
-                                  shape=(n_layers, n_kv, D))
+                                  shape=(n_layers, n_kv, D), captures=provenances)
     return VllmCalibration(configs, table, sensitivity, kv.provenance, seconds)
 
 
 def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget: float, damage: float,
             total: int, context: int, table, sensitivity, capture, settings: CalibrationConfig,
-            shape) -> CacheConfig:
+            shape, captures: tuple[dict[str, Any], ...] = ()) -> CacheConfig:
     from collections import Counter
 
     fp16 = float_format("fp16")
@@ -281,7 +302,8 @@ def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget
     n, kvh, D = shape
     prov = _provenance(
         "vllm", settings, budget=budget, effective_bits=bits_of(total, n, kvh, D, context), context=context,
-        damage=damage, capture=capture, sensitivity=sensitivity, kv_cache_dtype=fam.kv_cache_dtype,
+        damage=damage, capture=capture, captures=captures, sensitivity=sensitivity,
+        kv_cache_dtype=fam.kv_cache_dtype,
         kv_cache_dtype_skip_layers=list(skip), bytes=int(total),
         dtypes_compared=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items() if k != "budget_bits"}
                          for r in table.to_dict("records")])
@@ -405,7 +427,8 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
     """Choose, per budget, transformers' ``QuantizedCache`` settings (backend, bits, group size,
     residual length) of least predicted damage, with the calibration objective: every candidate
     of :func:`hf_candidates` is scored whole (one format for every layer, head, keys and values,
-    as ``QuantizedCache`` stores it) and counted at ``settings.context`` tokens.
+    as ``QuantizedCache`` stores it) and counted at ``settings.context`` tokens. ``capture`` is
+    one capture or several of one model (:func:`calibrate_for_vllm`).
 
     Raises
     ------
@@ -418,10 +441,13 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
 
     from kverr.memory import account
 
+    from .search import _captures_of
+
     t0 = time.perf_counter()
-    cands = hf_candidates(capture.sizes["channel"])
-    kv, context, sensitivity, damage = _scored(capture, settings, list(cands.values()), model=model,
-                                               sensitivity=sensitivity, progress=progress)
+    capture = _captures_of(capture)
+    cands = hf_candidates(capture[0].sizes["channel"])
+    kv, context, sensitivity, damage, provenances = _scored(capture, settings, list(cands.values()), model=model,
+                                                            sensitivity=sensitivity, progress=progress)
     total = damage.sum(axis=(1, 2))
     rows = [dict(candidate=name, effective_bits=account(cfg, kv.shape, context).effective_bits, predicted=float(d))
             for (name, cfg), d in zip(cands.items(), total)]
@@ -434,7 +460,8 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
                               f"expresses at {context} tokens (the cheapest costs {table.effective_bits.min():.4f})")
         best = ok.sort_values("predicted", kind="stable").iloc[0]
         prov = _provenance("hf", settings, budget=budget, effective_bits=best["effective_bits"], context=context,
-                           damage=best["predicted"], capture=kv.provenance, sensitivity=sensitivity,
+                           damage=best["predicted"], capture=kv.provenance, captures=provenances,
+                           sensitivity=sensitivity,
                            candidate=best["candidate"], candidates_compared=len(table))
         configs[budget] = cands[best["candidate"]].with_(name=settings.name or f"hf-{budget:g}b", provenance=prov)
     return HfCalibration(configs, table, sensitivity, kv.provenance, time.perf_counter() - t0)

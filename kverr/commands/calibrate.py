@@ -49,7 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "all metadata, sinks and window, at --context tokens). Writes the config with its "
         "provenance and optionally the whole Pareto frontier.",
     )
-    p.add_argument("--capture", required=True, type=Path, help="a capture of every layer (kverr capture)")
+    p.add_argument("--capture", required=True, type=Path, nargs="+", metavar="CAPTURE",
+                   help="a capture of every layer (kverr capture), or several of one model (e.g. of prose and "
+                   "of code): each is scored and its sensitivity measured, and the budget is solved on their "
+                   "damage and layer weights averaged, the captures counting alike")
     p.add_argument("--target", choices=("kverr", "vllm", "hf"), default="kverr",
                    help="kverr (default): any format per layer, kv head and K|V; vllm: only what vLLM "
                    "serves -- one --kv-cache-dtype (fp8 with static per-tensor or per-head scales, "
@@ -159,6 +162,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def print_captures(paths, provenances) -> None:
+    """Name the captures a calibration averaged (nothing for one capture)."""
+    if provenances:
+        print(f"damage and layer weights averaged over {len(provenances)} captures: " + "; ".join(
+            f"{path} ({c['text_source'] or 'text not recorded'}, tokens {c['token_offset']}.."
+            f"{c['token_offset'] + c['tokens'] - 1})" for path, c in zip(paths, provenances)))
+
+
 def _step_at(text: str) -> tuple[int, int]:
     try:
         tokens, batch = (int(p) for p in text.split(","))
@@ -222,17 +233,21 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "
                               f"{', '.join(given)} does not apply")
+    if len(set(args.capture)) != len(args.capture):
+        raise ConfigError("--capture names a capture twice")
     settings = settings_of(args)
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
     for o in outs + ([args.frontier] if args.frontier else []):
         check_output_path(o, overwrite=args.overwrite, kind="file")
-    capture = open_capture(args.capture)
+    captures = [open_capture(c) for c in args.capture]
+    capture = captures[0] if len(captures) == 1 else captures
     if args.target == "vllm":
         return _run_vllm(args, settings, capture, budgets, outs)
     if args.target == "hf":
         return _run_hf(args, settings, capture, budgets, outs)
     # bars are drawn only when stderr is a terminal (kverr.progress)
     cal = calibrate(capture, settings, scheduler=args.scheduler, workers=args.workers, progress=True)
+    print_captures(args.capture, cal.captures)
     if cal.sensitivity is not None:
         sv = cal.sensitivity
         r = sv.quadratic_ratio
@@ -279,6 +294,7 @@ def _run_vllm(args: argparse.Namespace, settings, capture, budgets, outs) -> int
     from kverr.config import atomic_write_text
 
     res = calibrate_for_vllm(capture, settings, progress=True)
+    print_captures(args.capture, next(iter(res.configs.values())).provenance.get("captures"))
     for b, out in zip(budgets, outs):
         res.configs[b].save(out)
     print(report_vllm(res, dict(zip(budgets, outs))))
@@ -315,7 +331,8 @@ def _run_hf(args: argparse.Namespace, settings, capture, budgets, outs) -> int:
     from kverr.engines.hf import check_hf
 
     res = calibrate_for_hf(capture, settings, progress=True)
-    kv = capture.kv
+    print_captures(args.capture, next(iter(res.configs.values())).provenance.get("captures"))
+    kv = (capture[0] if isinstance(capture, list) else capture).kv
     for b, out in zip(budgets, outs):
         cfg = res.configs[b]
         cfg.save(out)

@@ -3,6 +3,7 @@ search (bytes == kverr.memory, provenance, bad input) and the CLI, on a tiny ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -1277,3 +1278,111 @@ def test_shared_reconstruct_equals_the_oracle_for_every_default_candidate(layer,
         want = reconstruct(x, CacheConfig(k=f, v=f, window_dtype=wdt), layer=0, which="k")
         got = shared(f)
         assert got.dtype == torch.float32 and torch.equal(got, want), f.label()
+
+
+# ---------------------------------------------------------------------------------------------
+# several captures
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def second_capture(tiny_capture, tmp_path_factory):
+    """``(capture, its path)``: the 160 pydoc tokens after the tiny capture's, on the same model."""
+    from kverr.capturing import capture_to_zarr, load_text, tokenize
+    from kverr.io import open_capture
+
+    _, _, loaded = tiny_capture
+    text = load_text("pydoc")
+    ids = tokenize(loaded.tokenizer, text, 160, 160)
+    path = capture_to_zarr(loaded, ids, tmp_path_factory.mktemp("cal2") / "cap2.zarr", text=text, offset=160)
+    return open_capture(path), path
+
+
+def test_several_captures_average_tables_and_sensitivity(tiny_capture, second_capture):
+    """Calibrating on two captures scores each as alone, averages the damage tables and the layer
+    weights (the captures counting alike) and solves the knapsack once on the means: the config
+    is the one a single capture's calibration chooses from those means, and its provenance names
+    both captures. The tables of one capture are the same bits however often it is scored (one
+    torch thread per layer task), so the mean of two tables of one capture is that table."""
+    from kverr.calibration import Sensitivity
+    from kverr.calibration.search import Scores
+
+    (a_cap, _, loaded), (b_cap, _) = tiny_capture, second_capture
+    kw = dict(context=160, options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8)
+    a = cal_at(a_cap, 3.0, model=loaded, **kw)
+    b = cal_at(b_cap, 3.0, model=loaded, **kw)
+    assert not np.array_equal(a.scores.k, b.scores.k)  # two texts: the average is not trivially one of them
+    both = calibrate([a_cap, b_cap], CalibrationConfig(budgets=3.0, **kw), model=loaded, workers=1)
+    np.testing.assert_array_equal(both.scores.k, (a.scores.k + b.scores.k) / 2)
+    np.testing.assert_array_equal(both.scores.v, (a.scores.v + b.scores.v) / 2)
+    for side in ("weights_k", "weights_v"):
+        np.testing.assert_array_equal(getattr(both.sensitivity, side),
+                                      (getattr(a.sensitivity, side) + getattr(b.sensitivity, side)) / 2)
+    # the knapsack on the means, run from one capture, chooses the same config
+    again = cal_at(a_cap, 3.0, scores=Scores.mean([a.scores, b.scores]),
+                   sensitivity=Sensitivity.mean([a.sensitivity, b.sensitivity]), **kw)
+    assert (both.config.k, both.config.v, both.config.heads) == (again.config.k, again.config.v, again.config.heads)
+    pv = both.config.provenance
+    assert [c["token_offset"] for c in pv["captures"]] == [0, 160]
+    assert pv["capture"] == a.config.provenance["capture"] and "captures" not in a.config.provenance
+    assert pv["sensitivity"]["captures"] == 2
+    assert Sensitivity.from_dict(pv["sensitivity"]).extra == {"captures": 2}
+    assert both.config.provenance["predicted_damage"] == pytest.approx(again.config.provenance["predicted_damage"])
+    # one capture twice: the mean is that capture's tables, the config its own
+    twice = calibrate([a_cap, a_cap], CalibrationConfig(budgets=3.0, **kw), model=loaded, workers=1)
+    np.testing.assert_array_equal(twice.scores.k, a.scores.k)
+    assert (twice.config.k, twice.config.v, twice.config.heads) == (a.config.k, a.config.v, a.config.heads)
+
+
+def test_several_captures_refused_when_they_cannot_be_averaged(tiny_capture, second_capture):
+    from kverr.calibration.search import Scores
+
+    (a_cap, _, loaded), (b_cap, _) = tiny_capture, second_capture
+    kw = dict(options=(OuterOption(),), cands_k=SMALL, cands_v=SMALL, queries=8, objective="rel")
+    with pytest.raises(CaptureError, match="capture 2 is of .* calibrate on captures of one model"):
+        calibrate([a_cap, b_cap.assign_attrs(weights_sha256="1" * 64, model_id="other")],
+                  CalibrationConfig(budgets=4.0, context=160, **kw), workers=1)
+    with pytest.raises(CaptureError, match="capture 2 .*n_kv_heads 1.* not of capture 1's model"):
+        calibrate([a_cap, b_cap.isel(kv_head=[0], q_head=[0, 1])], CalibrationConfig(budgets=4.0, context=160, **kw),
+                  workers=1)
+    with pytest.raises(CaptureError, match="at least one capture"):
+        calibrate([], CalibrationConfig(budgets=4.0, **kw), workers=1)
+    with pytest.raises(CaptureError, match="capture 2 has layers"):
+        calibrate([a_cap, b_cap.isel(layer=[0])], CalibrationConfig(budgets=4.0, context=160, **kw), workers=1)
+    short = b_cap.isel(token=slice(0, 128))
+    with pytest.raises(ConfigError, match="hold 160, 128 tokens: give the context"):
+        calibrate([a_cap, short], CalibrationConfig(budgets=4.0, **kw), workers=1)
+    # with the context given, captures of different lengths are averaged
+    calibrate([a_cap, short], CalibrationConfig(budgets=4.0, context=128, **kw), workers=1)
+    with pytest.raises(ConfigError, match="static_moments .* several captures"):
+        calibrate([a_cap, b_cap], CalibrationConfig(budgets=4.0, context=160, compensated_keys=True,
+                                                    static_moments=True, **kw), workers=1)
+    with pytest.raises(ConfigError, match="several captures need refit_widths"):
+        calibrate([a_cap, b_cap], CalibrationConfig(budgets=3.0, context=160, candidates="fitted",
+                                                    queries=8, objective="rel"), workers=1)
+    # the kl objective loads the model once and checks every capture against it
+    with pytest.raises(CaptureError, match="does not record its model's weights sha256"):
+        calibrate([a_cap, b_cap.assign_attrs(weights_sha256="")],
+                  CalibrationConfig(budgets=4.0, context=160, options=(OuterOption(),), cands_k=SMALL,
+                                    cands_v=SMALL, queries=8), model=loaded, workers=1)
+    a = calibrate(a_cap, CalibrationConfig(budgets=4.0, context=160, **kw), workers=1).scores
+    with pytest.raises(ConfigError, match="computed alike; these differ in queries"):
+        Scores.mean([a, dataclasses.replace(a, queries=16)])
+
+
+def test_cli_calibrate_on_several_captures(tiny_capture, second_capture, tmp_path, capsys):
+    from kverr.cli import main
+
+    (_, a, _), (_, b) = tiny_capture, second_capture
+    out = tmp_path / "two.json"
+    args = ["calibrate", "--capture", str(a), str(b), "--budget-bits", "4", "--queries", "8", "--workers", "1"]
+    assert main(args + ["--out", str(out)]) == 0
+    o, _ = capsys.readouterr()
+    assert re.search(r"averaged over 2 captures: .*cap\.zarr \(pydoc.*tokens 0\.\.159\); .*cap2\.zarr .*tokens "
+                     r"160\.\.319\)", o), o
+    pv = CacheConfig.load(out).provenance
+    assert [c["token_offset"] for c in pv["captures"]] == [0, 160] and pv["sensitivity"]["captures"] == 2
+    code = main(args + ["--capture", str(a), str(a), "--out", str(tmp_path / "x.json")])
+    _, err = capsys.readouterr()
+    assert code != 0 and "names a capture twice" in err, err
+    assert not (tmp_path / "x.json").exists()

@@ -170,3 +170,31 @@ def test_hf_target_chooses_settings_transformers_runs(capture):
         assert predict(capture, cfg, queries=16)["total"] == pytest.approx(cfg.provenance["predicted_damage"], rel=1e-9)
     with pytest.raises(ConfigError, match="below every QuantizedCache setting"):
         calibrate_for_hf(capture, CalibrationConfig(budgets=(1.0,), objective="rel", queries=16))
+
+
+def test_engine_targets_average_several_captures(capture):
+    """On two captures the damage of every choice is the mean of its damage on each (the
+    captures counting alike, as ``calibrate`` averages them), and the configs name both."""
+    from kverr.calibration.target import calibrate_for_hf
+
+    other = synthetic_capture(n_layers=N_LAYERS, n_kv=N_KV, n_tokens=128, head_dim=D, outlier_channel=5, seed=1)
+    settings = CalibrationConfig(budgets=BUDGETS, objective="rel", queries=16)
+    both = calibrate_for_vllm([capture, other], settings)
+    for b in BUDGETS:
+        cfg = both.configs[b]
+        each = [predict(c, cfg, queries=16)["total"] for c in (capture, other)]
+        assert each[0] != pytest.approx(each[1], rel=1e-3)  # two captures that the mean does not hide
+        assert cfg.provenance["predicted_damage"] == pytest.approx(np.mean(each), rel=1e-9)
+        assert len(cfg.provenance["captures"]) == 2
+    # a fixed skip rule's rows are each capture's rows averaged
+    alone = [calibrate_for_vllm(c, settings).table for c in (capture, other)]
+    edges = [t[t.skip_rule == "turboquant-edges"].set_index(["budget_bits", "dtype"]).predicted for t in alone]
+    mixed = both.table[both.table.skip_rule == "turboquant-edges"].set_index(["budget_bits", "dtype"]).predicted
+    np.testing.assert_allclose(mixed.values, ((edges[0] + edges[1]) / 2).loc[mixed.index].values, rtol=1e-12)
+    hf = calibrate_for_hf([capture, other], CalibrationConfig(budgets=(4.0,), objective="rel", queries=16))
+    one = [calibrate_for_hf(c, CalibrationConfig(budgets=(4.0,), objective="rel", queries=16)).table.set_index(
+        "candidate").predicted for c in (capture, other)]
+    t = hf.table.set_index("candidate").predicted
+    np.testing.assert_allclose(t.values, ((one[0] + one[1]) / 2).loc[t.index].values, rtol=1e-12)
+    with pytest.raises(ConfigError, match="hold 128, 96 tokens: give the context"):
+        calibrate_for_vllm([capture, other.isel(token=slice(0, 96))], settings)
