@@ -134,14 +134,15 @@ class Sensitivity:
     def mean(cls, measured: Sequence[Sensitivity]) -> Sensitivity:
         """The sensitivity of several captures measured alike: the layer weights, KL and relative
         errors averaged with the captures counting alike (:meth:`Scores.mean
-        <kverr.calibration.search.Scores.mean>`'s rule); ``extra["captures"]`` says how many."""
+        <kverr.calibration.search.Scores.mean>`'s rule); ``extra["captures"]`` says how many, and
+        ``tokens`` is the first's (a capture shorter than the tokens asked for gives fewer)."""
         measured = list(measured)
         if not measured:
             raise ConfigError("give at least one capture's sensitivity to average")
         first = measured[0]
         if len(measured) == 1:
             return first
-        same = ("noise", "eps", "tokens", "noisy", "kl_positions", "sinks", "seed", "weights_sha256")
+        same = ("noise", "eps", "noisy", "kl_positions", "sinks", "seed", "weights_sha256")
         for m in measured[1:]:
             differ = [n for n in same if getattr(m, n) != getattr(first, n)]
             if differ or m.kl.shape != first.kl.shape or m.weights_k.shape != first.weights_k.shape:
