@@ -172,7 +172,7 @@ def test_hf_target_chooses_settings_transformers_runs(capture):
         calibrate_for_hf(capture, CalibrationConfig(budgets=(1.0,), objective="rel", queries=16))
 
 
-def test_engine_targets_average_several_captures(capture):
+def test_engine_targets_average_several_captures(capture, result):
     """On two captures the damage of every choice is the mean of its damage on each (the
     captures counting alike, as ``calibrate`` averages them), and the configs name both."""
     from kverr.calibration.target import calibrate_for_hf
@@ -187,7 +187,7 @@ def test_engine_targets_average_several_captures(capture):
         assert cfg.provenance["predicted_damage"] == pytest.approx(np.mean(each), rel=1e-9)
         assert len(cfg.provenance["captures"]) == 2
     # a fixed skip rule's rows are each capture's rows averaged
-    alone = [calibrate_for_vllm(c, settings).table for c in (capture, other)]
+    alone = [result.table, calibrate_for_vllm(other, settings).table]  # result: capture alone, same settings
     edges = [t[t.skip_rule == "turboquant-edges"].set_index(["budget_bits", "dtype"]).predicted for t in alone]
     mixed = both.table[both.table.skip_rule == "turboquant-edges"].set_index(["budget_bits", "dtype"]).predicted
     np.testing.assert_allclose(mixed.values, ((edges[0] + edges[1]) / 2).loc[mixed.index].values, rtol=1e-12)
