@@ -273,6 +273,9 @@ class Search:
     key_moments: KeyMoments | None = None
     #: every calibration capture's provenance when there were several (``capture`` is the first's)
     captures: tuple[dict[str, Any], ...] = ()
+    #: with several captures, each one's damage tables (``scores`` is their mean), so that a
+    #: config's predicted damage is known on each; empty otherwise or when the scores were given
+    scores_each: tuple[Scores, ...] = ()
 
     def config_at(self, budget_bits: float, name: str | None = None) -> CacheConfig:
         """The best config of this search within ``budget_bits`` (no new scoring)."""
@@ -936,14 +939,17 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
             bar.update()
         sens_box["load"] = time.perf_counter() - tl
     tables: dict[tuple[str, str], Scores] = {}
+    tables_each: dict[tuple[str, str], tuple[Scores, ...]] = {}  # each capture's, with several
     score_s: dict[tuple[str, str], float] = {}
     for key in order:
         wdt, _ = key
         cands_k, cands_v = _search_candidates(cfg, key[1], head_dim)
-        base = scores if scores is not None else next((s for (w, _), s in tables.items() if w == wdt), None)
+        prev = next((k for k in tables if k[0] == wdt), None)
+        base = scores if scores is not None else None if prev is None else tables[prev]
         ts = time.perf_counter()
         if base is not None:
             tables[key] = base.subset(cands_k, cands_v)
+            tables_each[key] = () if scores is not None else tuple(t.subset(cands_k, cands_v) for t in tables_each[prev])
             while need_sens and len(measured) < len(captures):
                 measure(captures[len(measured)])
         else:
@@ -958,6 +964,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                                   desc=f"calibrate: score capture {i + 1}/{len(captures)}" if several
                                   else "calibrate: score layers"))
             tables[key] = Scores.mean(each)
+            tables_each[key] = tuple(each) if several else ()
         score_s[key] = time.perf_counter() - ts
     if measured:
         sensitivity = Sensitivity.mean(measured)
@@ -985,7 +992,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
             objective=cfg.objective, capture=kv.provenance,
             seconds={"score": score_s[key], "search": time.perf_counter() - ts},
             max_groups_per_layer=max_groups, batch=cfg.batch, refit_widths=cfg.refit_widths,
-            key_moments=moments, captures=provenances)
+            key_moments=moments, captures=provenances, scores_each=tables_each[key])
 
     provenances = tuple(c.kv.provenance for c in captures) if several else ()
 
@@ -1147,6 +1154,7 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
     weights = search.weights
     sc = search.scores
     keys, _ = _groups(sc, 0, n_kv)
+    each = np.zeros(len(search.scores_each))  # the config's predicted damage on each capture
     chosen: dict[tuple[int, int, str], QuantFormat] = {}
     window: dict[tuple[int, int, str], int] = {}
     recs = []
@@ -1159,7 +1167,10 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         window[(layer, h, w)] = opt.window
         li = sc.layers.index(layer)
         rel = float((sc.k if w == "k" else sc.v)[oi, li, j, h])
-        d = rel * (1.0 if weights is None else float(weights[0 if w == "k" else 1][layer]))
+        wt = 1.0 if weights is None else float(weights[0 if w == "k" else 1][layer])
+        d = rel * wt
+        for i, t in enumerate(search.scores_each):
+            each[i] += float((t.k if w == "k" else t.v)[oi, li, j, h]) * wt
         b = head_bytes(f, opt, D, context, search.page_size, search.window_dtype, search.align,
                        search.shape.sliding_window(layer), which=w, batch=search.batch,
                        width_tables=search.refit_widths)
@@ -1202,6 +1213,8 @@ def _build_row(search: Search, row: Any, budget_bits: float, name: str | None) -
         "objective": OBJECTIVES[search.objective],
         "objective_definition": OBJECTIVE_KL_DOC if search.objective == "kl" else OBJECTIVE_DOC,
         "predicted_damage": float(row["predicted"]),
+        # on each capture, with the averaged layer weights: their mean is predicted_damage
+        **({"predicted_damage_each": [float(x) for x in each]} if len(each) else {}),
         "predicted_relative": float(choices["relative"].sum()),
         "predicted_k": float(choices.loc[choices.which == "k", "predicted"].sum()),
         "predicted_v": float(choices.loc[choices.which == "v", "predicted"].sum()),

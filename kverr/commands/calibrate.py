@@ -268,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
               f"{pv['candidates_k']} candidates, "
               f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")
+        if "predicted_damage_each" in pv:  # several captures: the objective is the mean of these
+            print("  on each capture: " + ", ".join(f"{d:.4g}" for d in pv["predicted_damage_each"]))
         if cfg.windows_vary:  # --window-per-head: how many groups keep each length
             ch = cal.choices[b]
             print("  window per (layer, kv head): " + "; ".join(

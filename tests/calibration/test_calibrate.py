@@ -1327,6 +1327,14 @@ def test_several_captures_average_tables_and_sensitivity(tiny_capture, second_ca
     assert pv["capture"] == a.config.provenance["capture"] and "captures" not in a.config.provenance
     assert pv["sensitivity"]["captures"] == 2
     assert Sensitivity.from_dict(pv["sensitivity"]).extra == {"captures": 2}
+    # the config's damage on each capture, under the averaged weights, is what predicting it there
+    # gives, and the objective their mean
+    for c, d in zip((a_cap, b_cap), pv["predicted_damage_each"]):
+        got = predict(c, both.config, queries=8, weights=both.sensitivity.weights_k,
+                      weights_v=both.sensitivity.weights_v)
+        assert got["total"] == pytest.approx(d, rel=1e-4)  # float32 sums grouped otherwise, as above
+    assert np.mean(pv["predicted_damage_each"]) == pytest.approx(pv["predicted_damage"], rel=1e-12)
+    assert "predicted_damage_each" not in again.config.provenance  # scores given: no capture's own
     assert both.config.provenance["predicted_damage"] == pytest.approx(again.config.provenance["predicted_damage"])
     # one capture twice: the mean is that capture's tables, the config its own
     twice = calibrate([a_cap, a_cap], CalibrationConfig(budgets=3.0, **kw), model=loaded, workers=1)
@@ -1380,6 +1388,7 @@ def test_cli_calibrate_on_several_captures(tiny_capture, second_capture, tmp_pat
     o, _ = capsys.readouterr()
     assert re.search(r"averaged over 2 captures: .*cap\.zarr \(pydoc.*tokens 0\.\.159\); .*cap2\.zarr .*tokens "
                      r"160\.\.319\)", o), o
+    assert re.search(r"\n  on each capture: [0-9.e-]+, [0-9.e-]+\n", o), o
     pv = CacheConfig.load(out).provenance
     assert [c["token_offset"] for c in pv["captures"]] == [0, 160] and pv["sensitivity"]["captures"] == 2
     code = main(args + ["--capture", str(a), str(a), "--out", str(tmp_path / "x.json")])
