@@ -149,9 +149,8 @@ class Sensitivity:
                 raise ConfigError(f"sensitivities averaged over captures must be measured alike; these differ in "
                                   f"{', '.join(differ) or 'their shapes'}")
         avg = lambda name: np.mean([getattr(m, name) for m in measured], axis=0)  # noqa: E731
-        return replace(first, weights_k=avg("weights_k"), weights_v=avg("weights_v"), kl=avg("kl"),
-                                   rel=avg("rel"), seconds=float(sum(m.seconds for m in measured)),
-                                   extra={**first.extra, "captures": len(measured)})
+        return replace(first, weights_k=avg("weights_k"), weights_v=avg("weights_v"), kl=avg("kl"), rel=avg("rel"),
+                       seconds=float(sum(m.seconds for m in measured)), extra={**first.extra, "captures": len(measured)})
 
     @property
     def quadratic_ratio(self) -> np.ndarray:
