@@ -211,15 +211,19 @@ def capture_moment(q: Any, n_kv_heads: int) -> torch.Tensor:
 def capture_key_moments(capture: Any) -> KeyMoments:
     """:func:`capture_moment` of every layer of a capture Dataset (its ``q`` ``[layer, q_head,
     token, channel]``): the static moments a calibration with compensated keys puts in its
-    configs (``CacheConfig.key_moments``)."""
-    n_kv = capture.sizes["kv_head"]
-    return KeyMoments.of(torch.stack([capture_moment(capture.q.isel(layer=i).values, n_kv)
-                                      for i in range(capture.sizes["layer"])]))
+    configs (``CacheConfig.key_moments``). Of several captures of one model (a list or tuple):
+    each one's moments, as stored (divided by their mean diagonal), averaged with the captures
+    counting alike."""
+    captures = tuple(capture) if isinstance(capture, (list, tuple)) else (capture,)
+    n_kv = captures[0].sizes["kv_head"]
+    each = [torch.stack([capture_moment(c.q.isel(layer=i).values, n_kv) for i in range(c.sizes["layer"])])
+            for c in captures]
+    return KeyMoments.of(each[0] if len(each) == 1 else torch.stack(each).mean(0))
 
 
 def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: int,
                   positions=None, rope=None, decode: int | None = None, sliding_window: int = 0,
-                  sinks=None, salient: bool = False, compensated_keys: bool = False) -> LayerPrep:
+                  sinks=None, salient: bool = False, compensated_keys: bool = False, moment: Any = None) -> LayerPrep:
     """Clean attention of the sampled queries of one layer.
 
     ``q [q_head, T, D]``, ``k, v, k_pre [kv_head, T, D]`` (numpy or torch). ``decode``: model
@@ -230,7 +234,9 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     without a value (the key growth form is exact with it, since the sink's logit does not move).
     ``salient``: also the saliency of every token for each query's prompt (:func:`salient_tokens`),
     which options with salient tokens need. ``compensated_keys``: also the queries' second moment
-    that scoring keys rounded with compensation needs (:func:`key_cost`).
+    that scoring keys rounded with compensation needs (:func:`key_cost`): ``moment [kv_head, D, D]``
+    when given (static moments of several captures, :func:`capture_key_moments`), else
+    :func:`capture_moment` of ``q``.
     """
     q = torch.as_tensor(np.asarray(q), dtype=torch.float32)
     k = torch.as_tensor(np.asarray(k), dtype=torch.float32)
@@ -256,12 +262,14 @@ def prepare_layer(q, k, v, k_pre, *, layer: int, kv_map, scale: float, queries: 
     o = torch.einsum("hnt,htd->hnd", a, v[kv_map])
     norm = float((o * o).sum(-1).mean()) * q.shape[0]
     steps = None if decode is None else decode_steps(len(pos), decode)
-    saliency = moment = None
+    saliency = None
     if (salient or compensated_keys) and not reads_in_groups(kv_map, k.shape[0]):
         raise CaptureError("salient tokens and compensated keys need query head i to read kv head "
                            "i // (q_heads / kv_heads)")
     if compensated_keys:
-        moment = capture_moment(q, k.shape[0])
+        moment = capture_moment(q, k.shape[0]) if moment is None else torch.as_tensor(moment, dtype=torch.float64)
+    else:
+        moment = None
     if salient:
         saliency = prompt_saliency(q, k, float(scale), _prompt_ends(pos, steps).tolist(), stride=SALIENCY_STRIDE,
                                    sliding_window=int(sliding_window),

@@ -398,7 +398,8 @@ class Calibration:
 
 
 def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, positions, rope, cands_k, cands_v,
-                 options, queries, page_size, window_dtype, decode, compensated_keys=False, static_moments=False):
+                 options, queries, page_size, window_dtype, decode, compensated_keys=False, static_moments=False,
+                 moments=None):
     """Score the layers of one chunk; called by dask with numpy arrays.
 
     Parameters
@@ -411,6 +412,9 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
         ``[L]`` model layer indices, softmax scales and sliding windows (0: full attention).
     sinks : numpy.ndarray
         ``[L, q_head]`` learned sink logits (NaN: the model has none).
+    moments : numpy.ndarray, optional
+        ``[model layer, kv_head, D, D]``: the static moments compensated keys are rounded under
+        instead of each layer's own queries' (:func:`lazy_scores`).
 
     Returns
     -------
@@ -444,7 +448,8 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
                              rope=None if rope is None else layer_rope(rope, int(layer_vals[i])), decode=decode,
                              sliding_window=int(windows[i]),
                              sinks=None if np.isnan(sinks[i]).all() else sinks[i],
-                             salient=any(o.salient for o in options), compensated_keys=compensated_keys)
+                             salient=any(o.salient for o in options), compensated_keys=compensated_keys,
+                             moment=None if moments is None else moments[int(layer_vals[i])])
         fitted: dict = {}
         dk[i], dv[i] = score_layer(prep, cands_k, cands_v, options, page_size=page_size, window_dtype=window_dtype,
                                    widths=fitted, compensated_keys=compensated_keys, static_moments=static_moments)
@@ -461,8 +466,10 @@ def _score_block(q, k, v, k_pre, layer_vals, scales, windows, sinks, *, kv_map, 
 def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[QuantFormat],
                 options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
                 decode: int | None = DEFAULT_DECODE, compensated_keys: bool = False,
-                static_moments: bool = False) -> Any:
-    """The damage tables of :func:`score` as a lazy dask-backed dataset (one task per layer).
+                static_moments: bool = False, moments: KeyMoments | None = None) -> Any:
+    """The damage tables of :func:`score` as a lazy dask-backed dataset (one task per layer);
+    compensated keys are rounded under ``moments`` when given (the static moments of several
+    captures), else under each layer's own queries' (:func:`~.objective.capture_moment`).
 
     Returns
     -------
@@ -504,7 +511,9 @@ def lazy_scores(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequen
         kwargs=dict(kv_map=capture.kv.kv_head_of_q, positions=capture.kv.positions, rope=capture.kv.rope,
                     cands_k=tuple(cands_k), cands_v=tuple(cands_v), options=tuple(options), queries=int(queries),
                     page_size=int(page_size), window_dtype=window_dtype, decode=decode,
-                    compensated_keys=bool(compensated_keys), static_moments=bool(static_moments)),
+                    compensated_keys=bool(compensated_keys), static_moments=bool(static_moments),
+                    moments=None if moments is None else np.stack([moments.layer(i).numpy()
+                                                                   for i in range(moments.n_layers)])),
     )
     keep = (LAYER, KV_HEAD)
     return xr.Dataset({"k": dk, "v": dv, "cpu_seconds": cpu, "widths_k": wk, "widths_v": wv}).drop_vars(
@@ -539,7 +548,8 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
           options: Sequence[OuterOption], window_dtype: str, queries: int = 32, page_size: int = 64,
           decode: int | None = DEFAULT_DECODE, scheduler: Any = None, workers: int | None = None,
           progress: bool = False, meanwhile=None, compensated_keys: bool = False,
-          static_moments: bool = False, desc: str = "calibrate: score layers") -> Scores:
+          static_moments: bool = False, desc: str = "calibrate: score layers",
+          moments: KeyMoments | None = None) -> Scores:
     """Damage of every candidate for every (option, layer, kv head), K and V.
 
     Layers are scored by dask, one task per layer (:func:`lazy_scores`), on the local threads
@@ -565,6 +575,8 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
         Runs in this process, in another thread, while the layers are scored.
     desc : str
         The progress bar's label.
+    moments : KeyMoments, optional
+        Round compensated keys under these static moments (:func:`lazy_scores`).
 
     Returns
     -------
@@ -580,7 +592,7 @@ def score(capture: Any, *, cands_k: Sequence[QuantFormat], cands_v: Sequence[Qua
     t0 = time.perf_counter()
     lazy = lazy_scores(capture, cands_k=cands_k, cands_v=cands_v, options=options, window_dtype=window_dtype,
                        queries=queries, page_size=page_size, decode=decode, compensated_keys=compensated_keys,
-                       static_moments=static_moments)
+                       static_moments=static_moments, moments=moments)
     where = scheduler if scheduler not in (None, "threads") else f"{workers or 'one per core'} local threads"
     log.info("scoring %d layers on %s", lazy.sizes["layer"], where)
     threads = torch.get_num_threads()
@@ -800,9 +812,10 @@ def calibrate(
         measured as one would be, and the knapsack is solved once on their damage tables and
         layer weights averaged, the captures counting alike (:meth:`Scores.mean`,
         :meth:`~.sensitivity.Sensitivity.mean`). Their lengths must be equal unless
-        ``config.context`` is given; with several, ``static_moments`` is refused, and template
-        candidates (``candidates="fitted"``) need ``refit_widths``, since a config would store
-        one capture's moments or widths.
+        ``config.context`` is given; template candidates (``candidates="fitted"``) need
+        ``refit_widths``, since a config would store one capture's widths; ``static_moments``
+        stores their moments averaged (:func:`~.objective.capture_key_moments`), and each capture
+        is scored under those.
     config : CalibrationConfig
         What to compute: every option that changes the result.
     scheduler : None, str or distributed.Client
@@ -874,9 +887,6 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
     for i, c in enumerate(captures):
         if need_pre and "k_pre" not in c:
             raise CaptureError(f"a pre-RoPE option was asked for but {_which(i, several)} has no k_pre")
-    if several and cfg.static_moments:
-        raise ConfigError("static_moments (--static-moments) with several captures: a config carries one set of "
-                          "query moments; calibrate on one capture, or without static moments")
     if cfg.objective == "rel" and sensitivity is not None:
         raise ConfigError("a sensitivity was given but objective='rel' does not use one")
     # searches in a fixed order: int8 windows first, and within a window dtype the larger
@@ -938,6 +948,9 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                 check_capture_model(c, model)
             bar.update()
         sens_box["load"] = time.perf_counter() - tl
+    # static moments: every config carries the captures' query moments (of several, their mean,
+    # under which each capture is scored: what the config rounds every key under)
+    moments = capture_key_moments(captures) if cfg.static_moments else None
     tables: dict[tuple[str, str], Scores] = {}
     tables_each: dict[tuple[str, str], tuple[Scores, ...]] = {}  # each capture's, with several
     score_s: dict[tuple[str, str], float] = {}
@@ -962,7 +975,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                                   workers=workers, progress=progress,
                                   meanwhile=(lambda c=c: measure(c)) if pending else None,
                                   desc=f"calibrate: score capture {i + 1}/{len(captures)}" if several
-                                  else "calibrate: score layers"))
+                                  else "calibrate: score layers", moments=moments if several else None))
             tables[key] = Scores.mean(each)
             tables_each[key] = tuple(each) if several else ()
         score_s[key] = time.perf_counter() - ts
@@ -996,7 +1009,6 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
 
     provenances = tuple(c.kv.provenance for c in captures) if several else ()
 
-    moments = capture_key_moments(capture) if cfg.static_moments else None
     searches = [search(key, cfg.max_groups_per_layer) for key in order]
     configs, choices, index = {}, {}, {}
     for b in cfg.budgets:

@@ -79,7 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the configs will round their keys with compensation (key_rounding compensated, "
                    "kverr evaluate --compensated-keys): score the integer key formats rounded so")
     p.add_argument("--static-moments", action="store_true",
-                   help="with --compensated-keys: the configs carry the capture's query moments (key_moments, "
+                   help="with --compensated-keys: the configs carry the capture's query moments (of several "
+                   "captures, their mean; key_moments, "
                    "static bytes counted in the budget) and round every key under them, decode steps included, "
                    "without waiting for each prefill's queries")
     p.add_argument("--sinks", type=_ints, metavar="S[,S...]",

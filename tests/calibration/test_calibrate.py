@@ -1362,9 +1362,6 @@ def test_several_captures_refused_when_they_cannot_be_averaged(tiny_capture, sec
         calibrate([a_cap, short], CalibrationConfig(budgets=4.0, **kw), workers=1)
     # with the context given, captures of different lengths are averaged
     calibrate([a_cap, short], CalibrationConfig(budgets=4.0, context=128, **kw), workers=1)
-    with pytest.raises(ConfigError, match="static_moments .* several captures"):
-        calibrate([a_cap, b_cap], CalibrationConfig(budgets=4.0, context=160, compensated_keys=True,
-                                                    static_moments=True, **kw), workers=1)
     with pytest.raises(ConfigError, match="several captures need refit_widths"):
         calibrate([a_cap, b_cap], CalibrationConfig(budgets=3.0, context=160, candidates="fitted",
                                                     queries=8, objective="rel"), workers=1)
@@ -1395,3 +1392,27 @@ def test_cli_calibrate_on_several_captures(tiny_capture, second_capture, tmp_pat
     _, err = capsys.readouterr()
     assert code != 0 and "names a capture twice" in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_several_captures_with_static_moments_score_under_their_mean(tiny_capture, second_capture):
+    """With static moments a config rounds every key under the moments it carries: of two
+    captures, their moments averaged, and each capture is scored under those, so the config's
+    predicted damage on each capture is what predicting it there (under its moments) gives."""
+    from kverr.calibration.objective import capture_key_moments
+
+    (a_cap, _, loaded), (b_cap, _) = tiny_capture, second_capture
+    ints = (int_format(2, PerToken()), int_format(3, PerToken()), int_format(4, PerTokenGroup(16)),
+            float_format("fp16"))
+    kw = dict(budgets=6.0, context=160, options=(OuterOption(),), cands_k=ints, cands_v=ints, queries=8,
+              compensated_keys=True, static_moments=True, decode=4)
+    both = calibrate([a_cap, b_cap], CalibrationConfig(**kw), model=loaded, workers=1)
+    cfg, pv = both.config, both.config.provenance
+    mean = capture_key_moments([a_cap, b_cap])
+    assert cfg.key_moments == mean and mean != capture_key_moments(a_cap) and mean != capture_key_moments(b_cap)
+    for c, d in zip((a_cap, b_cap), pv["predicted_damage_each"]):
+        got = predict(c, cfg, queries=8, weights=both.sensitivity.weights_k, weights_v=both.sensitivity.weights_v,
+                      decode=4)
+        assert got["total"] == pytest.approx(d, rel=1e-4)  # float32 sums grouped otherwise, as above
+    # the stored mean: each capture's moments as stored, averaged, stored again
+    np.testing.assert_array_equal(mean.layer(1), capture_key_moments(
+        [a_cap.isel(layer=[1]), b_cap.isel(layer=[1])]).layer(0))
