@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise ConfigError(f"--target {args.target} searches only what the engine serves: "
                               f"{', '.join(given)} does not apply")
-    if len(set(args.capture)) != len(args.capture):
+    if len({c.resolve() for c in args.capture}) != len(args.capture):
         raise ConfigError("--capture names a capture twice")
     settings = settings_of(args)
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
