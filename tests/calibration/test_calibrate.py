@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 
 import numpy as np
@@ -1388,7 +1389,7 @@ def test_cli_calibrate_on_several_captures(tiny_capture, second_capture, tmp_pat
     assert re.search(r"\n  on each capture: [0-9.e-]+, [0-9.e-]+\n", o), o
     pv = CacheConfig.load(out).provenance
     assert [c["token_offset"] for c in pv["captures"]] == [0, 160] and pv["sensitivity"]["captures"] == 2
-    code = main(args + ["--capture", str(a), str(a.parent / "." / a.name), "--out", str(tmp_path / "x.json")])
+    code = main(args + ["--capture", str(a), os.path.relpath(a), "--out", str(tmp_path / "x.json")])
     _, err = capsys.readouterr()
     assert code != 0 and "names a capture twice" in err, err
     assert not (tmp_path / "x.json").exists()
