@@ -21,6 +21,7 @@ calibrated skip layers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,13 +123,14 @@ class VllmCalibration:
 
 
 def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig], *, model: Any,
-            sensitivity: Any, progress: bool) -> tuple[Any, int, Any, np.ndarray, tuple[dict[str, Any], ...]]:
+            sensitivity: Any, progress: bool) -> tuple[Any, int, Any, np.ndarray, tuple, tuple]:
     """Check the capture (or captures), measure the sensitivity if ``settings.objective`` is
     ``kl`` and none is given, and score every config everywhere: ``(ds.kv, context, sensitivity,
-    damage, provenances)`` with ``damage[config, layer, side]`` (side 0 keys, 1 values) weighted by
-    the layer's sensitivity. Several captures of one model count alike, as in
+    damage, provenances, damage_each)`` with ``damage[config, layer, side]`` (side 0 keys, 1
+    values) weighted by the layer's sensitivity. Several captures of one model count alike, as in
     :func:`~.search.calibrate`: the damage and the sensitivity are each capture's averaged
-    (``ds.kv`` is the first's, ``provenances`` every capture's; empty for one capture)."""
+    (``ds.kv`` is the first's; ``provenances`` every capture's and ``damage_each`` each one's
+    damage under the averaged weights; both empty for one capture)."""
     import kverr.accessor  # noqa: F401  (registers ds.kv)
     from kverr.io import check_finite
 
@@ -168,17 +170,21 @@ def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig
     w = (np.stack([np.asarray(sensitivity.weights_k, dtype=np.float64), np.asarray(sensitivity.weights_v,
                                                                                    dtype=np.float64)], axis=-1)
          if settings.objective == "kl" else np.ones((kv.n_layers, 2)))
-    damage = np.mean([layer_damage(c, configs, queries=settings.queries, decode=settings.decode, progress=progress)
-                      for c in captures], axis=0)
+    each = [layer_damage(c, configs, queries=settings.queries, decode=settings.decode, progress=progress)
+            for c in captures]
+    damage = np.mean(each, axis=0)
     provenances = tuple(c.kv.provenance for c in captures) if several else ()
-    return kv, settings.context or kv.n_tokens, sensitivity, damage * w[None], provenances
+    return (kv, settings.context or kv.n_tokens, sensitivity, damage * w[None], provenances,
+            tuple(d * w[None] for d in each) if several else ())
 
 
 def _provenance(target: str, settings: CalibrationConfig, *, budget: float, effective_bits: float,
                 context: int, damage: float, capture: dict[str, Any], sensitivity: Any,
-                captures: tuple[dict[str, Any], ...] = (), **extra: Any) -> dict[str, Any]:
+                captures: tuple[dict[str, Any], ...] = (), damage_each: Sequence[float] = (),
+                **extra: Any) -> dict[str, Any]:
     """The provenance of a config calibrated for ``target`` (what ``kverr calibrate`` records too;
-    ``captures``: every capture's provenance when there were several)."""
+    with several captures, ``captures`` every one's provenance and ``damage_each`` the config's
+    damage on each under the averaged weights, their mean ``damage``)."""
     from .objective import OBJECTIVE_DOC, OBJECTIVE_KL_DOC, OBJECTIVES
 
     prov = {"tool": f"kverr calibrate --target {target}", "target": target, **extra, "capture": capture,
@@ -186,7 +192,8 @@ def _provenance(target: str, settings: CalibrationConfig, *, budget: float, effe
             "budget_bits": float(budget), "effective_bits": float(effective_bits), "context_tokens": context,
             "batch": 1, "objective": OBJECTIVES[settings.objective],
             "objective_definition": OBJECTIVE_KL_DOC if settings.objective == "kl" else OBJECTIVE_DOC,
-            "predicted_damage": float(damage), "queries_per_layer": settings.queries}
+            "predicted_damage": float(damage), "queries_per_layer": settings.queries,
+            **({"predicted_damage_each": [float(d) for d in damage_each]} if len(damage_each) else {})}
     if sensitivity is not None:
         prov["sensitivity"] = sensitivity.to_dict()
     return prov
@@ -219,7 +226,7 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
     fams = vllm_families(D)
     fp16 = float_format("fp16")
     cands = tuple(dict.fromkeys([fp16, *(f for fam in fams for f in (*fam.k, *fam.v))]))
-    kv, context, sensitivity, damage, provenances = _scored(
+    kv, context, sensitivity, damage, provenances, damage_each = _scored(
         capture, settings, [CacheConfig(k=f, v=f, page_size=settings.page_size) for f in cands],
         model=model, sensitivity=sensitivity, progress=progress)
     n_layers, n_kv = kv.n_layers, kv.n_kv_heads
@@ -276,7 +283,11 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
                               f"{cheapest_bits(kv.shape, context, settings):.4f} effective bits")
         best = ok.sort_values("predicted", kind="stable").iloc[0]
         fam, skip, ck, cv, dmg, total = plans[(budget, best["dtype"])]
+        each = [float(sum(d[cands.index(fp16), l].sum() if l in skip else
+                          d[cands.index(fam.k[int(ck[l])]), l, 0] + d[cands.index(fam.v[int(cv[l])]), l, 1]
+                          for l in range(n_layers))) for d in damage_each]  # the choice's damage on each capture
         configs[budget] = _config(fam, skip, ck, cv, n_layers=n_layers, budget=budget, damage=dmg, total=total,
+                                  damage_each=each,
                                   context=context, table=table[table.budget_bits == float(budget)],
                                   sensitivity=sensitivity, capture=kv.provenance, settings=settings,
                                   shape=(n_layers, n_kv, D), captures=provenances)
@@ -285,7 +296,7 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
 
 def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget: float, damage: float,
             total: int, context: int, table, sensitivity, capture, settings: CalibrationConfig,
-            shape, captures: tuple[dict[str, Any], ...] = ()) -> CacheConfig:
+            shape, captures: tuple[dict[str, Any], ...] = (), damage_each: Sequence[float] = ()) -> CacheConfig:
     from collections import Counter
 
     fp16 = float_format("fp16")
@@ -302,7 +313,7 @@ def _config(fam: Family, skip: tuple[int, ...], ck, cv, *, n_layers: int, budget
     n, kvh, D = shape
     prov = _provenance(
         "vllm", settings, budget=budget, effective_bits=bits_of(total, n, kvh, D, context), context=context,
-        damage=damage, capture=capture, captures=captures, sensitivity=sensitivity,
+        damage=damage, capture=capture, captures=captures, damage_each=damage_each, sensitivity=sensitivity,
         kv_cache_dtype=fam.kv_cache_dtype,
         kv_cache_dtype_skip_layers=list(skip), bytes=int(total),
         dtypes_compared=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items() if k != "budget_bits"}
@@ -446,8 +457,8 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
     t0 = time.perf_counter()
     capture = _captures_of(capture)
     cands = hf_candidates(capture[0].sizes["channel"])
-    kv, context, sensitivity, damage, provenances = _scored(capture, settings, list(cands.values()), model=model,
-                                                            sensitivity=sensitivity, progress=progress)
+    kv, context, sensitivity, damage, provenances, damage_each = _scored(
+        capture, settings, list(cands.values()), model=model, sensitivity=sensitivity, progress=progress)
     total = damage.sum(axis=(1, 2))
     rows = [dict(candidate=name, effective_bits=account(cfg, kv.shape, context).effective_bits, predicted=float(d))
             for (name, cfg), d in zip(cands.items(), total)]
@@ -461,6 +472,7 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
         best = ok.sort_values("predicted", kind="stable").iloc[0]
         prov = _provenance("hf", settings, budget=budget, effective_bits=best["effective_bits"], context=context,
                            damage=best["predicted"], capture=kv.provenance, captures=provenances,
+                           damage_each=[float(d[list(cands).index(best["candidate"])].sum()) for d in damage_each],
                            sensitivity=sensitivity,
                            candidate=best["candidate"], candidates_compared=len(table))
         configs[budget] = cands[best["candidate"]].with_(name=settings.name or f"hf-{budget:g}b", provenance=prov)

@@ -171,6 +171,12 @@ def print_captures(paths, provenances) -> None:
             f"{c['token_offset'] + c['tokens'] - 1})" for path, c in zip(paths, provenances)))
 
 
+def on_each_capture(provenance) -> str:
+    """The line naming a config's predicted damage on each of several captures (the objective is
+    their mean)."""
+    return "  on each capture: " + ", ".join(f"{d:.4g}" for d in provenance["predicted_damage_each"])
+
+
 def _step_at(text: str) -> tuple[int, int]:
     try:
         tokens, batch = (int(p) for p in text.split(","))
@@ -269,8 +275,8 @@ def run(args: argparse.Namespace) -> int:
               f"{pv['candidates_k']} candidates, "
               f"objective {pv['objective']} = {pv['predicted_damage']:.4g} (K {pv['predicted_k']:.3g}, "
               f"V {pv['predicted_v']:.3g})")
-        if "predicted_damage_each" in pv:  # several captures: the objective is the mean of these
-            print("  on each capture: " + ", ".join(f"{d:.4g}" for d in pv["predicted_damage_each"]))
+        if "predicted_damage_each" in pv:
+            print(on_each_capture(pv))
         if cfg.windows_vary:  # --window-per-head: how many groups keep each length
             ch = cal.choices[b]
             print("  window per (layer, kv head): " + "; ".join(
@@ -321,6 +327,8 @@ def report_vllm(res, outs: dict) -> str:
         lines.append(f"budget {b:g} bits -> {out}: --kv-cache-dtype {pv['kv_cache_dtype']}, skip layers "
                      f"{skip or 'none'}, {pv['effective_bits']:.4f} effective bits at {pv['context_tokens']} "
                      f"tokens, objective {pv['objective']} = {pv['predicted_damage']:.4g}")
+        if "predicted_damage_each" in pv:
+            lines.append(on_each_capture(pv))
         for r in res.table[res.table.budget_bits == float(b)].to_dict("records"):
             mark = "" if r["feasible"] else "  (over budget)"
             lines.append(f"    {r['dtype']:26s} {r['skip_rule']:18s} skip {str(list(r['skip_layers'])):16s} "
@@ -344,6 +352,8 @@ def _run_hf(args: argparse.Namespace, settings, capture, budgets, outs) -> int:
         print(f"budget {b:g} bits -> {out}: {pv['candidate']} (cache_config {cc}), {pv['effective_bits']:.4f} "
               f"effective bits at {pv['context_tokens']} tokens, objective {pv['objective']} = "
               f"{pv['predicted_damage']:.4g} ({pv['candidates_compared']} settings compared)")
+        if "predicted_damage_each" in pv:
+            print(on_each_capture(pv))
     if args.frontier:
         atomic_write_text(args.frontier, res.table.to_csv(index=False))
         print(f"wrote every setting ({len(res.table)} rows) to {args.frontier}")

@@ -185,6 +185,7 @@ def test_engine_targets_average_several_captures(capture, result):
         each = [predict(c, cfg, queries=16)["total"] for c in (capture, other)]
         assert each[0] != pytest.approx(each[1], rel=1e-3)  # two captures that the mean does not hide
         assert cfg.provenance["predicted_damage"] == pytest.approx(np.mean(each), rel=1e-9)
+        assert cfg.provenance["predicted_damage_each"] == pytest.approx(each, rel=1e-9)
         assert len(cfg.provenance["captures"]) == 2
     # a fixed skip rule's rows are each capture's rows averaged
     alone = [result.table, calibrate_for_vllm(other, settings).table]  # result: capture alone, same settings
@@ -195,6 +196,31 @@ def test_engine_targets_average_several_captures(capture, result):
     one = [calibrate_for_hf(c, CalibrationConfig(budgets=(4.0,), objective="rel", queries=16)).table.set_index(
         "candidate").predicted for c in (capture, other)]
     t = hf.table.set_index("candidate").predicted
+    cfg = hf.configs[4.0]
+    assert cfg.provenance["predicted_damage_each"] == pytest.approx(
+        [predict(c, cfg, queries=16)["total"] for c in (capture, other)], rel=1e-9)
     np.testing.assert_allclose(t.values, ((one[0] + one[1]) / 2).loc[t.index].values, rtol=1e-12)
     with pytest.raises(ConfigError, match="hold 128, 96 tokens: give the context"):
         calibrate_for_vllm([capture, other.isel(token=slice(0, 96))], settings)
+
+
+def test_cli_engine_target_on_two_captures(tmp_path, capsys):
+    """``kverr calibrate --target vllm`` and ``hf`` on two captures name both and print the
+    choice's damage on each."""
+    from kverr.cli import main
+    from kverr.config import CacheConfig
+    from kverr.io import write_dataset
+
+    paths = []
+    for seed in (0, 1):
+        p = tmp_path / f"c{seed}.zarr"
+        write_dataset(synthetic_capture(n_layers=N_LAYERS, n_kv=N_KV, n_tokens=128, head_dim=D, seed=seed), p)
+        paths.append(str(p))
+    for target, budget in (("vllm", "10"), ("hf", "9")):
+        out = tmp_path / f"{target}.json"
+        assert main(["calibrate", "--capture", *paths, "--target", target, "--budget-bits", budget, "--objective",
+                     "rel", "--queries", "16", "--out", str(out)]) == 0
+        o, _ = capsys.readouterr()
+        pv = CacheConfig.load(out).provenance
+        assert "averaged over 2 captures" in o and len(pv["captures"]) == 2
+        assert "on each capture: " + ", ".join(f"{d:.4g}" for d in pv["predicted_damage_each"]) in o
