@@ -1268,7 +1268,8 @@ def _captures_of(capture: Any) -> tuple[Any, ...]:
 
 
 def _which(i: int, several: bool) -> str:
-    """A capture named in a message: "the capture", or "capture 2 of several" (from 1)."""
+    """Capture ``i`` named in a message: "the capture" when it is the only one, else "capture
+    i + 1" (counting from 1, in the order given)."""
     return f"capture {i + 1}" if several else "the capture"
 
 
