@@ -814,8 +814,7 @@ def calibrate(
         :meth:`~.sensitivity.Sensitivity.mean`). Their lengths must be equal unless
         ``config.context`` is given; template candidates (``candidates="fitted"``) need
         ``refit_widths``, since a config would store one capture's widths; ``static_moments``
-        stores their moments averaged (:func:`~.objective.capture_key_moments`), and each capture
-        is scored under those.
+        stores their moments averaged (:func:`~.objective.capture_key_moments`).
     config : CalibrationConfig
         What to compute: every option that changes the result.
     scheduler : None, str or distributed.Client
@@ -864,24 +863,13 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
 
     t0 = time.perf_counter()
     captures = _captures_of(capture)
+    _check_whole(captures, cfg)
     capture = captures[0]
     several = len(captures) > 1
     kv = capture.kv
     n_layers = kv.n_layers
-    for i, c in enumerate(captures):
-        if c.kv.layers != list(range(c.kv.n_layers)):
-            raise CaptureError(
-                f"calibration needs every layer of the model; {_which(i, several)} has layers {c.kv.layers} "
-                f"of {c.kv.n_layers} (recapture with --layers all)"
-            )
     n_kv, head_dim, n_tok = kv.n_kv_heads, kv.head_dim, kv.n_tokens
-    lengths = [c.kv.n_tokens for c in captures]
-    if cfg.context is None and len(set(lengths)) > 1:
-        raise ConfigError(f"the captures hold {', '.join(map(str, lengths))} tokens: give the context at which "
-                          "effective bits are counted (--context), or captures of one length")
     context = cfg.context or n_tok
-    for c in captures:
-        check_queries(cfg.queries, c.kv.n_tokens)
     options = calibration_options(capture, cfg)
     need_pre = any(o.key_pre_rope for o in options)
     for i, c in enumerate(captures):
@@ -948,8 +936,8 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                 check_capture_model(c, model)
             bar.update()
         sens_box["load"] = time.perf_counter() - tl
-    # static moments: every config carries the captures' query moments (of several, their mean,
-    # under which each capture is scored: what the config rounds every key under)
+    # static moments: every config carries the captures' query moments (of several, their mean),
+    # and every capture is scored with its keys rounded under them, as the config rounds them
     moments = capture_key_moments(captures) if cfg.static_moments else None
     tables: dict[tuple[str, str], Scores] = {}
     tables_each: dict[tuple[str, str], tuple[Scores, ...]] = {}  # each capture's, with several
@@ -975,7 +963,7 @@ def _calibrate(capture: Any, cfg: CalibrationConfig, *, scheduler: Any, workers:
                                   workers=workers, progress=progress,
                                   meanwhile=(lambda c=c: measure(c)) if pending else None,
                                   desc=f"calibrate: score capture {i + 1}/{len(captures)}" if several
-                                  else "calibrate: score layers", moments=moments if several else None))
+                                  else "calibrate: score layers", moments=moments))
             tables[key] = Scores.mean(each)
             tables_each[key] = tuple(each) if several else ()
         score_s[key] = time.perf_counter() - ts
@@ -1265,6 +1253,25 @@ def _captures_of(capture: Any) -> tuple[Any, ...]:
         _check_capture(c)
     _check_same_model(captures)
     return captures
+
+
+def _check_whole(captures: Sequence[Any], cfg: CalibrationConfig) -> None:
+    """Refuse captures a calibration with ``cfg`` cannot use: one of some layers only, captures of
+    different lengths without ``cfg.context`` (effective bits are counted at one), or one too short
+    for ``cfg.queries`` sampled positions."""
+    several = len(captures) > 1
+    for i, c in enumerate(captures):
+        if c.kv.layers != list(range(c.kv.n_layers)):
+            raise CaptureError(
+                f"calibration needs every layer of the model; {_which(i, several)} has layers {c.kv.layers} "
+                f"of {c.kv.n_layers} (recapture with --layers all)"
+            )
+    lengths = [c.kv.n_tokens for c in captures]
+    if cfg.context is None and len(set(lengths)) > 1:
+        raise ConfigError(f"the captures hold {', '.join(map(str, lengths))} tokens: give the context at which "
+                          "effective bits are counted (--context), or captures of one length")
+    for c in captures:
+        check_queries(cfg.queries, c.kv.n_tokens)
 
 
 def _which(i: int, several: bool) -> str:

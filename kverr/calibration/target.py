@@ -122,10 +122,10 @@ class VllmCalibration:
     seconds: float
 
 
-def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig], *, model: Any,
+def _scored(captures: tuple[Any, ...], settings: CalibrationConfig, configs: list[CacheConfig], *, model: Any,
             sensitivity: Any, progress: bool) -> tuple[Any, int, Any, np.ndarray, tuple, tuple]:
-    """Check the capture (or captures), measure the sensitivity if ``settings.objective`` is
-    ``kl`` and none is given, and score every config everywhere: ``(ds.kv, context, sensitivity,
+    """Check the captures (:func:`~.search._captures_of`'s), measure the sensitivity if
+    ``settings.objective`` is ``kl`` and none is given, and score every config everywhere: ``(ds.kv, context, sensitivity,
     damage, provenances, damage_each)`` with ``damage[config, layer, side]`` (side 0 keys, 1
     values) weighted by the layer's sensitivity. Several captures of one model count alike, as in
     :func:`~.search.calibrate`: the damage and the sensitivity are each capture's averaged
@@ -134,14 +134,13 @@ def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig
     import kverr.accessor  # noqa: F401  (registers ds.kv)
     from kverr.io import check_finite
 
-    from .objective import check_queries, layer_damage
-    from .search import _captures_of, _which
+    from .objective import layer_damage
+    from .search import _check_whole
     from .sensitivity import Sensitivity, check_capture_model, sensitivity_for_capture
 
     if settings.batch != 1:
         raise ConfigError(f"batch={settings.batch}: the engine targets count one sequence's bytes; "
                           "give batch=1 (kverr's own target counts a batch)")
-    captures = _captures_of(capture)
     several = len(captures) > 1
     kv = captures[0].kv
     if kv.has_sliding_window:
@@ -150,16 +149,8 @@ def _scored(capture: Any, settings: CalibrationConfig, configs: list[CacheConfig
         raise CaptureError("calibration for an engine target supports full-attention models only; the capture "
                            f"has sliding-window layers (windows {list(kv.shape.sliding_windows)}); calibrate "
                            "with --target kverr")
-    for i, c in enumerate(captures):
-        if c.kv.layers != list(range(c.kv.n_layers)):
-            raise ConfigError(f"calibration needs every layer of the model; {_which(i, several)} has layers "
-                              f"{c.kv.layers} of {c.kv.n_layers} (recapture with --layers all)")
-    lengths = [c.kv.n_tokens for c in captures]
-    if settings.context is None and len(set(lengths)) > 1:
-        raise ConfigError(f"the captures hold {', '.join(map(str, lengths))} tokens: give the context at which "
-                          "effective bits are counted (--context), or captures of one length")
+    _check_whole(captures, settings)
     for c in captures:
-        check_queries(settings.queries, c.kv.n_tokens)
         check_finite(c, ("q", "k", "v"))
     if settings.objective == "kl" and sensitivity is None:
         model = check_capture_model(captures[0], model or settings.model)
@@ -221,20 +212,21 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
     from .search import _captures_of
 
     t0 = time.perf_counter()
-    capture = _captures_of(capture)
-    D = capture[0].sizes["channel"]
+    captures = _captures_of(capture)
+    D = captures[0].sizes["channel"]
     fams = vllm_families(D)
     fp16 = float_format("fp16")
     cands = tuple(dict.fromkeys([fp16, *(f for fam in fams for f in (*fam.k, *fam.v))]))
     kv, context, sensitivity, damage, provenances, damage_each = _scored(
-        capture, settings, [CacheConfig(k=f, v=f, page_size=settings.page_size) for f in cands],
+        captures, settings, [CacheConfig(k=f, v=f, page_size=settings.page_size) for f in cands],
         model=model, sensitivity=sensitivity, progress=progress)
     n_layers, n_kv = kv.n_layers, kv.n_kv_heads
     seconds = time.perf_counter() - t0
 
-    def side(which: str, fmt: QuantFormat) -> np.ndarray:
-        """Weighted damage per layer of ``fmt`` on one side, summed over kv heads."""
-        return damage[cands.index(fmt), :, 0 if which == "k" else 1]
+    def side(which: str, fmt: QuantFormat, d: np.ndarray = damage) -> np.ndarray:
+        """Weighted damage per layer of ``fmt`` on one side, summed over kv heads (of ``d``: the
+        mean over the captures, or one capture's)."""
+        return d[cands.index(fmt), :, 0 if which == "k" else 1]
 
     def nbytes(fmt: QuantFormat) -> int:
         return _layer_bytes(fmt, n_kv, D, context, settings)
@@ -283,8 +275,8 @@ def calibrate_for_vllm(capture: Any, settings: CalibrationConfig, *, progress: b
                               f"{cheapest_bits(kv.shape, context, settings):.4f} effective bits")
         best = ok.sort_values("predicted", kind="stable").iloc[0]
         fam, skip, ck, cv, dmg, total = plans[(budget, best["dtype"])]
-        each = [float(sum(d[cands.index(fp16), l].sum() if l in skip else
-                          d[cands.index(fam.k[int(ck[l])]), l, 0] + d[cands.index(fam.v[int(cv[l])]), l, 1]
+        each = [float(sum(side("k", fp16, d)[l] + side("v", fp16, d)[l] if l in skip else
+                          side("k", fam.k[int(ck[l])], d)[l] + side("v", fam.v[int(cv[l])], d)[l]
                           for l in range(n_layers))) for d in damage_each]  # the choice's damage on each capture
         configs[budget] = _config(fam, skip, ck, cv, n_layers=n_layers, budget=budget, damage=dmg, total=total,
                                   damage_each=each,
@@ -455,10 +447,10 @@ def calibrate_for_hf(capture: Any, settings: CalibrationConfig, *, model: Any = 
     from .search import _captures_of
 
     t0 = time.perf_counter()
-    capture = _captures_of(capture)
-    cands = hf_candidates(capture[0].sizes["channel"])
+    captures = _captures_of(capture)
+    cands = hf_candidates(captures[0].sizes["channel"])
     kv, context, sensitivity, damage, provenances, damage_each = _scored(
-        capture, settings, list(cands.values()), model=model, sensitivity=sensitivity, progress=progress)
+        captures, settings, list(cands.values()), model=model, sensitivity=sensitivity, progress=progress)
     total = damage.sum(axis=(1, 2))
     rows = [dict(candidate=name, effective_bits=account(cfg, kv.shape, context).effective_bits, predicted=float(d))
             for (name, cfg), d in zip(cands.items(), total)]

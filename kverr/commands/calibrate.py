@@ -246,14 +246,13 @@ def run(args: argparse.Namespace) -> int:
     outs = [Path(args.out.replace("{bits}", f"{b:g}")) for b in budgets]
     for o in outs + ([args.frontier] if args.frontier else []):
         check_output_path(o, overwrite=args.overwrite, kind="file")
-    captures = [open_capture(c) for c in args.capture]
-    capture = captures[0] if len(captures) == 1 else captures
+    captures = [open_capture(c) for c in args.capture]  # one or several: calibrate() takes either
     if args.target == "vllm":
-        return _run_vllm(args, settings, capture, budgets, outs)
+        return _run_vllm(args, settings, captures, budgets, outs)
     if args.target == "hf":
-        return _run_hf(args, settings, capture, budgets, outs)
+        return _run_hf(args, settings, captures, budgets, outs)
     # bars are drawn only when stderr is a terminal (kverr.progress)
-    cal = calibrate(capture, settings, scheduler=args.scheduler, workers=args.workers, progress=True)
+    cal = calibrate(captures, settings, scheduler=args.scheduler, workers=args.workers, progress=True)
     print_captures(args.capture, cal.captures)
     if cal.sensitivity is not None:
         sv = cal.sensitivity
@@ -298,11 +297,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_vllm(args: argparse.Namespace, settings, capture, budgets, outs) -> int:
+def _run_vllm(args: argparse.Namespace, settings, captures, budgets, outs) -> int:
     from kverr.calibration.target import calibrate_for_vllm
     from kverr.config import atomic_write_text
 
-    res = calibrate_for_vllm(capture, settings, progress=True)
+    res = calibrate_for_vllm(captures, settings, progress=True)
     print_captures(args.capture, next(iter(res.configs.values())).provenance.get("captures"))
     for b, out in zip(budgets, outs):
         res.configs[b].save(out)
@@ -336,14 +335,14 @@ def report_vllm(res, outs: dict) -> str:
     return "\n".join(lines)
 
 
-def _run_hf(args: argparse.Namespace, settings, capture, budgets, outs) -> int:
+def _run_hf(args: argparse.Namespace, settings, captures, budgets, outs) -> int:
     from kverr.calibration.target import calibrate_for_hf
     from kverr.config import atomic_write_text
     from kverr.engines.hf import check_hf
 
-    res = calibrate_for_hf(capture, settings, progress=True)
+    res = calibrate_for_hf(captures, settings, progress=True)
     print_captures(args.capture, next(iter(res.configs.values())).provenance.get("captures"))
-    kv = (capture[0] if isinstance(capture, list) else capture).kv
+    kv = captures[0].kv
     for b, out in zip(budgets, outs):
         cfg = res.configs[b]
         cfg.save(out)
